@@ -1,0 +1,1 @@
+"""k3.serve: OpenAI-compatible server (issue 5)."""

@@ -1,0 +1,37 @@
+"""Shared test setup: seed 42, NaN-poisoned torch.empty (reads of unwritten memory fail), device markers."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("K3_KERNELS", "torch")
+
+_real_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    t = _real_empty(*args, **kwargs)
+    if t.is_floating_point() and t.numel() > 0:
+        t.fill_(float("nan"))
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_poison(monkeypatch):
+    torch.manual_seed(42)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+    yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU")
+    config.addinivalue_line("markers", "slow: longer CPU test (still run in CI)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
