@@ -41,14 +41,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error is the useful one
+            return _coerce(value, options[0], key)
+        for a in options:
             try:
                 return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                continue
         raise ConfigError(f"{key}: {value!r} does not match any of {[_type_name(a) for a in args]}")
     if origin is typing.Literal:
         if value in args:

@@ -80,3 +80,31 @@ class CheckpointConfig:
     every: int = 200  # steps between training checkpoints (0 = only at the end / on signal)
     keep_last: int = 2  # training checkpoints kept
     export_dtype: str = "float32"  # dtype of the release model.safetensors ("float32" | "bfloat16")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalingConfig:
+    """`k3 scaling-fit`: Chinchilla approach-3 fit of L(N, D) = E + A/N^alpha + B/D^beta (k3.train.scaling)."""
+
+    inputs: list[str] = field(default_factory=list)  # CSV files (N, D, loss[, C] columns) and/or k3 run directories
+    out: str = "scaling_fit"  # output directory for fit.json and fit.png
+    budgets: list[float] = field(default_factory=list)  # compute budgets C in FLOPs to plan for (C = 6 N D)
+    bootstrap: int = 0  # bootstrap resamples of the points for percentile intervals (0 = no intervals)
+    bootstrap_starts: int = 32  # starts per bootstrap refit: the lowest distinct optima of the full fit, refined
+    ci: float = 0.95  # central coverage of the bootstrap percentile intervals
+    seed: int = 0  # seed of the bootstrap resampling
+    params: str = "active"  # N of run directories: "active" or "total" non-embedding parameters
+    exclude: list[str] = field(default_factory=list)  # filter expressions on N, D, C, loss; matching points are dropped
+    huber_delta: float = 1e-3  # Huber delta on the log-loss residual (Hoffmann et al. 2022)
+    grid_alpha: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0, 1.5, 2.0])  # alpha values of the start grid
+    grid_beta: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0, 1.5, 2.0])  # beta values of the start grid
+    grid_e: list[float] = field(default_factory=lambda: [-1.0, -0.5, 0.0, 0.5, 1.0])  # e = log E start values
+    grid_a: list[float] = field(default_factory=lambda: [0.0, 5.0, 10.0, 15.0, 20.0, 25.0])  # a = log A start values
+    grid_b: list[float] = field(default_factory=lambda: [0.0, 5.0, 10.0, 15.0, 20.0, 25.0])  # b = log B start values
+    max_iter: int = 1000  # L-BFGS iterations per start; a start still running then counts as not converged
+    ftol: float = 2.220446049250313e-09  # stop when the relative objective decrease is below this (scipy's factr*eps)
+    gtol: float = 1e-5  # stop when the largest gradient component is below this (scipy's pgtol)
+    memory: int = 10  # L-BFGS history pairs (scipy's maxcor)
+    polish: int = 8  # best distinct grid optima refined to a stationary point (0 = report the grid's best as is)
+    threads: int | None = 1  # torch CPU threads for the fit (None = torch default); 2 gain ~1.25x, lose on a busy CPU
+    plot: bool = True  # write fit.png

@@ -1,5 +1,8 @@
-"""GLU activations: C2-GLU (bounded) and SwiGLU. Only the PyTorch twin exists so far (Triton: issue 4)."""
+"""GLU activations: C2-GLU (bounded), SwiGLU, and the GPT-OSS clamped SwiGLU (ablation comparison only).
 
-from .naive import c2_glu, swiglu
+Only the PyTorch twin exists so far (Triton: issue 4).
+"""
 
-__all__ = ["c2_glu", "swiglu"]
+from .naive import c2_glu, clamped_swiglu, swiglu
+
+__all__ = ["c2_glu", "clamped_swiglu", "swiglu"]

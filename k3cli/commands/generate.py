@@ -1,0 +1,50 @@
+"""`k3 generate CKPT --prompt TEXT`: stream a completion from a release checkpoint to the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from k3.cli.errors import friendly_errors
+
+
+@friendly_errors
+def generate(
+    ckpt: Path = typer.Argument(..., help="release checkpoint directory (e.g. runs/<name>/final)"),
+    prompt: str = typer.Option(..., "--prompt", help="text to continue"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="new tokens to generate at most"),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="nucleus sampling mass"),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="keep the k most likely tokens (0 = off)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed for reproducible output"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+) -> None:
+    """Generate text: one prefill of the prompt, then one recurrent decode step per new token."""
+    import torch
+
+    from k3.model.checkpoint import load_model
+    from k3.model.tokenizer import IncrementalDecoder, K3Tokenizer
+    from k3.serve.generate import generate_tokens
+
+    dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    model, cfg = load_model(ckpt, device=dev)
+    tok = K3Tokenizer.from_file(ckpt)
+    ids = tok.encode(prompt, add_bos=True)
+    dec = IncrementalDecoder(tok)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    t0, n = time.time(), 0
+    for t in generate_tokens(model, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed, stop_ids=(tok.eos_id,)):
+        n += 1
+        if t == tok.eos_id:
+            break
+        sys.stdout.write(dec.add(t))
+        sys.stdout.flush()
+    sys.stdout.write(dec.flush() + "\n")
+    dt = time.time() - t0
+    print(f"[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)

@@ -1,0 +1,84 @@
+"""Kernel backend selection: "torch" (plain PyTorch, runs everywhere) or "triton" (GPU kernels).
+
+The backend is read ONCE per process from the environment variable `K3_KERNELS`:
+
+    K3_KERNELS=torch    always the PyTorch implementations
+    K3_KERNELS=triton   the Triton kernels; an error if they are not available (no silent fallback)
+    unset / empty       triton on CUDA when Triton kernels are available, torch otherwise
+
+Public ops (`chunk_kda`, `fused_recurrent_kda`, ...) call `resolve(op_name, torch_impl)` to get the callable for the
+chosen backend. A Triton implementation is made available by adding `op_name -> "module:function"` to
+`TRITON_OPS`; this build registers none, so the default backend is "torch".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+ENV_VAR = "K3_KERNELS"
+BACKENDS = ("torch", "triton")
+
+# op name -> "importable.module:function" of its Triton implementation. Empty in this build: no Triton kernels yet.
+TRITON_OPS: dict[str, str] = {}
+
+log = logging.getLogger("k3.kernels")
+
+
+class KernelBackendError(RuntimeError):
+    """The requested kernel backend cannot be used; the message says why and how to pick another."""
+
+
+def triton_kernels_available() -> bool:
+    """True when Triton kernels are registered, the `triton` package imports, and a CUDA device is present."""
+    if not TRITON_OPS:
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available()
+
+
+def parse_backend(value: str | None) -> str:
+    """Map a `K3_KERNELS` value to "torch" | "triton" (pure function; `kernel_backend` caches its result)."""
+    if value is None or not value.strip():
+        return "triton" if triton_kernels_available() else "torch"
+    v = value.strip().lower()
+    if v == "torch":
+        return "torch"
+    if v == "triton":
+        if not TRITON_OPS:
+            raise KernelBackendError(
+                f"{ENV_VAR}=triton was requested, but the Triton KDA kernels are not available in this build "
+                f"(no Triton kernels are registered in k3.kernels.dispatch.TRITON_OPS). "
+                f"Set {ENV_VAR}=torch (or unset it) to use the PyTorch kernels."
+            )
+        if not triton_kernels_available():
+            raise KernelBackendError(
+                f"{ENV_VAR}=triton was requested, but Triton kernels need the `triton` package and a CUDA GPU "
+                f"(triton installed: {importlib.util.find_spec('triton') is not None}, "
+                f"CUDA available: {torch.cuda.is_available()}). Set {ENV_VAR}=torch to use the PyTorch kernels."
+            )
+        return "triton"
+    raise KernelBackendError(f"{ENV_VAR}={value!r} is not a kernel backend; use {ENV_VAR}=torch or {ENV_VAR}=triton")
+
+
+@functools.cache
+def kernel_backend() -> str:
+    """The process-wide backend, "torch" or "triton", read once from `K3_KERNELS` (see module docstring)."""
+    backend = parse_backend(os.environ.get(ENV_VAR))
+    log.info("k3 kernels: backend=%s (%s=%r)", backend, ENV_VAR, os.environ.get(ENV_VAR))
+    return backend
+
+
+def resolve(op: str, torch_impl: Callable) -> Callable:
+    """The implementation of `op` for the chosen backend; ops without a Triton version use `torch_impl`."""
+    if kernel_backend() == "torch" or op not in TRITON_OPS:
+        return torch_impl
+    module, name = TRITON_OPS[op].split(":")
+    return getattr(importlib.import_module(module), name)

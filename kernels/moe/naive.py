@@ -1,0 +1,153 @@
+"""Token-choice MoE dispatch in plain PyTorch: permute tokens by expert, grouped matmul, weighted unpermute.
+
+Legend: N tokens, K experts per token, M = N*K routed rows, E experts, I in-features, O out-features.
+
+Each token is copied once per selected expert and the M copies are sorted by expert (stable, so each expert's rows
+stay in token order). Every expert then owns one contiguous slice of rows, and a grouped matmul runs each expert
+on its slice with no Python loop over tokens. The unpermute gathers the rows back through the inverse permutation
+and takes the routing-weighted sum over the K slots; this is the weighted scatter-add written as a gather, so every
+floating-point scatter (forward or backward) writes each target once and the result is deterministic on every device.
+
+Weights use the nn.Linear layout per expert: w_EOI[e] is [out, in], so y = x @ w[e].T.
+
+`torch._grouped_mm` (private; checked here on CPU torch 2.13 and CUDA torch 2.11, H200, fp32 and bf16) runs all
+groups in one call where it exists; a one-time probe per (device type, dtype) checks it against the per-expert loop,
+forward and backward, and the loop is used otherwise (float64, unaligned widths, old torch, a failing probe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def moe_permute(x_ND: torch.Tensor, topk_idx_NK: torch.Tensor, num_experts: int):
+    """Sort token copies by expert.
+
+    Args: x_ND [N, D]; topk_idx_NK [N, K] int (expert ids in [0, E)); num_experts E.
+    Returns: (x_MD [M, D] rows grouped by expert, order_M [M] int64 with x_MD[r] = x_ND[order_M[r] // K],
+    counts_E [E] int64 rows per expert). Pass order_M to `moe_unpermute` and counts_E to `moe_grouped_mm`.
+
+    Example: x_MD, order_M, counts_E = moe_permute(x, idx, 8); counts_E.sum() == idx.numel()
+    """
+    if x_ND.dim() != 2 or topk_idx_NK.dim() != 2 or x_ND.shape[0] != topk_idx_NK.shape[0]:
+        raise ValueError(f"moe_permute expects x [N, D] and topk_idx [N, K] with the same N; got "
+                         f"{tuple(x_ND.shape)} and {tuple(topk_idx_NK.shape)}")
+    N, K = topk_idx_NK.shape
+    flat_M = topk_idx_NK.reshape(-1)
+    # stable: equal expert ids keep token order, so the layout is a pure function of the routing
+    order_M = torch.argsort(flat_M, stable=True)
+    # scatter_add, not bincount: bincount's output size depends on the data, which costs a host sync on GPUs
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_M.device).scatter_add_(
+        0, flat_M, torch.ones_like(flat_M))
+    # expand + copy, then gather: the backward is a permutation scatter plus a sum over K (deterministic)
+    x_MD = x_ND.unsqueeze(1).expand(N, K, x_ND.shape[1]).reshape(N * K, -1)[order_M]
+    return x_MD, order_M, counts_E
+
+
+def moe_unpermute(y_MO: torch.Tensor, order_M: torch.Tensor, topk_weight_NK: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's K expert outputs: out[n] = sum_k w[n, k] * y[row of (n, k)].
+
+    Args: y_MO [M, O] rows in expert order (as produced from `moe_permute`'s x_MD); order_M [M] from `moe_permute`;
+    topk_weight_NK [N, K] routing weights (any float dtype; gradients flow into it).
+    Returns out_NO [N, O] in y's dtype (the weights are cast to it).
+
+    Example: out = moe_unpermute(y_MO, order_M, w_NK)   # [N, O]
+    """
+    N, K = topk_weight_NK.shape
+    M = order_M.numel()
+    if y_MO.shape[0] != M or M != N * K:
+        raise ValueError(f"moe_unpermute: y has {y_MO.shape[0]} rows, order has {M}, weights give N*K = {N * K}")
+    inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(M, device=order_M.device))
+    y_NKO = y_MO[inv_M].view(N, K, -1)
+    out_N1O = torch.bmm(topk_weight_NK.to(y_MO.dtype).unsqueeze(1), y_NKO)
+    return out_N1O.squeeze(1)
+
+
+def _grouped_mm_loop(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Reference path: one matmul per expert on its contiguous slice (E host-known slice sizes)."""
+    chunks = torch.split(x_MI, counts_E.tolist(), dim=0)
+    return torch.cat([xc @ w_EOI[e].t() for e, xc in enumerate(chunks)], dim=0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    torch._grouped_mm's backward rejects expanded (stride-0) gradients, such as the one `.sum().backward()` sends.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _grouped_mm_fused(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group end offsets, stays on device (no host sync)
+    y_MO = torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs_E)
+    return _ContiguousGrad.apply(y_MO)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Cached: does torch._grouped_mm match the per-expert loop (fwd + bwd) on this device type and dtype?"""
+    key = (device.type, dtype)
+    if key not in _PROBED:
+        # the probe needs autograd even when the caller runs under no_grad / inference_mode / autocast
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            _PROBED[key] = _probe_once(device, dtype)
+    return _PROBED[key]
+
+
+def _probe_once(device: torch.device, dtype: torch.dtype) -> bool:
+    """One ragged problem (an empty group included), torch._grouped_mm against the float64 loop."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        counts = torch.tensor([3, 0, 5, 8], device=device)
+        x = torch.randn(16, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(4, 8, 16, generator=gen).to(device, dtype).requires_grad_()
+        g = torch.randn(16, 8, generator=gen).to(device, dtype)
+        y = _grouped_mm_fused(x, w, counts)
+        dx, dw = torch.autograd.grad(y, (x, w), g)
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        y64 = _grouped_mm_loop(x64, w64, counts)
+        dx64, dw64 = torch.autograd.grad(y64, (x64, w64), g.double())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+    tol = 1e-3 if dtype == torch.float32 else 5e-2  # relative to max |value|: allows tf32 / bf16 rounding
+    return all(bool((a.double() - b).abs().max() <= tol * b.abs().max()) for a, b in ((y, y64), (dx, dx64), (dw, dw64)))
+
+
+def grouped_mm_available(x_MI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """True where torch._grouped_mm exists, passed its probe on this device/dtype, and the shapes are aligned."""
+    if not hasattr(torch, "_grouped_mm") or x_MI.dtype != w_EOI.dtype:
+        return False
+    if x_MI.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x_MI.shape[0] == 0:
+        return False
+    per16 = 16 // x_MI.element_size()  # row strides must be multiples of 16 bytes
+    if x_MI.shape[1] % per16 or w_EOI.shape[1] % per16:
+        return False
+    return _probe(x_MI.device, x_MI.dtype)
+
+
+def moe_grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Per-expert linear on contiguous row groups: y[rows of e] = x[rows of e] @ w[e].T.
+
+    Args: x_MI [M, I] rows grouped by expert (from `moe_permute`); w_EOI [E, O, I]; counts_E [E] int rows per
+    expert (sum = M); impl "auto" (torch._grouped_mm where `grouped_mm_available`, else the loop), "loop", or
+    "grouped" (force torch._grouped_mm; errors where unsupported).
+    Returns y_MO [M, O] in x's dtype. Differentiable in x and w.
+
+    Example: h_MO = moe_grouped_mm(x_MI, experts.gate_up_proj, counts_E)
+    """
+    if x_MI.dim() != 2 or w_EOI.dim() != 3 or x_MI.shape[1] != w_EOI.shape[2] or counts_E.numel() != w_EOI.shape[0]:
+        raise ValueError(f"moe_grouped_mm expects x [M, I], w [E, O, I], counts [E]; got {tuple(x_MI.shape)}, "
+                         f"{tuple(w_EOI.shape)}, {tuple(counts_E.shape)}")
+    if impl == "loop" or (impl == "auto" and not grouped_mm_available(x_MI, w_EOI)):
+        return _grouped_mm_loop(x_MI, w_EOI, counts_E)
+    if impl not in ("auto", "grouped"):
+        raise ValueError(f"moe_grouped_mm impl must be 'auto', 'loop' or 'grouped', got {impl!r}")
+    return _grouped_mm_fused(x_MI, w_EOI, counts_E)

@@ -1,0 +1,230 @@
+"""K3Model: the Kimi K3 architecture (architecture.md), one forward for training, prefill and decode.
+
+Features:
+- hybrid layout from the 1-based `full_attn_layers` list: Kimi Delta Attention everywhere else (3:1 in presets)
+- gated MLA with an unrotated ("nope") or rotated ("rope") position slot; absorbed decode over a latent cache
+- Block Attention Residuals (or plain Pre-LN, `residual: preln`, for ablations)
+- layer 0 (first_k_dense) a dense C2-GLU MLP, every other layer a Stable LatentMoE with a sigmoid router
+- one depth-1 MTP module sharing the embedding and head; it never changes the main logits
+- untied embedding and head
+
+Modes: `forward(tokens)` trains on full sequences; `forward(tokens, state=model.new_state(B))` prefills and
+returns logits while filling `state`; calling it again with the same state decodes the new tokens against it.
+
+Legend: B batch, T tokens, D width, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attnres import AttnResSource, PseudoQuery, attn_res_mix
+from .cache import InferenceState, KDACache, MLACache
+from .config import ModelConfig
+from .kda import KimiDeltaAttention
+from .layers import GatedMLP, RMSNorm
+from .mla import GatedMLA
+from .moe import LatentMoE
+from .mtp import MTPModule
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, V]
+    hidden: torch.Tensor  # [B, T, D] final hidden before the final norm (the MTP input)
+    mtp_logits: torch.Tensor | None = None  # [B, T, V] predictions of t_{i+2}, when mtp_tokens were given
+
+
+class K3DecoderLayer(nn.Module):
+    """Mixer (KDA or MLA) + MLP (dense or LatentMoE), each behind an RMSNorm; AttnRes mixers when enabled."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        d, eps = cfg.d_model, cfg.rms_norm_eps
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.mlp_type = cfg.mlp_types[layer_idx]
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.layer_type == "kda" else GatedMLA(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if self.mlp_type == "dense":
+            self.mlp = GatedMLP(d, cfg.dense_intermediate_size, cfg.hidden_act, cfg.c2glu_beta1, cfg.c2glu_beta2)
+        else:
+            self.mlp = LatentMoE(cfg)
+        if cfg.residual == "attnres":
+            if layer_idx > 0:  # layer 0's mixer reads the embedding alone: it has no depth mixture
+                self.attn_res_norm = RMSNorm(d, eps)  # only .weight is used: the key-norm gain
+                self.attn_res_proj = PseudoQuery(d)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = PseudoQuery(d)
+
+
+class K3Backbone(nn.Module):
+    """Embedding, layers, the output AttnRes and the final norm (HF prefix `model.`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        if cfg.residual == "attnres":
+            self.output_attn_res_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+            self.output_attn_res_proj = PseudoQuery(cfg.d_model)
+
+    def forward(self, emb_BTD: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
+        """Embedded tokens -> final hidden [B, T, D] (before the final norm)."""
+        caches = state.layers if state is not None else [None] * len(self.layers)
+        if self.cfg.residual == "preln":
+            x = emb_BTD
+            for layer, cache in zip(self.layers, caches):
+                x = x + layer.self_attn(layer.input_layernorm(x), cache=cache)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return x
+        return self._forward_attnres(emb_BTD, caches)
+
+    def _forward_attnres(self, emb_BTD: torch.Tensor, caches: list) -> torch.Tensor:
+        # Block AttnRes loop of architecture.md 4.2; block size counts layers; layer 0 snapshots the embedding.
+        eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
+        blocks: list[AttnResSource] = []
+        partial = emb_BTD
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if blocks:
+                x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
+                                 layer.attn_res_proj.weight)
+            else:
+                x = partial
+            if i % bsz == 0:
+                blocks.append(AttnResSource(partial, eps))
+                partial = None
+            a = layer.self_attn(layer.input_layernorm(x), cache=cache)
+            partial = a if partial is None else partial + a
+            x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
+                             layer.mlp_res_proj.weight)
+            partial = partial + layer.mlp(layer.post_attention_layernorm(x))
+        return attn_res_mix(blocks + [AttnResSource(partial, eps)], self.output_attn_res_norm.weight,
+                            self.output_attn_res_proj.weight)
+
+
+class K3Model(nn.Module):
+    """Causal LM: `model` (backbone), `lm_head`, optional `mtp`. See the module docstring for the modes."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = K3Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = MTPModule(cfg) if cfg.mtp_depth > 0 else None
+
+    def new_state(self, batch_size: int = 1) -> InferenceState:
+        """Empty inference state for `batch_size` sequences (filled by the first forward that receives it)."""
+        del batch_size  # caches are allocated lazily by the layers on first use, with the batch's size
+        layers = [KDACache() if t == "kda" else MLACache() for t in self.config.layer_types]
+        return InferenceState(layers=layers, mtp=MLACache() if self.mtp is not None else None)
+
+    def forward(self, tokens_BT: torch.Tensor, state: InferenceState | None = None,
+                mtp_tokens_BT: torch.Tensor | None = None) -> K3Output:
+        """tokens [B, T] -> K3Output. With `state`, consume the tokens after state.seq_len and advance it.
+
+        mtp_tokens_BT: the tokens following each input position (t_{i+1}, i.e. the main targets); when given and
+        the model has an MTP module, also return `mtp_logits` predicting t_{i+2}.
+        """
+        if tokens_BT.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens_BT.shape)}")
+        hidden = self.model(self.model.embed_tokens(tokens_BT), state)
+        logits = self.lm_head(self.model.norm(hidden))
+        mtp_logits = None
+        if mtp_tokens_BT is not None and self.mtp is not None:
+            mtp_logits = self.mtp_logits(hidden, mtp_tokens_BT, None if state is None else state.mtp)
+        if state is not None:
+            state.seq_len += tokens_BT.shape[1]
+        return K3Output(logits=logits, hidden=hidden, mtp_logits=mtp_logits)
+
+    def mtp_logits(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
+                   cache: MLACache | None = None) -> torch.Tensor:
+        """Logits of t_{i+2} from the main hidden h_i and the next token t_{i+1}: [B, T, V]."""
+        h = self.mtp(hidden_BTD, self.model.embed_tokens(next_tokens_BT), cache=cache)
+        return self.lm_head(h)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    def mla_layers(self) -> list[GatedMLA]:
+        """MLA layers of the main model (QK-Clip applies to these and to the MTP's)."""
+        return [m for m in self.modules() if isinstance(m, GatedMLA)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# initialisation and counting
+
+
+_MTP_SEED_OFFSET = 1_000_003  # MTP weights come from their own generator, so adding MTP leaves main init unchanged
+
+
+def init_weights(model: K3Model, seed: int) -> None:
+    """Initialise every weight deterministically from `seed` (the only init in k3).
+
+    Linear/embedding/expert weights ~ N(0, initializer_range); norm gains 1; AttnRes pseudo-queries 0 (required:
+    uniform depth mixture at init); KDA A_log, dt_bias per kda.md section 2; short convs U(-1/sqrt(W), 1/sqrt(W));
+    router bias 0. MTP parameters use a separate generator (architecture.md section 10 test: lambda = 0 trains
+    bit-identically to a model without MTP).
+    """
+    cfg = model.config
+    std = cfg.initializer_range
+    gens = {"main": torch.Generator().manual_seed(seed), "mtp": torch.Generator().manual_seed(seed + _MTP_SEED_OFFSET)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = gens["mtp" if name.startswith("mtp.") else "main"]
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("_res_proj.weight"):
+                p.zero_()
+            elif leaf == "A_log":
+                if cfg.kda_gate_lower_bound is not None:
+                    p.zero_()
+                else:
+                    p.copy_(torch.empty_like(p, device="cpu").uniform_(1, 16, generator=g).log())
+            elif leaf == "dt_bias":
+                dt = torch.exp(torch.empty_like(p, device="cpu").uniform_(
+                    torch.log(torch.tensor(1e-3)).item(), torch.log(torch.tensor(1e-1)).item(), generator=g))
+                dt = dt.clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif "_conv1d" in name:
+                bound = 1.0 / cfg.kda_conv_kernel ** 0.5
+                p.copy_(torch.empty_like(p, device="cpu").uniform_(-bound, bound, generator=g))
+            elif p.dim() == 1:
+                p.fill_(1.0)  # RMSNorm gains
+            else:
+                p.copy_(torch.empty_like(p, device="cpu").normal_(0.0, std, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> K3Model:
+    """Construct and initialise a K3Model on `device`."""
+    model = K3Model(cfg)
+    init_weights(model, seed)
+    return model.to(device)
+
+
+def count_parameters(model: K3Model) -> dict[str, int]:
+    """Parameter counts as in architecture.md section 2 (main model, MTP counted apart).
+
+    total / active (top-K of the routed experts) / active_nonembed (without embedding and head) / mtp.
+    """
+    cfg = model.config
+    main = {n: p for n, p in model.named_parameters() if not n.startswith("mtp.")}
+    total = sum(p.numel() for p in main.values())
+    inactive = 0
+    for n, p in main.items():
+        if ".mlp.experts." in n:
+            inactive += p.numel() * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+    embed = model.model.embed_tokens.weight.numel() + (0 if cfg.tie_word_embeddings else model.lm_head.weight.numel())
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    return {"total": total, "active": total - inactive, "active_nonembed": total - inactive - embed,
+            "total_nonembed": total - embed, "mtp": mtp}

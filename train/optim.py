@@ -1,0 +1,447 @@
+"""Optimizers: Muon (+ Per-Head Muon) for hidden matrices, AdamW for the rest, and QK-Clip (architecture.md 11).
+
+Muon (Keller Jordan, github.com/KellerJordan/Muon) with the Moonlight update scale ("Muon is Scalable for LLM
+Training", arXiv 2502.16982, section 2.2), for a matrix W [A, B] with gradient G:
+
+    M ← μM + G;   Ĝ = G + μM (Nesterov);   O = NS5(Ĝ) ≈ U Vᵀ
+    W ← W·(1 − η·λ) − η · 0.2·√max(A, B) · O
+
+The 0.2·√max(A, B) factor gives the update the RMS of a typical AdamW update (~0.2), so Muon and AdamW share one η
+and one λ. Per-Head Muon (K3, reported; partition is the architecture.md 11.2 Proposal) orthogonalizes each head's
+[d_h, d_in] block of a head-major [H·d_h, d_in] matrix on its own, scale 0.2·√max(d_h, d_in). QK-Clip (Kimi K2,
+arXiv 2507.20534 section 2.1) rescales the query/key rows of MLA heads whose max logit exceeded τ.
+
+Limits (read before scaling up):
+- Muon needs the FULL gradient matrix of every parameter it updates. Orthogonalizing a shard is wrong (DeepSpeed
+  issue #7807); sharded (DTensor) parameters are refused with an error. A ZeRO-1 style Muon (gather, NS5, keep the
+  local slice; Moonlight section 2.3) is not implemented here.
+- NS5 runs in bf16 on CUDA (as Keller Jordan's reference) and in fp32 on CPU (bf16 matmuls on CPU are far slower
+  than fp32); float64 input on CPU stays float64 so the tests can compare against exact references.
+- Packed [gate | up] weights (`*gate_up_proj*`, 2-D [2F, D] or 3-D experts [E, 2F, D]) are orthogonalized as two
+  blocks, which is exactly Muon on the unpacked W_gate and W_up (what Moonlight trained); packing is a runtime layout
+  and must not change the math.
+- One Python loop over parameters; NS5 is batched only within a parameter (heads, experts, gate/up blocks).
+
+Legend: A, B matrix rows and columns; H heads; E experts; leading dims of a batched matrix stack are written `...`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+from k3.model.config import ConfigError
+from k3.train.config import OptimConfig
+from torch import nn
+
+NS5_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c): KellerJordan/Muon; tuned so the slope at 0 is large (a = 3.4445)
+MOONLIGHT_SCALE = 0.2  # arXiv 2502.16982 eq. 4: matches AdamW's update RMS
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximate U Vᵀ (the nearest semi-orthogonal matrix) of every matrix in G [..., A, B] -> [..., A, B].
+
+    Quintic Newton–Schulz: X ← G/(‖G‖_F + 1e-7) per matrix, then `steps` times A = X Xᵀ, X ← aX + (bA + cA²)X with
+    (a, b, c) = (3.4445, −4.7750, 2.0315) (KellerJordan/Muon; Moonlight arXiv 2502.16982 Algorithm 1). The
+    coefficients trade exactness for speed: singular values land in roughly [0.7, 1.2], not at 1. Iterates on the wide
+    orientation (rows ≤ cols) so X Xᵀ is the smaller Gram matrix. Computes in bf16 on CUDA, fp32 on CPU (float64 stays
+    float64); returns G's dtype. Example: O = zeropower_via_newtonschulz5(torch.randn(256, 1024)).
+    """
+    if G.ndim < 2:
+        raise ValueError(f"zeropower_via_newtonschulz5 needs a matrix [..., A, B], got shape {tuple(G.shape)}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    a, b, c = NS5_COEFFS
+    if G.is_cuda:
+        work_dtype = torch.bfloat16
+    else:
+        work_dtype = torch.float64 if G.dtype == torch.float64 else torch.float32
+    X = G.to(work_dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (torch.linalg.matrix_norm(X, ord="fro", keepdim=True) + 1e-7)  # spectral norm <= 1 before iterating
+    for _ in range(steps):
+        gram = X @ X.mT  # [..., A, A] with A <= B
+        X = a * X + (b * gram + c * (gram @ gram)) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    # DTensor is the only sharded tensor type torch ships; checked by name so non-distributed builds need no import.
+    return type(t).__name__ == "DTensor"
+
+
+def _block_view(x: torch.Tensor, num_heads: int | None, head_axis: int) -> torch.Tensor:
+    """[..., A, B] -> [..., H, A/H, B] (head_axis 0, row blocks) or [..., H, A, B/H] (head_axis 1, column blocks)."""
+    if num_heads is None:
+        return x
+    *lead, rows, cols = x.shape
+    if head_axis == 0:
+        return x.reshape(*lead, num_heads, rows // num_heads, cols)
+    return x.reshape(*lead, rows, num_heads, cols // num_heads).movedim(-2, -3)
+
+
+def _unblock(x: torch.Tensor, shape: torch.Size, num_heads: int | None, head_axis: int) -> torch.Tensor:
+    """Inverse of _block_view back to `shape` [..., A, B]."""
+    if num_heads is None:
+        return x
+    if head_axis == 0:
+        return x.reshape(shape)
+    return x.movedim(-3, -2).reshape(shape)
+
+
+def muon_update(grad: torch.Tensor, num_heads: int | None = None, head_axis: int = 0,
+                ns_steps: int = 5) -> torch.Tensor:
+    """Scaled orthogonalized update 0.2·√max(a, b)·NS5(grad) of a matrix [A, B] or expert stack [E, A, B].
+
+    Each [a, b] block is orthogonalized independently: the whole matrix (num_heads None), each of E expert slices,
+    and with num_heads = H each head's row block [A/H, B] (head_axis 0) or column block [A, B/H] (head_axis 1).
+    Returns a tensor shaped like grad. Example: muon_update(torch.randn(64, 32), num_heads=4).shape == (64, 32).
+    """
+    blocks = _block_view(grad, num_heads, head_axis)  # [..., a, b]
+    scale = MOONLIGHT_SCALE * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
+    ortho = zeropower_via_newtonschulz5(blocks, ns_steps)
+    return _unblock(ortho, grad.shape, num_heads, head_axis) * scale
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon with Nesterov momentum, decoupled weight decay and the Moonlight 0.2·√max(A, B) scale.
+
+    Parameters must be matrices [A, B] or expert stacks [E, A, B] (each slice orthogonalized alone). Group options:
+    lr, momentum (μ), weight_decay (λ), nesterov, ns_steps, num_heads (None | H: orthogonalize H equal head blocks),
+    head_axis (0: heads are row blocks of a head-major [H·d_h, d_in]; 1: column blocks, as in W_o [d, H·d_v]).
+    State per parameter: `momentum_buffer` (param dtype). Example:
+        opt = Muon([{"params": [w_q], "num_heads": 8}, {"params": [w_down]}], lr=3e-3, weight_decay=0.1)
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, weight_decay: float = 0.0,
+                 nesterov: bool = True, ns_steps: int = 5, num_heads: int | None = None, head_axis: int = 0):
+        if lr < 0.0:
+            raise ValueError(f"Muon lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon momentum must lie in [0, 1), got {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Muon weight_decay must be >= 0, got {weight_decay}")
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov,
+                    "ns_steps": ns_steps, "num_heads": num_heads, "head_axis": head_axis}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group after checking every parameter can be orthogonalized as configured."""
+        super().add_param_group(param_group)
+        heads, axis = param_group["num_heads"], param_group["head_axis"]
+        if axis not in (0, 1):
+            raise ValueError(f"Muon head_axis must be 0 (row blocks) or 1 (column blocks), got {axis}")
+        for p in param_group["params"]:
+            if _is_sharded(p):
+                raise ValueError("Muon got a sharded (DTensor) parameter; orthogonalizing a shard is wrong. Give Muon "
+                                 "full matrices (replicate them or use DDP) or put the parameter in the AdamW group")
+            if p.ndim not in (2, 3):
+                raise ValueError(f"Muon takes matrices [A, B] or expert stacks [E, A, B], got shape {tuple(p.shape)}; "
+                                 "put this parameter in the AdamW group")
+            if heads is not None and p.shape[p.ndim - 2 + axis] % heads:
+                raise ValueError(f"Muon num_heads={heads} does not divide dim {p.ndim - 2 + axis} of shape "
+                                 f"{tuple(p.shape)}; fix num_heads or drop per-head for this parameter")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One Muon update of every parameter that has a gradient; returns closure() if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(p.grad)  # M ← μM + G
+                direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf  # Ĝ = G + μM
+                update = muon_update(direction, group["num_heads"], group["head_axis"], group["ns_steps"])
+                p.mul_(1.0 - lr * wd)  # decoupled decay with the unscaled lr (Moonlight)
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer object over a Muon and an AdamW: step, zero_grad, param_groups, state, state_dict and
+    load_state_dict cover both, so a schedule sets `group["lr"]` on every group of `param_groups`.
+
+    param_groups lists Muon's groups then AdamW's (the same dicts, so edits reach the inner optimizers). state_dict
+    has the standard torch layout with parameter ids numbered across both in that order (what
+    torch.distributed.checkpoint expects). Example: opt = MuonAdamW(Muon(mats), torch.optim.AdamW(vecs)); opt.step()
+    """
+
+    def __init__(self, muon: Muon, adamw: torch.optim.AdamW):
+        self.muon, self.adamw = muon, adamw
+        self._parts = (muon, adamw)
+        # The base class registers the inner optimizers' own group dicts (it only re-lists their "params").
+        super().__init__([g for part in self._parts for g in part.param_groups], defaults={})
+        self._wrapped = True
+        self._sync()
+
+    def _sync(self) -> None:
+        # load_state_dict of the inner optimizers replaces their group dicts and state; re-point the views.
+        self.param_groups = [g for part in self._parts for g in part.param_groups]
+        merged: defaultdict = defaultdict(dict)
+        for part in self._parts:
+            merged.update(part.state)
+        self.state = merged
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Muon step then AdamW step; closure (if any) is evaluated once."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self._parts:
+            part.step()
+        self._sync()
+        return loss
+
+    def state_dict(self) -> dict:
+        """{"state": {id: ...}, "param_groups": [...]} with ids 0.. over Muon's then AdamW's parameters."""
+        state, groups, offset = {}, [], 0
+        for part in self._parts:
+            sd = part.state_dict()
+            state.update({i + offset: v for i, v in sd["state"].items()})
+            groups += [{**g, "params": [i + offset for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in part.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Inverse of state_dict(); the saved grouping must match this optimizer's (same model, same config)."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(saved)} param groups, this optimizer {len(self.param_groups)};"
+                             " the model or optim config changed since the checkpoint was written")
+        # Keys are opaque (ints here, FQN strings from torch.distributed.checkpoint): torch matches saved params to
+        # its own by position within the groups, so each part just receives its slice of groups and their state.
+        first = 0
+        for part in self._parts:
+            mine = saved[first:first + len(part.param_groups)]
+            keys = [k for g in mine for k in g["params"]]
+            part.load_state_dict({"state": {k: state_dict["state"][k] for k in keys if k in state_dict["state"]},
+                                  "param_groups": mine})
+            first += len(part.param_groups)
+        self._sync()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only the constructor adds groups: each belongs to the inner Muon or AdamW, chosen by build_optimizer."""
+        if getattr(self, "_wrapped", False):
+            raise TypeError("MuonAdamW cannot take new groups; add them to .muon or .adamw before wrapping")
+        super().add_param_group(param_group)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# parameter grouping (architecture.md 11.1 table)
+
+EMBED_NAMES = ("embed_tokens",)
+HEAD_NAMES = ("lm_head",)
+
+
+def _is_vector_like(p: torch.Tensor) -> bool:
+    # Norm gains, biases, A_log, dt_bias, and AttnRes pseudo-queries stored as [1, D]: at most one dim above 1.
+    return sum(s > 1 for s in p.shape) <= 1
+
+
+def _kind(module_name: str, module: nn.Module, param_name: str, p: torch.Tensor) -> str:
+    """'embed' | 'head' | 'vector' | 'conv' | 'matrix' for one parameter (name-based, following the model's names)."""
+    owner = module_name.rsplit(".", 1)[-1]
+    if owner in EMBED_NAMES or isinstance(module, nn.Embedding):
+        return "embed"
+    if owner in HEAD_NAMES:
+        return "head"
+    if _is_vector_like(p) or owner.endswith("res_proj"):
+        return "vector"
+    if owner.endswith("_conv1d") or isinstance(module, nn.Conv1d):
+        return "conv"
+    if p.ndim in (2, 3):
+        return "matrix"
+    raise ValueError(f"no optimizer rule for parameter {module_name}.{param_name} of shape {tuple(p.shape)}; "
+                     "k3 expects matrices, expert stacks [E, A, B], vectors or short-conv kernels")
+
+
+def _head_split(module_name: str, modules: dict[str, nn.Module], p: torch.Tensor,
+                cfg: OptimConfig) -> tuple[int | None, int]:
+    """(num_heads, head_axis) for a Muon matrix: per-head when its module is listed and its parent has num_heads."""
+    owner = module_name.rsplit(".", 1)[-1]
+    if cfg.per_head_muon and owner in cfg.per_head_params and p.ndim == 2:
+        parent = modules[module_name.rsplit(".", 1)[0] if "." in module_name else ""]
+        heads = getattr(parent, "num_heads", None)
+        axis = 1 if owner == "o_proj" else 0  # W_o [d, H·d_v] splits its columns per head (architecture.md 11.2)
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and p.shape[axis] % heads == 0:
+            return heads, axis
+    return None, 0
+
+
+def param_groups_for(model: nn.Module, cfg: OptimConfig) -> dict[str, dict]:
+    """Split the trainable parameters of `model` into named optimizer groups (pure: reads names and shapes only).
+
+    Rules (architecture.md 11.1): Muon for every hidden matrix (>= 2-D, incl. 3-D expert stacks, the router weight
+    `gate.weight`, the MTP projection); AdamW for the embedding (`embed_tokens`), the LM head (`lm_head`), vector-like
+    params (norm gains, biases, A_log, dt_bias, AttnRes pseudo-queries `*res_proj`) and short-conv kernels
+    (`*_conv1d`). Weight decay cfg.weight_decay on every param with >= 2 dims that is not vector-like (Muon matrices,
+    embedding, head, conv kernels [C, 1, W]); 0 on vector-like params. Buffers (router bias) and frozen params are
+    never included. With cfg.optimizer == "adamw" the matrices join AdamW with decay.
+    Per-head: with cfg.per_head_muon, a matrix owned by a module named in cfg.per_head_params whose parent module has
+    an int `num_heads` dividing its rows (columns for `o_proj`) goes to group `muon_h{H}` (`muon_h{H}_cols`).
+    Packed [gate | up] weights (`gate_up` in the name) go to `muon_gate_up` (two row blocks).
+
+    Returns {group_name: {"optimizer": "muon" | "adamw", "weight_decay": float, "num_heads": int | None,
+    "head_axis": 0 | 1, "names": [str], "params": [Parameter]}}, only non-empty groups, in first-seen order.
+    Example: {k: len(g["params"]) for k, g in param_groups_for(model, OptimConfig()).items()}
+    """
+    if cfg.optimizer not in ("muon", "adamw"):
+        raise ConfigError(f"optim.optimizer={cfg.optimizer!r} is unknown; use 'muon' or 'adamw'")
+    modules = dict(model.named_modules())
+    groups: dict[str, dict] = {}
+    seen: set[int] = set()
+
+    def put(group: str, optimizer: str, wd: float, name: str, p: torch.Tensor, heads: int | None = None,
+            axis: int = 0) -> None:
+        g = groups.setdefault(group, {"optimizer": optimizer, "weight_decay": wd, "num_heads": heads,
+                                      "head_axis": axis, "names": [], "params": []})
+        g["names"].append(name)
+        g["params"].append(p)
+
+    for module_name, module in modules.items():
+        for param_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:  # frozen, or tied (counted once)
+                continue
+            seen.add(id(p))
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            kind = _kind(module_name, module, param_name, p)
+            if kind == "vector":
+                put("adamw_no_decay", "adamw", 0.0, full, p)
+            elif kind != "matrix" or cfg.optimizer == "adamw":
+                put("adamw_decay", "adamw", cfg.weight_decay, full, p)
+            elif "gate_up" in f"{module_name.rsplit('.', 1)[-1]}.{param_name}":
+                put("muon_gate_up", "muon", cfg.weight_decay, full, p, heads=2, axis=0)
+            else:
+                heads, axis = _head_split(module_name, modules, p, cfg)
+                group = "muon" if heads is None else f"muon_h{heads}" + ("_cols" if axis else "")
+                put(group, "muon", cfg.weight_decay, full, p, heads=heads, axis=axis)
+    return groups
+
+
+def group_summary(groups: dict[str, dict]) -> dict[str, dict]:
+    """{group_name: {"tensors": count, "numel": total elements}} of param_groups_for's result, for the run log."""
+    return {k: {"tensors": len(g["params"]), "numel": sum(p.numel() for p in g["params"])} for k, g in groups.items()}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The training optimizer for `model`: MuonAdamW (cfg.optimizer "muon") or torch AdamW ("adamw").
+
+    Every torch param group starts at lr = cfg.lr and carries its `group` name; schedules set `group["lr"]` on all of
+    `optimizer.param_groups`. If one side would be empty (a model with no matrices, say) the other is returned alone.
+    Example: opt = build_optimizer(model, OptimConfig(lr=2e-3)); opt.step(); opt.zero_grad()
+    """
+    groups = param_groups_for(model, cfg)
+    if not groups:
+        raise ValueError("build_optimizer: the model has no trainable parameters (all frozen?)")
+    muon_groups, adamw_groups = [], []
+    for name, g in groups.items():
+        tg = {"params": g["params"], "lr": cfg.lr, "weight_decay": g["weight_decay"], "group": name}
+        if g["optimizer"] == "muon":
+            muon_groups.append({**tg, "num_heads": g["num_heads"], "head_axis": g["head_axis"]})
+        else:
+            adamw_groups.append(tg)
+    adamw = muon = None
+    if adamw_groups:
+        adamw = torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    if muon_groups:
+        muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                    ns_steps=cfg.ns_steps)
+    if muon is None or adamw is None:
+        return muon or adamw
+    return MuonAdamW(muon, adamw)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# QK-Clip (Kimi K2 arXiv 2507.20534 section 2.1; Su, kexue.fm/archives/11126; architecture.md 11.3)
+
+
+def _mla_dims(mla: nn.Module) -> tuple[int, int, int, int]:
+    """(H, nope, rope, v) from the module's int attributes (either naming style), else from its ModelConfig."""
+    cfg = getattr(mla, "config", None) or getattr(mla, "cfg", None)
+
+    def dim(attrs: tuple[str, ...], cfg_field: str) -> int:
+        for a in attrs:
+            v = getattr(mla, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        v = getattr(cfg, cfg_field, None)
+        if isinstance(v, int):
+            return v
+        raise ValueError(f"qk_clip_: {type(mla).__name__} must expose `{attrs[0]}` (or a ModelConfig as .config)")
+
+    return (dim(("num_heads",), "mla_num_heads"), dim(("qk_nope_head_dim", "nope_dim"), "qk_nope_head_dim"),
+            dim(("qk_rope_head_dim", "rope_dim"), "qk_rope_head_dim"), dim(("v_head_dim", "v_dim"), "v_head_dim"))
+
+
+@torch.no_grad()
+def qk_clip_(mla: nn.Module, tau: float) -> int:
+    """Rescale the query/key rows of every head of `mla` whose max logit exceeded tau; returns the heads clipped.
+
+    Reads `mla.max_logit_per_head` [H] (fp32, the max over the last forward of the scaled pre-softmax logit). For head
+    h with S = S_max^h > tau and gamma = tau / S (weights [out, in], N nope, R rope, V value dims):
+        q_b_proj rows  h(N+R) + [0, N)    *= sqrt(gamma)     W^{UQ}_h
+        kv_b_proj rows h(N+V) + [0, N)    *= sqrt(gamma)     W^{UK}_h   (q^C·k^C scales by gamma)
+        q_b_proj rows  h(N+R) + [N, N+R)  *= gamma           W^{QR}_h   (k^R is shared, so q^R takes all of gamma)
+    kv_a_proj_with_mqa (shared k^R, latent) and W^{UV}_h are untouched. Per head, never per layer, so innocent heads
+    are not over-clipped. A model without q_lora (direct `q_proj`) is handled the same way.
+    Example: n = qk_clip_(layer.self_attn, 100.0)
+    """
+    if not tau > 0:
+        raise ValueError(f"QK-Clip tau must be > 0, got {tau}")
+    H, N, R, V = _mla_dims(mla)
+    q_w = (mla.q_b_proj if getattr(mla, "q_b_proj", None) is not None else mla.q_proj).weight  # [H(N+R), Q]
+    kv_w = mla.kv_b_proj.weight  # [H(N+V), C]
+    smax_H = mla.max_logit_per_head.detach().float()
+    if smax_H.shape != (H,) or q_w.shape[0] != H * (N + R) or kv_w.shape[0] != H * (N + V):
+        raise ValueError(f"qk_clip_: shapes disagree with H={H}, N={N}, R={R}, V={V}: max_logit_per_head "
+                         f"{tuple(smax_H.shape)}, q rows {q_w.shape[0]}, kv_b rows {kv_w.shape[0]}")
+    over_H = smax_H > tau  # NaN / -inf (no tracked forward) never clip
+    n_clipped = int(over_H.sum())
+    if n_clipped == 0:
+        return 0
+    gamma_H = torch.where(over_H, tau / smax_H, torch.ones_like(smax_H))  # exactly 1 for innocent heads
+    root_H = gamma_H.sqrt()
+    q_scale = torch.cat([root_H[:, None].expand(H, N), gamma_H[:, None].expand(H, R)], dim=1)  # [H, N+R]
+    kv_scale = torch.cat([root_H[:, None].expand(H, N), torch.ones(H, V, device=smax_H.device)], dim=1)  # [H, N+V]
+    q_w.mul_(q_scale.reshape(-1, 1).to(q_w.device, q_w.dtype))
+    kv_w.mul_(kv_scale.reshape(-1, 1).to(kv_w.device, kv_w.dtype))
+    return n_clipped
+
+
+def qk_clip_model_(model: nn.Module, tau: float | None) -> dict:
+    """Apply qk_clip_ to every module with a `max_logit_per_head` buffer (MLA layers, the MTP's MLA).
+
+    Modules with `track_max_logit` False are skipped: their buffer is stale and would clip the same heads again at
+    every step. tau None only collects the statistics. Returns {"qk_clipped_heads": int, "max_logit": float (max
+    over all heads of the tracking layers before the clip, -inf without any), "layers": tracking MLA modules seen}.
+    Example: stats = qk_clip_model_(model, cfg.optim.qk_clip_tau)
+    """
+    clipped, layers, peak = 0, 0, float("-inf")
+    for module in model.modules():
+        buf = getattr(module, "max_logit_per_head", None)
+        if not isinstance(buf, torch.Tensor) or getattr(module, "track_max_logit", True) is False:
+            continue
+        layers += 1
+        if buf.numel():
+            peak = max(peak, float(buf.detach().float().max()))
+        if tau is not None:
+            clipped += qk_clip_(module, tau)
+    return {"qk_clipped_heads": clipped, "max_logit": peak, "layers": layers}

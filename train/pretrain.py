@@ -1,0 +1,206 @@
+"""`k3 pretrain`: data -> tokenizer -> K3Model -> Muon/AdamW loop -> training checkpoints -> release checkpoint.
+
+RUN_DIR layout (issue 3 contract):
+    run_config.yaml        resolved config, git sha, versions, parameter counts (`stats:`)
+    metrics.jsonl          one JSON object per log step (step, loss, lr, tokens, tokens_per_s, ...) and eval lines
+    tokenizer/             the tokenizer used (trained here or reused)
+    checkpoints/step-N/    resumable training checkpoints (last k kept)
+    final/                 release checkpoint: config.json, model.safetensors, tokenizer.json, generation_config.json,
+                           k3_run.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from k3.model.checkpoint import CheckpointError, load_release, load_state_into, save_release
+from k3.model.config import ConfigError, ModelConfig
+from k3.model.transformer import build_model, count_parameters
+
+from .data import BatchLoader, prepare_data
+from .loop import Trainer, TrainingError
+from .optim import build_optimizer
+
+
+@dataclass
+class PretrainResult:
+    run_dir: Path
+    final_dir: Path | None  # None when stopped by a signal before the end
+    step: int
+    val_loss: float | None
+    val_bpb: float | None
+    wall_time_s: float
+    tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name} but CUDA is not available; use train.device=cpu or auto")
+    return dev
+
+
+def resolve_autocast(name: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default; fp32 on CPU (bf16 matmul runs ~80x slower than fp32 on these CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if name == "float32":
+        return None
+    if name == "bfloat16":
+        return torch.bfloat16
+    raise ConfigError(f"train.dtype must be auto, float32 or bfloat16, got {name!r}")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _same_architecture(a: ModelConfig, b: ModelConfig) -> list[str]:
+    da, db = a.to_dict(), b.to_dict()
+    return [k for k in da if k != "name" and da[k] != db.get(k)]
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = None,
+        run_config: dict | None = None, console=None) -> PretrainResult:
+    """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config)."""
+    from rich.console import Console
+
+    console = console or Console()
+    mcfg, dcfg, ocfg, tcfg, ccfg = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.ckpt
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    has_ckpt = ckpt_root.is_dir() and any(p.name.startswith("step-") for p in ckpt_root.iterdir())
+    if resume and not has_ckpt:
+        raise CheckpointError(f"--resume: no training checkpoint under {ckpt_root}; start a new run without "
+                              f"--resume, or point --out at the run directory to continue")
+    if not resume and has_ckpt:
+        raise ConfigError(f"{run_dir} already holds a run with checkpoints; pass --resume to continue it, or "
+                          f"choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if tcfg.threads:
+        torch.set_num_threads(tcfg.threads)
+    device = resolve_device(tcfg.device)
+    autocast = resolve_autocast(tcfg.dtype, device)
+    torch.manual_seed(tcfg.seed)
+
+    # ---- initial weights (before data, so a bad --init fails fast)
+    init_state = None
+    if init is not None:
+        init_cfg, init_state = load_release(init)
+        diff = _same_architecture(init_cfg, mcfg)
+        if diff:
+            raise ConfigError(f"--init {init}: its architecture differs from the configured model in {diff}; "
+                              f"pass the same model preset or --set model.<field>=<value> to match")
+
+    # ---- data and tokenizer
+    tok_src = dcfg.tokenizer
+    if tok_src is None and init is not None and (Path(init) / "tokenizer.json").is_file():
+        tok_src = str(Path(init) / "tokenizer.json")  # continued training must keep the token ids
+    if resume and tok_src is None and (run_dir / "tokenizer" / "tokenizer.json").is_file():
+        tok_src = str(run_dir / "tokenizer" / "tokenizer.json")
+    if tok_src != dcfg.tokenizer:
+        import dataclasses
+        dcfg = dataclasses.replace(dcfg, tokenizer=tok_src)
+    data = prepare_data(dcfg, mcfg.vocab_size, console=console)
+    if data.tokenizer.vocab_size > mcfg.vocab_size:
+        raise ConfigError(f"tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{mcfg.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
+    data.tokenizer.save(run_dir / "tokenizer")
+
+    # ---- model, optimizer, loaders
+    model = build_model(mcfg, seed=tcfg.seed, device="cpu")
+    if init_state is not None:
+        load_state_into(model, init_state)
+    model.to(device)
+    if tcfg.compile:
+        model = torch.compile(model)  # type: ignore[assignment]
+    counts = count_parameters(model)
+    optimizer = build_optimizer(model, ocfg)
+    train_loader = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
+
+    def val_batches():
+        return list(BatchLoader(data.val, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed,
+                                mode="val").take(tcfg.eval_batches))
+
+    rc = dict(run_config or {})
+    rc["stats"] = {"n_params_total": counts["total"], "n_params_active": counts["active"],
+                   "n_params_active_nonembed": counts["active_nonembed"],
+                   "n_params_total_nonembed": counts["total_nonembed"], "n_params_mtp": counts["mtp"],
+                   "train_tokens_available": int(data.train.n_tokens), "val_tokens": int(data.val.n_tokens),
+                   "tokens_per_step": tcfg.batch_size * tcfg.grad_accum * dcfg.seq_len}
+    _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+
+    trainer = Trainer(model, optimizer, ocfg, tcfg, ccfg, run_dir, train_loader, val_batches,
+                      bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast)
+    if resume:
+        latest = trainer.ckpt.latest()
+        if latest is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
+        trainer.resume_from(latest)
+        console.print(f"[bold]resumed[/] from {latest} at step {trainer.state.step}")
+
+    console.print(f"[bold]k3 pretrain[/] {mcfg.name}: {counts['total'] / 1e6:.2f}M params "
+                  f"({counts['active'] / 1e6:.2f}M active, MTP {counts['mtp'] / 1e6:.2f}M), "
+                  f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
+        task = prog.add_task("train", total=tcfg.max_steps, completed=trainer.state.step, loss="-", tps="-")
+        t0, tok0 = time.time(), trainer.state.tokens
+
+        def progress(step: int, loss: float) -> None:
+            tps = (trainer.state.tokens - tok0) / max(time.time() - t0, 1e-9)
+            prog.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
+
+        try:
+            state = trainer.fit(progress=progress)
+        except TrainingError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise
+
+    if trainer.stopped_by_signal:
+        console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "
+                      f"Continue with: k3 pretrain --resume --out {run_dir}")
+        return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens)
+
+    ev = trainer.evaluate()
+    trainer._record_eval(ev)
+    trainer.save_checkpoint()
+    rc["stats"]["tokens"] = state.tokens
+    rc["stats"]["steps"] = state.step
+    rc["stats"]["final_val_loss"] = ev["val_loss"]
+    rc["stats"]["final_val_bpb"] = ev.get("val_bpb")
+    rc["stats"]["wall_time_s"] = state.wall_time
+    _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+    tok = data.tokenizer
+    gen_cfg = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+               "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256, "do_sample": True}
+    final = save_release(run_dir / "final", {k: v.detach().cpu() for k, v in model.state_dict().items()}, mcfg,
+                         tokenizer_dir=run_dir / "tokenizer", run_info=rc, generation_config=gen_cfg,
+                         dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16)
+    bpb = ev.get("val_bpb")
+    console.print(f"[bold green]done[/] step {state.step}: val_loss {ev['val_loss']:.4f}"
+                  + (f", val_bpb {bpb:.4f}" if bpb is not None else "")
+                  + f", {state.tokens / 1e6:.2f}M tokens in {state.wall_time:.0f}s; checkpoint: {final}")
+    if not math.isfinite(ev["val_loss"]):
+        raise TrainingError(f"final validation loss is not finite ({ev['val_loss']})")
+    return PretrainResult(run_dir, Path(final), state.step, ev["val_loss"], bpb, state.wall_time, state.tokens)
