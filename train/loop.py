@@ -46,12 +46,18 @@ class LoopState:
     last_eval: dict = field(default_factory=dict)
 
 
-def lm_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Next-token CE and MTP CE (t_{i+2}) for a packed batch tokens [B, T+1]; mask marks counted targets [B, T]."""
+def lm_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | None,
+              with_mtp: bool = True) -> dict[str, torch.Tensor]:
+    """Next-token CE and MTP CE (t_{i+2}) for a packed batch tokens [B, T+1]; mask marks counted targets [B, T].
+
+    with_mtp=False skips the MTP branch (evaluation, or lambda = 0: then MTP parameters get no gradient at all, so
+    the step is bit-identical to a model without MTP, grad-norm reduction included).
+    """
     inputs, targets = tokens_BT1[:, :-1], tokens_BT1[:, 1:].clone()
     if mask_BT is not None:
         targets[~mask_BT] = -100
-    out = model(inputs, mtp_tokens_BT=tokens_BT1[:, 1:] if model.mtp is not None else None)
+    use_mtp = with_mtp and model.mtp is not None
+    out = model(inputs, mtp_tokens_BT=tokens_BT1[:, 1:] if use_mtp else None)
     V = out.logits.shape[-1]
     ce = F.cross_entropy(out.logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=-100)
     res = {"ce": ce}
@@ -128,7 +134,7 @@ class Trainer:
             tokens = tokens.to(self.device)
             mask = None if mask is None else mask.to(self.device)
             with self._autocast():
-                losses = lm_losses(self.model, tokens, mask)
+                losses = lm_losses(self.model, tokens, mask, with_mtp=False)
             n = int(mask.sum()) if mask is not None else tokens[:, 1:].numel()
             total += losses["ce"].item() * n
             count += n
@@ -196,7 +202,7 @@ class Trainer:
                     tokens = tokens.to(self.device, non_blocking=True)
                     mask = None if mask is None else mask.to(self.device, non_blocking=True)
                     with self._autocast():
-                        losses = lm_losses(model, tokens, mask)
+                        losses = lm_losses(model, tokens, mask, with_mtp=lam > 0)
                     loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
                     (loss / tcfg.grad_accum).backward()
                     sum_ce += losses["ce"].item()

@@ -268,16 +268,17 @@ class _ChunkKDA(torch.autograd.Function):
         kg = k * eL
         dec = last.exp().transpose(-1, -2)  # [NT, Z, K, 1]
         hs = torch.empty(NT + 1, Z, K, V, dtype=q.dtype, device=q.device)  # hs[c] = state entering block c
-        vn = torch.empty(NT, Z, BC, V, dtype=q.dtype, device=q.device)
+        vn = u.clone()
         hs[0] = h0
         for c in range(NT):  # the only sequential loop: state scan over blocks
-            torch.baddbmm(u[c], w[c], hs[c], alpha=-1, out=vn[c])  # v_new = u - w S
-            torch.baddbmm(dec[c] * hs[c], kg[c].transpose(-1, -2), vn[c], out=hs[c + 1])  # Diag(decay) S + kg^T v_new
+            vn[c].baddbmm_(w[c], hs[c], alpha=-1)  # v_new = u - w S
+            torch.mul(dec[c], hs[c], out=hs[c + 1]).baddbmm_(kg[c].transpose(-1, -2), vn[c])  # Diag(dec) S + kg^T v_new
         S, hs = hs[NT].clone(), hs[:NT]
         qg = q * eG
         o = torch.baddbmm((Aq @ vn).reshape(NT * Z, BC, V), qg.reshape(NT * Z, BC, K), hs.view(NT * Z, K, V))
         ctx.save_for_backward(q, k, v, beta, Gam, Aq, Ak, M, wu, hs, vn, eG, eL, kg, qg, *intra)
         ctx.mark_non_differentiable(hs)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for hs (and for o / S when unused)
         return o.view(NT, Z, BC, V), S, hs
 
     @staticmethod
@@ -287,7 +288,7 @@ class _ChunkKDA(torch.autograd.Function):
         causal, strict = _tri_masks(BC, q.device)
         w = wu[..., :K]
         dec = Gam[..., -1:, :].exp().transpose(-1, -2)  # [NT, Z, K, 1]
-        do = do.contiguous()
+        do = torch.zeros_like(vn) if do is None else do.contiguous()
         dS = torch.zeros_like(hs[0]) if dS is None else dS.contiguous()
         # reverse scan: dv_new = Aq^T do + kg dS';  dS = qg^T do + Diag(decay) dS' - w^T dv_new
         dvn = Aq.transpose(-1, -2) @ do  # [NT, Z, BC, V]
@@ -296,7 +297,7 @@ class _ChunkKDA(torch.autograd.Function):
         dSn[NT] = dS
         for c in range(NT - 1, -1, -1):
             dvn[c].baddbmm_(kg[c], dSn[c + 1])
-            torch.baddbmm(dh[c].addcmul_(dec[c], dSn[c + 1]), w[c].transpose(-1, -2), dvn[c], alpha=-1, out=dSn[c])
+            torch.addcmul(dh[c], dec[c], dSn[c + 1], out=dSn[c]).baddbmm_(w[c].transpose(-1, -2), dvn[c], alpha=-1)
         dS, dSn = dSn[0].clone(), dSn[1:]
         dqg = do @ hs.transpose(-1, -2)  # [NT, Z, BC, K]
         dAq = (do @ vn.transpose(-1, -2)).masked_fill_(~causal, 0.0)
@@ -317,7 +318,7 @@ class _ChunkKDA(torch.autograd.Function):
         dG = torch.addcmul(b * kbgk, dqg, qg).sub_(dkg_kg)
         dG[..., -1, :] += dkg_kg.sum(-2) + (dSn * hs).sum(-1) * dec.squeeze(-1)  # through last = Gamma_{BC-1}
         _intra_bwd(q, k, Gam, intra, dAq, b * dL, dq, dk, dG)
-        dg = dG.flip(-2).cumsum(-2).flip(-2)  # Gamma = cumsum(g)
+        dg = dG.sum(-2, keepdim=True) - dG.cumsum(-2) + dG  # Gamma = cumsum(g): reverse cumsum
         return dq, dk, dv, dg, dbeta, dS, None
 
 

@@ -113,6 +113,8 @@ def fused_recurrent_kda_torch(q, k, v, g, beta, *, A_log, dt_bias, scale, initia
         if per_token is not None:  # speculative decoding: the state after every real token goes to its own slot
             live = lengths > t
             write_pool(all_rows[live], per_token[live, t], S)
+    if not outs:  # no tokens: return a copy, never the caller's initial_state itself
+        S = S.clone()
     o = torch.stack(outs, dim=1) if outs else q.new_zeros(N, 0, HV, V)
     o = from_padded(o, lay, T).to(out_dtype)
     if pool is not None and per_token is None:

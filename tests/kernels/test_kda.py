@@ -151,6 +151,20 @@ def test_chunk_fwd_bwd(B, T, H, HV, D, BT, normalizer, safe_gate, dtype):
         assert_close(name, r, o, TIGHT if dtype == F64 else FP32_RATIOS[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_chunk_half_precision_inputs(dtype):
+    """bf16/fp16 inputs: fp32 compute, output in the input dtype, fp32 state (kda.md 6.1: reference on the same
+    rounded inputs)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 1, 2, 32, 16, F32)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    o_ref, s_ref = naive_recurrent_kda(*(x.double() for x in (q, k, v, g, beta)), initial_state=h0.double(),
+                                       output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == dtype and s.dtype == F32
+    assert_close("o", o_ref, o, 0.005)
+    assert_close("ht", s_ref, s, 0.005)
+
+
 def test_chunk_without_final_state_and_extreme_gates():
     """g = -1000 entries and half the gates zeroed (kda.md 6.2): the exact pairwise path stays finite and correct."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 1, 32, 16, F32)

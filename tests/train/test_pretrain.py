@@ -1,0 +1,157 @@
+"""`k3 pretrain` end to end on the debug preset (issue 3): loss falls, exact resume, signals, NaN stop, --init,
+generate == argmax of the full forward, MTP lambda = 0 trains bit-identically to no MTP, readable config errors."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import k3.train.loop as loop_mod
+from k3.cli.config import resolve_config
+from k3.cli.main import app
+from k3.model.checkpoint import load_model
+from k3.model.tokenizer import K3Tokenizer
+from k3.serve.generate import generate_tokens
+from k3.train.loop import TrainingError
+from k3.train.pretrain import run
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("k3cache"))
+
+
+def _cfg(cache_dir, *sets):
+    base = [f"data.cache_dir={cache_dir}", "data.max_bytes=400000", "data.tokenizer_sample_bytes=200000",
+            "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+            "ckpt.every=0", "train.threads=1"]
+    return resolve_config("pretrain", preset="debug", sets=base + list(sets))
+
+
+def _losses(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r], lines
+
+
+def test_debug_end_to_end(tmp_path, cache_dir):
+    cfg = _cfg(cache_dir, "train.max_steps=40", "train.batch_size=8")
+    res = run(cfg, run_dir=tmp_path / "run")
+    losses, lines = _losses(tmp_path / "run")
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # it learns
+    rec = next(r for r in lines if "loss" in r)
+    for key in ("step", "loss", "lr", "tokens", "tokens_per_s", "router_max_violation", "max_attn_logit"):
+        assert key in rec
+    evals = [r for r in lines if "val_loss" in r]
+    assert evals and "val_bpb" in evals[-1]
+    assert res.val_loss == pytest.approx(evals[-1]["val_loss"])
+    final = tmp_path / "run" / "final"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "k3_run.yaml"):
+        assert (final / f).is_file(), f
+    assert (tmp_path / "run" / "run_config.yaml").is_file()
+    assert any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir, monkeypatch):
+    full_dir, split_dir = tmp_path / "full", tmp_path / "split"
+    run(_cfg(cache_dir, "train.max_steps=12"), run_dir=full_dir)
+    full, _ = _losses(full_dir)
+
+    real_lr_at = loop_mod.lr_at
+
+    def lr_at_with_sigterm(step, cfg, max_steps):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step; the loop finishes step 6, saves, exits 0
+        return real_lr_at(step, cfg, max_steps)
+
+    monkeypatch.setattr(loop_mod, "lr_at", lr_at_with_sigterm)
+    first = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir)
+    assert first.final_dir is None and first.step == 6
+    monkeypatch.setattr(loop_mod, "lr_at", real_lr_at)
+    second = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir, resume=True)
+    assert second.step == 12
+    split, _ = _losses(split_dir)
+    assert split == full  # bit-exact on CPU
+    assert second.val_loss == _losses(full_dir)[1][-1]["val_loss"]
+
+
+def test_nan_loss_stops_with_message(tmp_path, cache_dir, monkeypatch):
+    real = loop_mod.lm_losses
+    calls = {"n": 0}
+
+    def poisoned(model, tokens, mask, with_mtp=True):
+        out = real(model, tokens, mask, with_mtp)
+        calls["n"] += 1
+        if calls["n"] == 4:
+            out["ce"] = out["ce"] * float("nan")
+        return out
+
+    monkeypatch.setattr(loop_mod, "lm_losses", poisoned)
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at step 4; the last good checkpoint is .*step-0000002"):
+        run(_cfg(cache_dir, "train.max_steps=10", "ckpt.every=2"), run_dir=tmp_path / "run")
+
+
+def test_generate_equals_argmax_of_full_forward(tmp_path, cache_dir):
+    run(_cfg(cache_dir, "train.max_steps=5"), run_dir=tmp_path / "run")
+    model, _ = load_model(tmp_path / "run" / "final")
+    tok = K3Tokenizer.from_file(tmp_path / "run" / "final")
+    prompt = tok.encode("def main(", add_bos=True)
+    got = list(generate_tokens(model, prompt, max_tokens=10, temperature=0))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+def test_mtp_lambda_zero_trains_like_no_mtp(tmp_path, cache_dir):
+    a = run(_cfg(cache_dir, "train.max_steps=6", "optim.mtp_lambda=0", "optim.mtp_lambda_late=0"),
+            run_dir=tmp_path / "mtp")
+    b = run(_cfg(cache_dir, "train.max_steps=6", "model.mtp_depth=0"), run_dir=tmp_path / "nomtp")
+    assert _losses(tmp_path / "mtp")[0] == _losses(tmp_path / "nomtp")[0]
+    assert a.val_loss == b.val_loss
+
+
+def test_init_from_checkpoint_and_architecture_mismatch(tmp_path, cache_dir):
+    run(_cfg(cache_dir, "train.max_steps=8"), run_dir=tmp_path / "a")
+    res = run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "b", init=str(tmp_path / "a" / "final"))
+    fresh = run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "c")
+    assert res.val_loss < fresh.val_loss  # it started from the trained weights
+    from k3.model.config import ConfigError
+
+    with pytest.raises(ConfigError, match="architecture differs.*d_model"):
+        run(_cfg(cache_dir, "train.max_steps=2", "model.d_model=96"), run_dir=tmp_path / "d",
+            init=str(tmp_path / "a" / "final"))
+
+
+def test_run_dir_guards(tmp_path, cache_dir):
+    from k3.model.checkpoint import CheckpointError
+    from k3.model.config import ConfigError
+
+    with pytest.raises(CheckpointError, match="no training checkpoint"):
+        run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "empty", resume=True)
+    run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "done")
+    with pytest.raises(ConfigError, match="already holds a run.*--resume"):
+        run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "done")
+
+
+def test_cli_config_errors_are_readable(tmp_path):
+    r = CliRunner().invoke(app, ["pretrain", "--preset", "debug", "--set", "train.max_step=3", "--out",
+                                 str(tmp_path / "x")])
+    assert r.exit_code == 2
+    assert "did you mean max_steps" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["pretrain", "--preset", "nosuch", "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "unknown pretrain preset 'nosuch'" in r.output
+    r = CliRunner().invoke(app, ["pretrain", "--set", "data.source=/no/such/dir/*.txt", "--preset", "debug",
+                                 "--out", str(tmp_path / "z")])
+    assert r.exit_code == 2 and "/no/such/dir" in r.output
+
+
+def test_cli_help_lists_commands():
+    r = CliRunner().invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("pretrain", "generate", "scaling-fit"):
+        assert cmd in r.output
