@@ -12,11 +12,19 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from k3.model.checkpoint import CheckpointError
     from k3.model.config import ConfigError
 
-    errs: list[type[BaseException]] = [ConfigError, CheckpointError, FileNotFoundError]
+    from k3.model.tokenizer import TokenizerError
+
+    errs: list[type[BaseException]] = [ConfigError, CheckpointError, TokenizerError, FileNotFoundError]
     try:
         from k3.train.data import DataError
 
         errs.append(DataError)
+    except ImportError:
+        pass
+    try:
+        from k3.train.scaling import ScalingFitError
+
+        errs.append(ScalingFitError)
     except ImportError:
         pass
     try:

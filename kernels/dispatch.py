@@ -4,11 +4,14 @@ The backend is read ONCE per process from the environment variable `K3_KERNELS`:
 
     K3_KERNELS=torch    always the PyTorch implementations
     K3_KERNELS=triton   the Triton kernels; an error if they are not available (no silent fallback)
-    unset / empty       triton on CUDA when Triton kernels are available, torch otherwise
+    unset / empty       triton when a CUDA GPU is present and `triton` imports, torch otherwise
+
+"triton" without a GPU is allowed only under Triton's CPU interpreter (`TRITON_INTERPRET=1`, slow; used by the CPU
+tests); otherwise asking for it raises KernelBackendError naming the fix.
 
 Public ops (`chunk_kda`, `fused_recurrent_kda`, ...) call `resolve(op_name, torch_impl)` to get the callable for the
-chosen backend. A Triton implementation is made available by adding `op_name -> "module:function"` to
-`TRITON_OPS`; this build registers none, so the default backend is "torch".
+chosen backend. A Triton implementation is made available by adding `op_name -> "module:function"` to `TRITON_OPS`;
+ops without an entry use their PyTorch implementation on either backend.
 """
 
 from __future__ import annotations
@@ -25,14 +28,22 @@ import torch
 ENV_VAR = "K3_KERNELS"
 BACKENDS = ("torch", "triton")
 
-# op name -> "importable.module:function" of its Triton implementation. Empty in this build: no Triton kernels yet.
-TRITON_OPS: dict[str, str] = {}
+# op name -> "importable.module:function" of its Triton implementation (imported lazily, on first use).
+TRITON_OPS: dict[str, str] = {
+    "fused_recurrent_kda": "k3.kernels.kda.triton_recurrent:fused_recurrent_kda_triton",
+    "chunk_kda": "k3.kernels.kda.triton_chunk:chunk_kda_triton",
+}
 
 log = logging.getLogger("k3.kernels")
 
 
 class KernelBackendError(RuntimeError):
     """The requested kernel backend cannot be used; the message says why and how to pick another."""
+
+
+def triton_interpreter() -> bool:
+    """True when TRITON_INTERPRET is set (Triton then runs kernels on the CPU, in Python)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
 
 
 def triton_kernels_available() -> bool:
@@ -58,11 +69,13 @@ def parse_backend(value: str | None) -> str:
                 f"(no Triton kernels are registered in k3.kernels.dispatch.TRITON_OPS). "
                 f"Set {ENV_VAR}=torch (or unset it) to use the PyTorch kernels."
             )
-        if not triton_kernels_available():
+        has_triton = importlib.util.find_spec("triton") is not None
+        if not (has_triton and (torch.cuda.is_available() or triton_interpreter())):
             raise KernelBackendError(
-                f"{ENV_VAR}=triton was requested, but Triton kernels need the `triton` package and a CUDA GPU "
-                f"(triton installed: {importlib.util.find_spec('triton') is not None}, "
-                f"CUDA available: {torch.cuda.is_available()}). Set {ENV_VAR}=torch to use the PyTorch kernels."
+                f"{ENV_VAR}=triton was requested, but the Triton KDA kernels are not available here: they need the "
+                f"`triton` package (installed: {has_triton}) and a CUDA GPU (available: {torch.cuda.is_available()}),"
+                f" or TRITON_INTERPRET=1 to run them on the CPU under Triton's interpreter. "
+                f"Set {ENV_VAR}=torch (or unset it) to use the PyTorch kernels."
             )
         return "triton"
     raise KernelBackendError(f"{ENV_VAR}={value!r} is not a kernel backend; use {ENV_VAR}=torch or {ENV_VAR}=triton")

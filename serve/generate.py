@@ -7,10 +7,9 @@ the prefix.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
-
 from k3.model.transformer import K3Model
 
 from .sampling import sample

@@ -2,10 +2,13 @@
 
 import os
 
-import pytest
-import torch
-
+# OpenMP's default spin-wait makes 2-thread torch 10-20x slower whenever another process shares the 2 cores
+# (measured here); passive waiting costs nothing measurable when the machine is idle. Set before torch loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("K3_KERNELS", "torch")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 _real_empty = torch.empty
 

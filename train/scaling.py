@@ -7,9 +7,10 @@ The fit follows Hoffmann et al. 2022 (arXiv 2203.15556, section 3.3 and appendix
 
 Huber_delta(r) = r^2/2 for |r| <= delta, else delta (|r| - delta/2); delta = 1e-3; L-BFGS from every point of the
 grid alpha, beta in {0, .5, .., 2}, e in {-1, -.5, .., 1}, a, b in {0, 5, .., 25} (4500 starts); the lowest objective
-among the starts that converged is kept. All starts run as one batch (`lbfgs_batched`): every start has its own
-history, step and line search, exactly as if each ran alone, so no start influences another (a summed objective under
-torch.optim.LBFGS would couple them through one shared line search). Converged starts leave the batch.
+among the starts that converged is kept, then polished to a stationary point (see REFINE). All starts run as one
+batch (`lbfgs_batched`): every start has its own history, step and line search, exactly as if each ran alone, so no
+start influences another (a summed objective under torch.optim.LBFGS would couple them through one shared line
+search). Converged starts leave the batch.
 
 Compute-optimal allocation under C = 6 N D (Hoffmann et al. eq. 4): N_opt = G (C/6)^a, D_opt = (C/6)^b / G with
 G = (alpha A / (beta B))^(1/(alpha+beta)), a = beta/(alpha+beta), b = alpha/(alpha+beta).
@@ -281,7 +282,7 @@ def lbfgs_batched(fun: Callable, x0_SK: np.ndarray, *, memory: int = 10, max_ite
 
 @dataclass
 class ScalingFit:
-    """Best converged fit of L(N, D) = E + A/N^alpha + B/D^beta, and what the grid search found."""
+    """Fit of L(N, D) = E + A/N^alpha + B/D^beta (the grid's best converged start, polished) and the grid's optima."""
 
     E: float
     A: float
@@ -419,7 +420,7 @@ def bootstrap_fits(N, D, loss, fit: ScalingFit, *, n: int, n_starts: int = 32, s
     Each replica starts from the `n_starts` lowest distinct optima of the full fit (the basins the full grid found)
     instead of all 4500 grid points and refines with REFINE tolerances (they reach the optimum a full-grid refit of
     the replica finds); all replicas x starts run as one batch with per-start point weights (bootstrap counts).
-    Replicas without a converged start are NaN rows.
+    Replicas without a finite objective are NaN rows.
     Example: samples = bootstrap_fits(N, D, L, fit_scaling_law(N, D, L), n=100); np.percentile(samples, 2.5, 0)
     """
     N, D, loss = _check_points(N, D, loss)

@@ -352,10 +352,14 @@ def chunk_kda_torch(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     B, T, _, K = q.shape
     HV = v.shape[2]
     out_dtype = v.dtype
+    # The reference path computes in fp32 at least (bf16/fp16 inputs are upcast, float64 stays float64) and
+    # ignores any surrounding autocast, so mixed-precision training gets fp32 states; the Triton path stores
+    # intermediates in the input dtype instead (kda.md 3.3).
+    dt = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q, k, g, beta = prepare_kda_inputs(
         q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-    dt = q.dtype
     safe_shift = None
     if safe_gate:
         floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound
@@ -372,7 +376,8 @@ def chunk_kda_torch(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     if initial_state is not None:
         h0 = initial_state.to(dt)
         h0 = h0.transpose(-1, -2) if state_v_first else h0
-    o, S, hs = chunk_core(q, k, v, g, beta, h0, safe_shift)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        o, S, hs = chunk_core(q, k, v, g, beta, h0, safe_shift)
     o = from_padded(o, lay, T).to(out_dtype)
     final = None
     if output_final_state:

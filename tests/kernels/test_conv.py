@@ -7,6 +7,15 @@ import torch.nn.functional as F
 from k3.kernels.conv import causal_conv1d, short_conv
 
 
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP spin-waits on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def loop_reference(x, weight, tail, activation):
     """y[t, c] = act(sum_w weight[c, w] * x_ext[t + w, c]) over x_ext = [tail ; x], float64 loops; final tail."""
     x, weight = x.double(), weight.double()

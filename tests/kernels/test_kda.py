@@ -18,6 +18,17 @@ from k3.kernels.kda import (
     naive_kda_lowerbound_gate,
     naive_recurrent_kda,
 )
+from k3.kernels.kda.chunk import unit_lower_inverse
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP spin-waits on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 F64 = torch.float64
 F32 = torch.float32
@@ -98,6 +109,16 @@ def test_naive_chunk_matches_recurrent(BT, dtype):
     ratio = TIGHT if dtype == F64 else 0.005
     assert_close("o", o1, o2, ratio)
     assert_close("ht", s1, s2, ratio)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64])
+def test_unit_lower_inverse(n):
+    L = (torch.rand(3, 2, n, n, dtype=F64) * 0.5).tril(-1)  # like beta_i k_i.k_j decay: entries in [0, 1)
+    M = unit_lower_inverse(L)
+    eye = torch.eye(n, dtype=F64)
+    assert (M @ (eye + L) - eye).abs().max() < 1e-10
+    ref = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False)
+    assert_close("M", ref, M, TIGHT)
 
 
 # --------------------------------------------------------------------------------------- chunk vs recurrent, fwd + bwd

@@ -11,6 +11,16 @@ from k3.model.cache import KDACache
 from k3.model.config import ModelConfig
 from k3.model.kda import KimiDeltaAttention
 
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP spin-waits on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 GATES = {"lowerbound": -5.0, "softplus": None}
 
 

@@ -1,0 +1,186 @@
+"""KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
+
+Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]`.
+fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
+(`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
+
+Shapes (B, T, H, D) from issue 4; bf16 q/k/v, fp32 log gates g = -5 * sigmoid(z) (lower-bound gate range), beta in
+(0, 1) bf16; both libraries get use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5. Correctness against
+fla is checked (rel_rms of o, kda.md 6.1) before timing. Times are medians of triton.testing.do_bench (CUDA events).
+
+Roofline floor: FLOPs counted per token and head for BT = 64 (fwd: Aqk, L, w, u 2*BT*(3K + 2V); state scan and
+inter-chunk output 6*K*V; the 16x16 solve is ignored; fwd+bwd taken as 3x fwd) over the measured bf16 matmul rate,
+and the bytes of reading every input and writing every output once over the measured copy bandwidth; the floor is
+the larger; "frac" = floor / measured time.
+Decode: fused_recurrent_kda, T = 1, state pool updated in place by slot index, all in-kernel flags, one step captured
+in a CUDA graph; state bandwidth = (read + write of the fp32 states) / step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ["K3_KERNELS"] = "triton"
+
+import torch
+import torch.nn.functional as F
+import triton
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from triton.testing import do_bench
+
+SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
+DECODE_BATCHES = (1, 64, 256)
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def rel_rms(ref, out):
+    ref, out = ref.float(), out.float()
+    return ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
+
+
+def bench(fn, ms=300):
+    return do_bench(fn, warmup=max(25, ms // 4), rep=ms, return_mode="median")
+
+
+def ceilings():
+    """Measured copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s)."""
+    x = torch.randn(2**28, device=DEV)  # 1 GiB
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x)) * 1e-3
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    t_mm = bench(lambda: a @ b) * 1e-3
+    return 2 * x.numel() * 4 / t_copy, 2 * 8192**3 / t_mm
+
+
+def chunk_inputs(B, T, H, D):
+    q = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
+    k = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
+    v = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
+    g = -5.0 * torch.sigmoid(torch.randn(B, T, H, D, device=DEV))  # fp32 log decay in (-5, 0)
+    beta = torch.rand(B, T, H, device=DEV, dtype=BF16)
+    return [q, k, v, g, beta]
+
+
+KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
+
+
+def time_chunk(fn, xs, do):
+    with torch.no_grad():
+        t_fwd = bench(lambda: fn(*xs, **KW))
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+    def fwd_bwd():
+        o = fn(*leaves, **KW)[0]
+        o.backward(do)
+
+    t_fb = bench(fwd_bwd, ms=600)
+    return t_fwd, t_fb
+
+
+def time_sdpa(xs, do):
+    """Causal flash attention at the same B, T, H, D ([B, H, T, D] layout), fwd and fwd+bwd ms."""
+    qs, ks, vs = (x.transpose(1, 2).contiguous() for x in xs[:3])
+    with torch.no_grad():
+        t_fwd = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    ql, kl, vl = (x.detach().requires_grad_() for x in (qs, ks, vs))
+    dos = do.transpose(1, 2).contiguous()
+    t_fb = bench(lambda: F.scaled_dot_product_attention(ql, kl, vl, is_causal=True).backward(dos))
+    return t_fwd, t_fb
+
+
+def floor_ms(B, T, H, D, bw, mm, bwd):
+    K = V = D
+    tok = B * T * H
+    flops = tok * (2 * 64 * (3 * K + 2 * V) + 6 * K * V)
+    nbytes = tok * (2 * (2 * K + 2 * V) + 4 * K + 2)  # q, k, v, o bf16; g fp32; beta
+    if bwd:
+        flops *= 3
+        nbytes += tok * (2 * (2 * K + 2 * V) + 4 * K + 2) + tok * (2 * (2 * K + V) + 4 * K + 2)  # reads + grads
+    return max(flops / mm, nbytes / bw) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="all", choices=["all", "small"])
+    ap.add_argument("--no-fla", action="store_true")
+    args = ap.parse_args()
+    fla_chunk = fla_rec = None
+    if not args.no_fla:
+        try:
+            from fla.ops.kda import chunk_kda as fla_chunk
+            from fla.ops.kda import fused_recurrent_kda as fla_rec
+        except ImportError as e:
+            print(f"fla not importable ({e}); timing k3 alone", file=sys.stderr)
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}, triton {triton.__version__}, FLA_FLASH_KDA={os.environ['FLA_FLASH_KDA']}")
+    bw, mm = ceilings()
+    print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
+    print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
+    print("| shape (B,T,H,D) | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | fla fwd+bwd "
+          "| sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for B, T, H, D in shapes:
+        torch.manual_seed(0)
+        xs = chunk_inputs(B, T, H, D)
+        do = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
+        with torch.no_grad():
+            o_k3 = chunk_kda(*xs, **KW)[0]
+            err = rel_rms(fla_chunk(*xs, **KW)[0], o_k3) if fla_chunk else float("nan")
+        k3_f, k3_fb = time_chunk(chunk_kda, xs, do)
+        fla_f = fla_fb = float("nan")
+        if fla_chunk:
+            fla_f, fla_fb = time_chunk(fla_chunk, xs, do)
+        sd_f, sd_fb = time_sdpa(xs, do)
+        fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
+        print(f"| ({B},{T},{H},{D}) | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | {fla_f / k3_f:.2f} | "
+              f"{k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | "
+              f"{fl_fb / k3_fb:.2f} |", flush=True)
+        del xs, do, o_k3
+        torch.cuda.empty_cache()
+
+    dec = []
+    H, D = 16, 128
+    for B in DECODE_BATCHES:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, 1, H, D, device=DEV, dtype=BF16) for _ in range(3))
+        z = torch.randn(B, 1, H, D, device=DEV)
+        b = torch.randn(B, 1, H, device=DEV, dtype=BF16)
+        A_log, dt_bias = torch.zeros(H, device=DEV), torch.randn(H * D, device=DEV)
+        idx = torch.arange(B, device=DEV, dtype=torch.int32)
+        kw = {"A_log": A_log, "dt_bias": dt_bias, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
+              "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx}
+        res = []
+        for name, fn in (("k3", fused_recurrent_kda), ("fla", fla_rec)):
+            if fn is None:
+                res.append(float("nan"))
+                continue
+            pool = torch.randn(B, H, D, D, device=DEV)
+            try:
+                fn(q, k, v, z, b, initial_state=pool, **kw)  # warm-up: compile, and validate outside the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn(q, k, v, z, b, initial_state=pool, **kw)
+                res.append(bench(graph.replay) * 1e3)
+            except (RuntimeError, TypeError, ValueError) as e:  # report and go on: fla's API may differ
+                print(f"decode {name} B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                res.append(float("nan"))
+        state_bytes = 2 * B * H * D * D * 4
+        dec.append((B, res[0], res[1], state_bytes / (res[0] * 1e-6) / 1e12))
+
+    print(f"\n## decode: fused_recurrent_kda, H={H}, D={D}, T=1, pool in place, CUDA graph, us per step")
+    print(f"| B | k3 us | fla us | k3 state GB/s | fraction of copy bandwidth ({bw / 1e9:.0f} GB/s) |")
+    print("|---|---|---|---|---|")
+    for B, t_k3, t_fla, tbs in dec:
+        print(f"| {B} | {t_k3:.1f} | {t_fla:.1f} | {tbs * 1e3:.0f} | {tbs * 1e12 / bw:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

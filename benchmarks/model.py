@@ -1,0 +1,149 @@
+"""Forward+backward training throughput of a K3 model against a dense Llama-style anchor of the same width/depth.
+
+    python benchmarks/model.py --model k3-tiny --device cpu --batch 8 --seq 256
+    python benchmarks/model.py --model k3-small --device cuda --batch 8 --seq 4096
+
+Both models run one full training step (forward, CE loss, backward; no optimizer) in the same process on the same
+batch. The anchor is a plain Pre-LN transformer (SDPA causal attention with d/64 heads, SwiGLU MLP sized to match
+the K3 model's *active* non-embedding parameters, same vocab), i.e. what a user would train instead. Prints a
+table with tokens/s, ms/step, model FLOPs utilisation (6 * active params * tokens + attention) and the ratio to the
+anchor. Timing: warmup steps, then the median of --steps timed steps (CUDA synchronised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.cli.config import load_model_config
+from k3.model.transformer import build_model, count_parameters
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.up, self.down = nn.Linear(d, 2 * ff, bias=False), nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, D // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        g, u = self.up(self.n2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class DenseLM(nn.Module):
+    """Llama-style anchor (RMSNorm, SDPA, SwiGLU, untied head)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, ff: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(DenseBlock(d, max(1, d // 64), ff) for _ in range(layers))
+        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def anchor_for(cfg, active_nonembed: int) -> DenseLM:
+    d, L = cfg.d_model, cfg.n_layers
+    # 4 d^2 attention + 3 d ff MLP per layer matches the K3 model's active non-embedding parameters
+    ff = max(64, int((active_nonembed / L - 4 * d * d) / (3 * d)) // 64 * 64)
+    return DenseLM(cfg.vocab_size, d, L, ff)
+
+
+def time_steps(step, steps: int, warmup: int, cuda: bool) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="k3-tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="device peak for MFU (default: 989 bf16 on H100/H200, 0.087 fp32 on a 2-core CPU)")
+    ap.add_argument("--no-mtp", action="store_true", help="drop the MTP branch")
+    args = ap.parse_args()
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    cfg = load_model_config(args.model)
+    torch.manual_seed(0)
+    k3 = build_model(cfg, seed=0).to(dev)
+    counts = count_parameters(k3)
+    dense = anchor_for(cfg, counts["active_nonembed"]).to(dev)
+    dense_active = sum(p.numel() for p in dense.parameters())
+    B, T, V = args.batch, args.seq, cfg.vocab_size
+    tokens = torch.randint(0, V, (B, T + 1), device=dev)
+
+    def k3_step():
+        with amp:
+            out = k3(tokens[:, :-1], mtp_tokens_BT=None if args.no_mtp else tokens[:, 1:])
+            loss = F.cross_entropy(out.logits.float().reshape(-1, V), tokens[:, 1:].reshape(-1))
+            if out.mtp_logits is not None:
+                loss = loss + 0.3 * F.cross_entropy(out.mtp_logits[:, :-1].float().reshape(-1, V),
+                                                    tokens[:, 2:].reshape(-1))
+        loss.backward()
+        k3.zero_grad(set_to_none=True)
+
+    def dense_step():
+        with amp:
+            logits = dense(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, V), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        dense.zero_grad(set_to_none=True)
+
+    peak = args.peak_tflops or (989.0 if cuda else 0.087)
+    n_mla = cfg.layer_types.count("mla")
+    rows = []
+    for name, step, active, attn_layers, hd in [
+        ("dense anchor", dense_step, dense_active, cfg.n_layers, cfg.d_model),
+        (f"{args.model}", k3_step, counts["active"] + (0 if args.no_mtp else counts["mtp"]), n_mla,
+         cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / 2),
+    ]:
+        t = time_steps(step, args.steps, args.warmup, cuda)
+        flops = 6 * active * B * T + 6 * attn_layers * B * T * T * hd  # causal attention ~ half of 12*T*d
+        rows.append((name, active, t, B * T / t, flops / t / 1e12 / peak))
+        if cuda:
+            rows[-1] += (torch.cuda.max_memory_allocated() / 2**30,)
+            torch.cuda.reset_peak_memory_stats()
+    print(f"\nfwd+bwd, B={B} T={T}, device={dev} ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"{'model':<14} {'active params':>14} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'vs anchor':>10}"
+          + (f" {'peak GiB':>9}" if cuda else ""))
+    base = rows[0][3]
+    for r in rows:
+        line = f"{r[0]:<14} {r[1] / 1e6:>13.1f}M {r[2] * 1e3:>9.1f} {r[3]:>11,.0f} {r[4] * 100:>6.1f}% {r[3] / base:>9.2f}x"
+        print(line + (f" {r[5]:>9.1f}" if cuda else ""))
+
+
+if __name__ == "__main__":
+    main()

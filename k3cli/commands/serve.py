@@ -1,0 +1,40 @@
+"""`k3 serve CKPT`: an OpenAI-compatible HTTP server for a release checkpoint (serving.md; issue 5)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from k3.cli.errors import friendly_errors
+
+
+@friendly_errors
+def serve(
+    ckpt: Path = typer.Argument(..., help="release checkpoint directory (e.g. runs/<name>/final)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (0.0.0.0 exposes the server)"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port"),
+    api_key: list[str] | None = typer.Option(None, "--api-key", help="accepted Bearer key (repeatable; or "
+                                                "K3_API_KEY)"),
+    max_batch: int = typer.Option(16, "--max-batch", min=1, help="running sequences at once"),
+    max_model_len: int = typer.Option(2048, "--max-model-len", min=2, help="context limit (prompt + output)"),
+    max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=64,
+                                               help="tokens per engine step (prefill chunk budget)"),
+    max_queue: int = typer.Option(512, "--max-queue", min=1, help="waiting requests before 503 queue_full"),
+    served_model_name: str = typer.Option("", "--served-model-name", help="model id (default: directory name)"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="disable prefix caching"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16"),
+) -> None:
+    """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from k3.serve.config import ServeConfig
+    from k3.serve.server import run_server
+
+    keys = list(api_key or [])
+    if not keys and os.environ.get("K3_API_KEY"):
+        keys = [os.environ["K3_API_KEY"]]
+    run_server(ServeConfig(ckpt=str(ckpt), host=host, port=port, api_keys=keys, max_num_seqs=max_batch,
+                           max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                           max_queue=max_queue, served_model_name=served_model_name,
+                           enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype))

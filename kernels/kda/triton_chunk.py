@@ -1,0 +1,454 @@
+"""Chunkwise KDA forward as Triton kernels (`chunk_kda` on the "triton" backend); backward by the PyTorch path.
+
+Legend: N sequences, T_all total tokens (B * T, or the packed varlen length), H q/k heads, HV value heads, K key dim,
+V value dim, BT chunk size (16/32/64), BC = 16 sub-chunk, NC = BT / BC, NT_all chunks over all sequences,
+BK = next_pow2(K), BV value block. Every tensor is addressed as [T_all, heads, dim] (B folded into T).
+
+Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = chunk-local cumsum(g) / ln 2):
+1. `_intra_kernel`, one program per (chunk, value head): Gamma [T_all, HV, K] fp32; Aqk = scale * q k^T with decay
+   (j <= i) and L = diag(beta) k k^T with decay (j < i), both [T_all, HV, BT], per 16-token sub-chunk s:
+     off-diagonal (columns of earlier sub-chunks): one dot with the anchor Gamma_n = first row of sub-chunk s,
+       query factor exp2(Gamma_i - Gamma_n) <= 1, key factor exp2(Gamma_n - Gamma_j) <= 1 (kda.md 3.3);
+     diagonal 16 x 16 block: with `safe_gate` one dot with the fixed anchor C = Gamma_n - (BC - 1) s / 2 (in log2
+       units), s = -lower_bound (2 if unset), so appending tokens cannot move C; otherwise exact pairwise exponents,
+       one column at a time in fp32 (any g, including -1000).
+2. `_solve_kernel`: M = (I + L)^-1 by fp32 forward substitution on each diagonal 16 x 16 block and block-inverse
+   merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
+3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v).
+4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
+   h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + (k exp2(Gamma_last - Gamma))^T v_new.
+5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new.
+Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
+in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
+
+Backward: `_ChunkKDATriton.backward` recomputes the forward with the PyTorch implementation (chunk.py, hand-written
+blockwise backward) and returns its gradients, so autograd is exact but the backward runs at PyTorch speed.
+The in-kernel steps (q/k L2 norm, gate, beta sigmoid) run as PyTorch ops around the core, so autograd covers them.
+float64 inputs (the reference precision) run on the PyTorch implementation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
+from .gate import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
+from .triton_recurrent import check_device
+
+RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
+
+
+@triton.jit
+def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """(first token of chunk i_t, its number of real tokens) for fixed-length or varlen sequences."""
+    if VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_t).to(tl.int64)
+        i_c = tl.load(chunk_indices + 2 * i_t + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_t // NT
+        i_c = i_t % NT
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    start = bos + i_c * BT
+    return start, tl.minimum(eos - start, BT).to(tl.int32)
+
+
+@triton.jit
+def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu_seqlens, scale, shift, T, NT,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, VARLEN: tl.constexpr,
+                  PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    m_tk = m_t[:, None] & m_k[None, :]
+    # Gamma of the whole chunk [BT, BK], fp32, log2 units; padded rows/columns load g = 0 (identity steps)
+    b_g = tl.load(g + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_G = tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950408889634
+    tl.store(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_G, mask=m_tk)
+    b_G3 = tl.reshape(b_G, (NC, BC, BK))
+    b_kall = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    o_c = tl.arange(0, BC)
+    o_nc = tl.arange(0, NC)
+    for s in tl.static_range(NC):
+        r_s = s * BC + o_c  # rows of sub-chunk s within the chunk
+        m_s = r_s < n_valid
+        m_sk = m_s[:, None] & m_k[None, :]
+        b_q = tl.load(q + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
+        b_q = b_q.to(tl.float32) * scale
+        b_k = tl.load(k + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_b = tl.load(beta + (start + r_s) * HV + i_hv, mask=m_s, other=0.0).to(tl.float32)
+        b_Gs = tl.sum(tl.where(o_nc[:, None, None] == s, b_G3, 0.0), axis=0)  # exact row extraction [BC, BK]
+        b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_Gs, 0.0), axis=0)  # anchor: first row of sub-chunk [BK]
+        p_A = ((start + r_s[:, None]) * HV + i_hv) * BT + o_t[None, :]
+        m_store = m_s[:, None] & ((o_t[None, :] < s * BC) | (o_t[None, :] >= s * BC + BC))
+        if s > 0:  # off-diagonal columns j < s * BC: both exponents <= 0
+            e_q = tl.exp2(b_Gs - b_Gn[None, :])
+            b_qf = (b_q * e_q).to(b_kall.dtype)
+            b_kf = (b_k * e_q).to(b_kall.dtype)
+            e_k = tl.exp2(tl.where(o_t[:, None] < s * BC, b_Gn[None, :] - b_G, float("-inf")))
+            b_kc = (b_kall.to(tl.float32) * e_k).to(b_kall.dtype)  # [BT, BK], zero rows from s * BC on
+            b_Aoff = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BT]
+            b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC) * b_b[:, None]
+        else:
+            b_Aoff = tl.zeros([BC, BT], dtype=tl.float32)
+            b_Loff = tl.zeros([BC, BT], dtype=tl.float32)
+        tl.store(Aqk + p_A, b_Aoff.to(Aqk.dtype.element_ty), mask=m_store)
+        tl.store(Lkk + p_A, b_Loff, mask=m_store)
+        # diagonal 16 x 16 block
+        if SAFE:  # fixed anchor C = Gamma_n - shift: exp2(Gamma_i - C) and exp2(C - Gamma_j) both finite in fp32
+            b_C = b_Gn - shift
+            e_r = tl.exp2(b_Gs - b_C[None, :])
+            b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
+            b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
+            b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
+        else:  # exact pairwise exponents, one key column j at a time
+            b_Ad = tl.zeros([BC, BC], dtype=tl.float32)
+            b_Ld = tl.zeros([BC, BC], dtype=tl.float32)
+            for j in tl.static_range(BC):
+                sel = o_c[:, None] == j
+                b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
+                b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)  # [BK]
+                e = tl.exp2(tl.where(o_c[:, None] >= j, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
+                ke = b_kj[None, :] * e
+                b_Ad += tl.where(o_c[None, :] == j, tl.sum(b_q * ke, axis=1)[:, None], 0.0)
+                b_Ld += tl.where(o_c[None, :] == j, tl.sum(b_k * ke, axis=1)[:, None], 0.0)
+        b_Ad = tl.where(o_c[:, None] >= o_c[None, :], b_Ad, 0.0)
+        b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld * b_b[:, None], 0.0)
+        p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
+        tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
+        tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])
+
+
+@triton.jit
+def _inv_unit_lower(b_L, BC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular [BC, BC] block by fp32 forward substitution, row by row."""
+    o_c = tl.arange(0, BC)
+    b_M = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BC):
+        b_l = tl.sum(tl.where(o_c[:, None] == i, b_L, 0.0), axis=0)  # row i of L (zero from column i on)
+        b_row = tl.sum(b_l[:, None] * b_M, axis=0)  # sum_{j < i} L_ij M_j
+        b_M = tl.where(o_c[:, None] == i, b_M - b_row[None, :], b_M)  # M_i = e_i - sum_j L_ij M_j
+    return b_M
+
+
+@triton.jit
+def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """Block (r, c) [BC, BC] of the chunk's L; rows past the sequence end read as 0."""
+    o_c = tl.arange(0, BC)
+    m = ((r * BC + o_c) < n_valid)[:, None]
+    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
+    return tl.load(Lkk + p, mask=m, other=0.0)
+
+
+@triton.jit
+def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    o_c = tl.arange(0, BC)
+    m = ((r * BC + o_c) < n_valid)[:, None]
+    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
+    tl.store(Mout + p, b_M.to(Mout.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    M00 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 0, 0, HV, BT, BC), BC)
+    _store_block(Mout, M00, start, n_valid, i_hv, 0, 0, HV, BT, BC)
+    if NC > 1:  # block-inverse merges: M_ij = -M_ii sum_{j <= m < i} L_im M_mj
+        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+        M11 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 1, 1, HV, BT, BC), BC)
+        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
+        _store_block(Mout, M11, start, n_valid, i_hv, 1, 1, HV, BT, BC)
+        _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+    if NC > 2:
+        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
+        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
+        M22 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 2, 2, HV, BT, BC), BC)
+        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
+        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
+                      input_precision=PREC)
+        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
+        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
+        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        M33 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 3, 3, HV, BT, BC), BC)
+        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
+        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
+                      input_precision=PREC)
+        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
+                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
+        _store_block(Mout, M22, start, n_valid, i_hv, 2, 2, HV, BT, BC)
+        _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
+        _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
+        _store_block(Mout, M33, start, n_valid, i_hv, 3, 3, HV, BT, BC)
+        _store_block(Mout, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        _store_block(Mout, M31, start, n_valid, i_hv, 3, 1, HV, BT, BC)
+        _store_block(Mout, M30, start, n_valid, i_hv, 3, 0, HV, BT, BC)
+
+
+@triton.jit
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, chunk_indices, cu_seqlens, T, NT, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+               VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    # M is lower-triangular: read only j <= i (the blocks the solve wrote)
+    b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
+                  mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+    b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
+    b_w = tl.dot(b_M, b_x, input_precision=PREC)
+    tl.store(w + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
+    for i_v in tl.static_range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
+        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                 VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+        n_chunks = NT
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
+    c = 0
+    while c < n_chunks:  # while, not range(): Triton's interpreter cannot range() over a runtime scalar
+        start = bos + c * BT
+        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
+        m_t = o_t < n_valid
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                 b_h.to(hbuf.dtype.element_ty), mask=m_kv)
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
+        tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
+        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
+        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_kg = (b_k.to(tl.float32) * tl.exp2(b_Gl[None, :] - b_G)).to(b_w.dtype)  # zero rows past the end
+        b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
+        c += 1
+    if STORE_HT:
+        tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_qg = (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(b_A.dtype)
+    b_h = tl.load(hbuf + ((i_t.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0).to(b_A.dtype)
+    p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+    b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0)
+    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
+    tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32):
+    """Run the five kernels. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] fp32 log decay; beta: [B, T, HV];
+    h0: [N, HV, K, V] fp32 or None. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32,
+    h [NT_all, HV, K, V] = state entering each chunk, fp32 if h_fp32 else in the input dtype)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev, dt = q.device, q.dtype
+    BT, BC = chunk_size, SUB_CHUNK
+    NC = BT // BC
+    BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
+    prec = "ieee" if dt == torch.float32 else "tf32"
+    q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
+    if cu_seqlens is None:
+        N, NT = B, triton.cdiv(T, BT)
+        NT_all = N * NT
+        chunk_indices = chunk_offsets = cu = q  # unused placeholders (VARLEN=False)
+    else:
+        cu_list = cu_seqlens.tolist()
+        lens = [b - a for a, b in itertools.pairwise(cu_list)]
+        N, NT = len(lens), 0
+        per = [triton.cdiv(n, BT) for n in lens]
+        chunk_indices = torch.tensor([[n, c] for n, m in enumerate(per) for c in range(m)], dtype=torch.int32,
+                                     device=dev).reshape(-1, 2)
+        chunk_offsets = torch.tensor([0, *itertools.accumulate(per)], dtype=torch.int32, device=dev)
+        NT_all = sum(per)
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    varlen = cu_seqlens is not None
+    T_all = B * T
+    f32 = torch.float32
+    Gam = torch.empty(T_all, HV, K, dtype=f32, device=dev)
+    Aqk = torch.empty(T_all, HV, BT, dtype=dt, device=dev)
+    Lkk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
+    Mm = torch.empty(T_all, HV, BT, dtype=dt, device=dev)
+    w = torch.empty(T_all, HV, K, dtype=dt, device=dev)
+    u = torch.empty(T_all, HV, V, dtype=dt, device=dev)
+    vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
+    hbuf = torch.empty(NT_all, HV, K, V, dtype=f32 if h_fp32 else dt, device=dev)
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    ht = torch.empty(N, HV, K, V, dtype=f32, device=dev)
+    if NT_all == 0 or HV == 0:
+        ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
+        return o, ht, hbuf
+    shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
+    common = {"VARLEN": varlen, "PREC": prec}
+    _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu, float(scale), shift, T, NT,
+                                H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None, **common)
+    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common)
+    BVu = max(16, min(64, triton.next_power_of_2(V)))
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+                             BV=BVu, BT=BT, **common)
+    BVs = 32 if BK > 128 else max(16, min(64, triton.next_power_of_2(V)))
+    h0c = h0.contiguous() if h0 is not None else ht
+    _scan_kernel[(triton.cdiv(V, BVs), N, HV)](k, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
+                                               H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
+                                               STORE_HT=True, **common)
+    BVo = 32 if BK > 128 else max(16, min(64, triton.next_power_of_2(V)))
+    _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu, float(scale),
+                                                      T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVo, BT=BT, **common)
+    return o, ht, hbuf
+
+
+class _ChunkKDATriton(torch.autograd.Function):
+    """Triton forward, PyTorch backward (recompute). q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
+    g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
+    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cfg):
+        o, ht, hbuf = chunk_fwd_triton(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
+                                       chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"],
+                                       h_fp32=cfg["h_fp32"])
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(hbuf)
+        return o, ht, hbuf
+
+    @staticmethod
+    def backward(ctx, do, dht, _dh):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        cfg = ctx.cfg
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
+            o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                                    dt_bias=None, use_beta_sigmoid_in_kernel=False, safe_gate=cfg["safe_shift"]
+                                    is not None, lower_bound=cfg["lower_bound"], chunk_size=cfg["chunk_size"],
+                                    cu_seqlens=cfg["cu_seqlens"], return_intermediate_states=False,
+                                    state_v_first=False)
+            live = [x for x in leaves if x is not None]
+            grads = iter(torch.autograd.grad((o, ht), live, (do, dht), allow_unused=True))
+        out = [next(grads) if x is not None else None for x in leaves]
+        return (*out, None)
+
+
+def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
+                     chunk_size, cu_seqlens, return_intermediate_states, state_v_first):
+    """Triton implementation behind `chunk_kda` (arguments validated by the public function; see chunk_kda).
+
+    Same inputs and returns as `chunk_kda_torch`: (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or
+    None[, h [B, NT, HV, K, V] fp32]). Forward by the Triton kernels above; backward by the PyTorch path.
+    """
+    kwargs = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
+              "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
+              "A_log": A_log, "dt_bias": dt_bias, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+              "safe_gate": safe_gate,
+              "lower_bound": lower_bound, "chunk_size": chunk_size, "cu_seqlens": cu_seqlens,
+              "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first}
+    if q.dtype == torch.float64:  # the reference precision stays on the PyTorch implementation
+        return chunk_kda_torch(q, k, v, g, beta, **kwargs)
+    check_device("chunk_kda", q, k, v, g, beta, initial_state)
+    B, _T, _, K = q.shape
+    HV = v.shape[2]
+    # in-kernel steps as PyTorch ops (autograd-capable); q, k stay in their dtype, g and beta become fp32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+    if use_gate_in_kernel:
+        g = (naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None
+             else naive_kda_gate(g, A_log, dt_bias))
+    g = g.float()
+    beta = torch.sigmoid(beta.float()) if use_beta_sigmoid_in_kernel else beta.float()
+    safe_shift = None
+    if safe_gate:
+        floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound
+        if not use_gate_in_kernel and g.numel() and g.min().item() < floor:
+            raise ValueError(f"chunk_kda: safe_gate=True needs every g >= {floor} (lower_bound), got min(g)="
+                             f"{g.min().item():.4g}; clamp g to [lower_bound, 0] or pass safe_gate=False")
+        s = -lower_bound if lower_bound is not None else 2.0
+        safe_shift = (SUB_CHUNK - 1) * s / 2  # C = Gamma_0 - (BC - 1) s / 2 (kda.md 3.3), in nats
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.float()
+        h0 = h0.transpose(-1, -2) if state_v_first else h0
+    cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
+           "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound}
+    o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
+    final = None
+    if output_final_state:
+        final = ht.transpose(-1, -2).contiguous() if state_v_first else ht
+    if not return_intermediate_states:
+        return o, final
+    h = hbuf.view(B, -1, HV, K, v.shape[3]) if cu_seqlens is None else hbuf.unsqueeze(0)
+    h = h.transpose(-1, -2).contiguous() if state_v_first else h
+    return o, final, h

@@ -1,0 +1,203 @@
+"""Recurrent KDA as a Triton kernel (`fused_recurrent_kda` on the "triton" backend): decode and short appends.
+
+Legend: B batch, T tokens, N sequences, H q/k heads, HV value heads, K key dim, V value dim, P pool slots,
+BK = next_pow2(K), BV = value block (32), S_max draft positions per sequence.
+
+One program per (V block, sequence, value head) holds its [BK, BV] slice of the fp32 state in registers and loops
+over the sequence's tokens, each step the delta form of kda.md section 1 (Kimi Linear, arXiv 2510.26692):
+
+    S' = Diag(exp(g_t)) S;   S = S' + beta_t k_t (v_t - S'^T k_t)^T;   o_t = S^T (scale * q_t)
+
+The optional in-kernel steps (q/k L2 norm, the softplus or lower-bound gate, the beta sigmoid; kda.md section 2)
+are applied per token inside the loop. Every load over K or V is masked, so any K <= 256 (60, 100, ...) works.
+
+State pool semantics are exactly those of the PyTorch twin (fused_recurrent.py): `ssm_state_indices` [N] reads
+and writes pool[idx[n]] in place (negative index: start from zeros, write nothing); with `num_accepted_tokens` and
+[N, S_max] indices, sequence n starts from pool[idx[n, num_accepted_tokens[n] - 1]] and the state after each of its
+tokens t goes to pool[idx[n, t]]. Each program touches only its own (slot, head, V block), so slots that are not
+named are never written (bit-identical). The state is addressed through strides, so K-first and V-first
+(`state_v_first`) layouts share one kernel.
+
+float64 inputs (the reference precision) are computed by the PyTorch twin: the kernel accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import triton_interpreter as interpreting
+from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
+
+BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
+
+
+def check_device(fn: str, *tensors) -> None:
+    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter; say so instead of crashing inside."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_cuda and interpreting():
+            raise RuntimeError(f"{fn}: TRITON_INTERPRET=1 runs Triton kernels on the CPU, but got a CUDA tensor; "
+                               f"unset TRITON_INTERPRET or move the inputs to the CPU")
+        if not t.is_cuda and not interpreting():
+            raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors, got a {t.device} tensor; move the inputs "
+                               f"to the GPU, set K3_KERNELS=torch, or TRITON_INTERPRET=1 to interpret them on the CPU")
+
+
+@triton.jit
+def _recurrent_kda_kernel(
+    q, k, v, g, beta, o, A_log, dt_bias, h0, ht, cu_seqlens, slots, per_token,
+    scale, lower_bound, T,
+    s0_n, s0_h, s0_k, s0_v,  # strides of h0 (initial state or pool): row, head, key, value
+    st_n, st_h, st_k, st_v,  # strides of ht (final state)
+    pt_n,  # row stride of per_token slots [N, S_max]
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
+):
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)  # GVA: value head i_hv reads q/k head i_hv // (HV / H)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1) - tl.load(cu_seqlens + i_n)).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    # initial state: row i_n of h0, or pool slot `slot` (negative: zeros, nothing read)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+    slot = i_n.to(tl.int64)
+    if HAS_H0:
+        if POOL:
+            slot = tl.load(slots + i_n).to(tl.int64)
+        p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
+
+    if GATE:
+        if HAS_A_LOG:
+            b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+
+    t = 0
+    while t < seq_len:  # a while loop: Triton's interpreter cannot range() over a runtime scalar under numpy >= 2.4
+        tok = bos + t
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+        b_g = tl.load(g + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_b = tl.load(beta + tok * HV + i_hv).to(tl.float32)
+        if L2NORM:  # x / sqrt(sum x^2 + 1e-6), eps inside the sqrt (kda.md section 2)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if GATE:
+            if HAS_DT_BIAS:
+                b_g = b_g + b_bias
+            if LOWER_BOUND_GATE:  # g = lb * sigmoid(exp(A_log) * (z + dt_bias))
+                if HAS_A_LOG:
+                    b_g = b_A * b_g
+                b_g = lower_bound * tl.sigmoid(b_g)
+            else:  # g = -exp(A_log) * softplus(z + dt_bias); softplus(x) = x above 20, as torch's threshold
+                b_g = -b_A * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(tl.minimum(b_g, 20.0))))
+            b_g = tl.where(m_k, b_g, 0.0)
+        if BETA_SIGMOID:
+            b_b = tl.sigmoid(b_b)
+        b_h = b_h * tl.exp(b_g)[:, None]  # decay first
+        b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
+        b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
+        b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
+        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
+            s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
+            p_w = h0 + tl.maximum(s_t, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+            tl.store(p_w, b_h.to(h0.dtype.element_ty), mask=m_kv & (s_t >= 0))
+        t += 1
+
+    if POOL and not PER_TOKEN:  # write the final state back to the sequence's own slot, in place
+        p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
+    if STORE_HT:
+        p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
+        tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
+
+
+def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound,
+                               cu_seqlens, state_v_first, ssm_state_indices, num_accepted_tokens):
+    """Triton implementation behind `fused_recurrent_kda` (arguments validated by the public function).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state [N, HV, K, V] fp32
+    (or the pool [P, HV, K, V], V-first with `state_v_first`). Returns (o [B, T, HV, V] in v.dtype,
+    final_state [N, HV, K, V] fp32 or None); the pool is updated in place. Semantics: fused_recurrent.py.
+    """
+    kwargs = {"A_log": A_log, "dt_bias": dt_bias, "scale": scale, "initial_state": initial_state,
+              "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+              "use_gate_in_kernel": use_gate_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+              "lower_bound": lower_bound, "cu_seqlens": cu_seqlens, "state_v_first": state_v_first,
+              "ssm_state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
+    if q.dtype == torch.float64:  # the reference precision stays on the PyTorch twin (the kernel accumulates in fp32)
+        return fused_recurrent_kda_torch(q, k, v, g, beta, **kwargs)
+    check_device("fused_recurrent_kda", q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+
+    pooled = ssm_state_indices is not None
+    slots = per_token = None
+    if pooled:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:  # CUDA-graph capture: the value checks need a host sync; shapes were checked outside the graph
+            if num_accepted_tokens is None:
+                slots = ssm_state_indices
+            else:
+                per_token = ssm_state_indices
+                slots = per_token.gather(1, (num_accepted_tokens.long() - 1).unsqueeze(1)).squeeze(1)
+        else:
+            max_len = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
+            slots, per_token = _check_pool(initial_state, ssm_state_indices, num_accepted_tokens, N, HV, K, V,
+                                           state_v_first, max_len)
+        slots = slots.to(torch.int32).contiguous()
+        per_token = per_token.to(torch.int32).contiguous() if per_token is not None else None
+
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    ht = None
+    if output_final_state:
+        ht = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32, device=q.device)
+    h0 = initial_state
+    dummy = o  # placeholder pointer for absent tensors (never dereferenced: the constexpr flags switch them off)
+
+    def strides(x):  # (row, head, key, value) strides of a [*, HV, K, V] or [*, HV, V, K] state
+        if x is None:
+            return 0, 0, 0, 0
+        return (x.stride(0), x.stride(1), x.stride(3), x.stride(2)) if state_v_first else tuple(x.stride())
+
+    BK = triton.next_power_of_2(K)
+    BV = min(BV_DEFAULT, triton.next_power_of_2(V))
+    grid = (triton.cdiv(V, BV), N, HV)
+    if N and HV:
+        _recurrent_kda_kernel[grid](
+            q, k, v, g, beta, o,
+            A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+            cu_seqlens if cu_seqlens is not None else dummy,
+            slots if slots is not None else dummy, per_token if per_token is not None else dummy,
+            float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
+            *strides(h0), *strides(ht), per_token.stride(0) if per_token is not None else 0,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            L2NORM=use_qk_l2norm_in_kernel, GATE=use_gate_in_kernel, LOWER_BOUND_GATE=lower_bound is not None,
+            HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+            HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
+            VARLEN=cu_seqlens is not None,
+            num_warps=4 if BK * BV >= 4096 else 2,
+        )
+    return o, ht

@@ -1,0 +1,36 @@
+"""ServeConfig: every knob of `k3 serve` and the in-process engine (serving.md section 5, "Config").
+
+Stdlib only, so the CLI can build it without importing torch or FastAPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeConfig:
+    ckpt: str = ""  # release checkpoint directory (config.json, model.safetensors, tokenizer.json)
+    host: str = "127.0.0.1"  # bind address; loopback by default, exposing needs an explicit 0.0.0.0
+    port: int = 8000  # TCP port
+    api_keys: list[str] = field(default_factory=list)  # accepted Bearer keys; empty = no auth
+    served_model_name: str = ""  # model id in /v1/models and requests; "" = the checkpoint directory's name
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (checkpoint dtype on GPU, float32 on CPU) | float32 | bfloat16 | float16
+    max_model_len: int = 0  # context limit (prompt + output); 0 = 2048
+    max_num_seqs: int = 16  # running sequences at once (KDA state slots)
+    max_num_batched_tokens: int = 256  # token budget per engine step (decodes + prefill chunks)
+    max_queue: int = 512  # waiting requests beyond which new ones get 503 queue_full
+    kv_block_size: int = 64  # MLA latent tokens per page; a multiple of the KDA chunk (64)
+    num_kv_blocks: int = 0  # latent pages in the pool; 0 = enough for max_num_seqs full contexts + prefix reuse
+    enable_prefix_caching: bool = True  # share latent pages and restore KDA snapshots for repeated prefixes
+    num_state_snapshots: int = 256  # KDA snapshot store entries (one per cached 64-token block boundary)
+    num_speculative_tokens: int = 0  # MTP draft tokens per step (0 = off; needs a checkpoint with an MTP head)
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    max_n: int = 8  # largest accepted `n`
+    max_top_logprobs: int = 20  # largest accepted top_logprobs / logprobs
+    max_stop: int = 4  # most stop strings per request (OpenAI's limit)
+    request_timeout_s: float = 600.0  # wall-clock limit of one request; it is aborted after that
+    sse_ping_interval_s: float = 15.0  # SSE comment keep-alive while a request waits or prefills
+    warmup: bool = True  # run every step shape once before /health reports ready
+    log_level: str = "warning"  # uvicorn log level

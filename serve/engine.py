@@ -1,0 +1,516 @@
+"""Engine: continuous batching over the hybrid caches of a K3 model (serving.md section 2).
+
+Every `step()`:
+1. takes new requests and aborts from a thread-safe inbox (the HTTP side never touches engine state);
+2. admits waiting sequences FCFS while a KDA slot and enough latent pages are free (pages are reserved for the
+   whole prompt + max_tokens, so a running sequence never runs out and no preemption is needed); with prefix
+   caching a new sequence starts from the deepest block boundary whose latent pages AND KDA snapshot are cached;
+3. schedules one decode token for every running sequence, then prefill chunks under the token budget
+   `max_num_batched_tokens` (chunks are multiples of the 64-token block, so KDA chunk and page boundaries align);
+4. runs one forward (`ModelRunner`), publishes newly completed pages and snapshots (written before published),
+   samples, detokenizes, applies stop conditions and sends a `SeqEvent` to each sequence's sink.
+Sequences join and leave between any two steps. `start()` runs steps on a background thread; without it, call
+`step()` yourself (tests, `k3 generate`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from k3.model.tokenizer import IncrementalDecoder, K3Tokenizer
+from k3.model.transformer import K3Model
+
+from .cache import PagePool, SnapshotStore, StatePool, block_hashes, chain_hash
+from .config import ServeConfig
+from .metrics import Metrics
+from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob
+from .runner import ModelRunner, StepSeq
+from .sampling import sample
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds max_queue requests (HTTP 503 queue_full)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped after an internal error (HTTP 503; /health turns non-200)."""
+
+
+class Engine:
+    """Continuous-batching engine. submit() / abort() are thread-safe; step() runs on one thread only."""
+
+    def __init__(self, model: K3Model, tokenizer: K3Tokenizer, cfg: ServeConfig, metrics: Metrics | None = None):
+        mc = model.config
+        self.model, self.tok, self.cfg = model.eval(), tokenizer, cfg
+        self.metrics = metrics or Metrics(cfg.served_model_name or "k3")
+        self.max_model_len = cfg.max_model_len or DEFAULT_MAX_MODEL_LEN
+        bs = self.block_size = cfg.kv_block_size
+        if bs % mc.kda_chunk_size or bs < 16:
+            raise ValueError(f"kv_block_size={bs} must be a multiple of the KDA chunk size {mc.kda_chunk_size} so "
+                             "snapshots land on chunk boundaries (kda.md 8); use 64")
+        if cfg.max_num_batched_tokens < bs:
+            raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= kv_block_size={bs} "
+                             "(prefill chunks are whole blocks)")
+        if cfg.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
+        pages_per_seq = math.ceil(self.max_model_len / bs)
+        num_pages = cfg.num_kv_blocks or cfg.max_num_seqs * pages_per_seq * (2 if cfg.enable_prefix_caching else 1)
+        if num_pages < pages_per_seq:
+            raise ValueError(f"num_kv_blocks={num_pages} cannot hold one sequence of max_model_len="
+                             f"{self.max_model_len} ({pages_per_seq} pages of {bs}); raise it or lower max_model_len")
+        dev = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        n_kda = mc.layer_types.count("kda")
+        n_mla = len(mc.layer_types) - n_kda
+        self.pages = PagePool(n_mla, num_pages, bs, mc.kv_lora_rank + mc.qk_rope_head_dim, dtype, dev)
+        self.states = StatePool(n_kda, cfg.max_num_seqs, mc.kda_num_heads, mc.kda_head_dim, mc.kda_conv_kernel,
+                                dtype, dev)
+        self.snaps = (SnapshotStore(n_kda, cfg.num_state_snapshots, mc.kda_num_heads, mc.kda_head_dim,
+                                    mc.kda_conv_kernel, dev) if cfg.enable_prefix_caching else None)
+        self.runner = ModelRunner(model, self.pages, self.states, self.snaps)
+        self.device = dev
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inbox: deque = deque()
+        self._cv = threading.Condition()
+        self._num_queued = 0  # waiting + inbox submissions, for the bounded queue
+        self._reserved = 0  # pages promised to running sequences but not yet allocated
+        self._reserve: dict[int, int] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.dead: BaseException | None = None
+        self.ready = False
+        self.record_metrics = True
+
+    # ------------------------------------------------------------------------------------------------ public API
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink, *, n: int = 1,
+               request_id: str | None = None) -> list[str]:
+        """Queue `n` sequences of one prompt; `sink(SeqEvent)` is called from the engine thread. Returns seq ids.
+
+        Raises QueueFull when max_queue requests already wait, EngineDead after an engine failure, ValueError for
+        prompts the engine cannot hold (the HTTP layer validates first and answers 400)."""
+        if self.dead is not None:
+            raise EngineDead(f"engine stopped: {self.dead!r}")
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len {self.max_model_len}")
+        rid = request_id or f"req-{next(self._ids)}"
+        seqs = []
+        for i in range(n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % (1 << 63))
+            seqs.append(Sequence(seq_id=f"{rid}-{i}", index=i, prompt=list(prompt), params=params, sink=sink,
+                                 decoder=IncrementalDecoder(self.tok, skip_special_tokens=params.skip_special_tokens),
+                                 generator=gen))
+        with self._cv:
+            if self._num_queued + n > self.cfg.max_queue:
+                raise QueueFull(f"{self._num_queued} requests are waiting (max_queue {self.cfg.max_queue})")
+            self._num_queued += n
+            self._inbox.extend(("add", s) for s in seqs)
+            self._cv.notify()
+        return [s.seq_id for s in seqs]
+
+    def abort(self, seq_ids: list[str]) -> None:
+        """Cancel sequences (client gone): their slot and pages are freed at the next step."""
+        with self._cv:
+            self._inbox.extend(("abort", sid) for sid in seq_ids)
+            self._cv.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._inbox)
+
+    def start(self) -> None:
+        """Run steps on a daemon thread until stop()."""
+        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def generate(self, prompt: list[int], params: SamplingParams, n: int = 1) -> list[list[SeqEvent]]:
+        """Blocking helper: all events of the `n` sequences of one prompt, by choice index."""
+        events: list[list[SeqEvent]] = [[] for _ in range(n)]
+        done = threading.Event()
+        left = [n]
+
+        def sink(ev: SeqEvent) -> None:
+            events[ev.index].append(ev)
+            if ev.finish_reason is not None:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        self.submit(prompt, params, sink, n=n)
+        if self._thread is None:
+            while not done.is_set():
+                self.step()
+        else:
+            done.wait()
+        return events
+
+    def warmup(self) -> None:
+        """Run every step shape once (short and chunked prefill, batched decode, snapshot paths), then forget the
+        warmup's cache entries; sets `ready`."""
+        self.record_metrics = False
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, min_p=0.01, max_tokens=2, seed=0,
+                                     ignore_eos=True, logprobs=2, presence_penalty=0.5, prompt_logprobs=1)
+            L = min(self.block_size + 3, self.max_model_len - 4)
+            bos = self.tok.bos_id
+            for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
+                self.generate(prompt, p, n=2)
+            self.reset_prefix_cache()
+        finally:
+            self.record_metrics = True
+        self.ready = True
+
+    def reset_prefix_cache(self) -> None:
+        self.pages.reset_prefix_cache()
+        if self.snaps is not None:
+            self.snaps.clear()
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self.has_work():
+                        self._cv.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as e:  # noqa: BLE001 - the engine must report, not vanish
+            self.dead = e
+            for s in list(self.running) + list(self.waiting):
+                self._emit(s, "", [], None, "error", error=f"engine failure: {e!r}")
+
+    def step(self) -> bool:
+        """One scheduling iteration; returns False when there was nothing to run."""
+        self._drain_inbox()
+        self._expire()
+        self._admit()
+        batch = self._schedule()
+        self._gauges()
+        if not batch:
+            return False
+        out = self.runner.step([st for _, st, _ in batch])
+        now = time.monotonic()
+        for seq, st, publish in batch:  # everything this step wrote is complete: publish pages and snapshots
+            seq.num_computed = st.start + len(st.tokens)
+            for kind, h, ref in publish:
+                if kind == "page":
+                    self.pages.register(ref, h)
+                else:
+                    self.snaps.publish(h, ref)
+        if self.record_metrics:
+            self.metrics.observe("k3:iteration_tokens_total", sum(len(st.tokens) for _, st, _ in batch))
+        for (seq, st, _), logits in zip(batch, out.logits):
+            if seq.status != "running":
+                continue
+            if st.logits == "all" and seq.params.prompt_logprobs is not None:
+                self._gather_prompt_logprobs(seq, st, logits)
+            if seq.prefilling:
+                continue
+            if seq.params.max_tokens == 0:  # prompt scoring only (echo + logprobs)
+                self._finish(seq, "length")
+                continue
+            tok, lp = self._sample(seq, logits[-1])
+            self._append(seq, tok, lp, now)
+        self._gauges()
+        return True
+
+    # ------------------------------------------------------------------------------------------------ scheduling
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, x in items:
+            if kind == "add":
+                self.waiting.append(x)
+            else:
+                for s in itertools.chain(self.waiting, self.running):
+                    if s.seq_id == x and s.status != "finished":
+                        self._finish(s, "abort")
+                        break
+
+    def _expire(self) -> None:
+        limit = self.cfg.request_timeout_s
+        now = time.monotonic()
+        for s in list(self.running) + list(self.waiting):
+            if limit and now - s.arrival > limit:
+                self._finish(s, "abort", error=f"request exceeded request_timeout_s={limit}")
+
+    def _pages_needed(self, seq: Sequence) -> int:
+        return math.ceil(min(len(seq.prompt) + seq.params.max_tokens, self.max_model_len) / self.block_size)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and self.states.free:
+            seq = self.waiting[0]
+            hit_pages, entry = self._lookup_prefix(seq)
+            for p in hit_pages:
+                self.pages.acquire(p)
+            need = self._pages_needed(seq) - len(hit_pages)
+            if self.pages.num_free - self._reserved < need:
+                self.pages.release(hit_pages)
+                return  # FCFS: wait until running sequences free pages
+            self.waiting.popleft()
+            with self._cv:
+                self._num_queued -= 1
+            seq.slot = self.states.allocate()
+            seq.block_table = list(hit_pages)
+            if hit_pages:
+                self.snaps.read_into(entry, self.states, seq.slot)
+                seq.num_computed = seq.num_cached = len(hit_pages) * self.block_size
+            self._reserve[id(seq)] = need
+            self._reserved += need
+            seq.status, seq.t_scheduled = "running", time.monotonic()
+            self.running.append(seq)
+            if self.record_metrics:
+                self.metrics.observe("k3:request_queue_time_seconds", seq.t_scheduled - seq.arrival)
+                if self.snaps is not None:
+                    self.metrics.inc("k3:prefix_cache_queries", len(seq.prompt))
+                    self.metrics.inc("k3:prefix_cache_hits", seq.num_cached)
+                    if hit_pages:
+                        self.metrics.inc("k3:state_checkpoint_hits")
+
+    def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """Deepest cached prefix: (pages of blocks 0..k-1, snapshot entry after block k-1). At least one prompt
+        token is always left to compute (it produces the first logits); prompt logprobs need the whole prompt."""
+        if self.snaps is None or seq.params.prompt_logprobs is not None:
+            return [], None
+        nb = (len(seq.prompt) - 1) // self.block_size
+        seq.hashes = block_hashes(seq.prompt, self.block_size, nb)
+        k = 0
+        while k < nb and self.pages.lookup(seq.hashes[k]) is not None:
+            k += 1
+        entry = None
+        while k > 0 and (entry := self.snaps.find(seq.hashes[k - 1])) is None:
+            k -= 1
+        return [self.pages.lookup(h) for h in seq.hashes[:k]], entry
+
+    def _hash(self, seq: Sequence, block: int) -> bytes:
+        """Chained hash of block `block` of the sequence's tokens (extends seq.hashes as tokens become known)."""
+        toks = seq.all_tokens
+        bs = self.block_size
+        while len(seq.hashes) <= block:
+            b = len(seq.hashes)
+            seq.hashes.append(chain_hash(seq.hashes[-1] if seq.hashes else b"", toks[b * bs:(b + 1) * bs]))
+        return seq.hashes[block]
+
+    def _schedule(self) -> list[tuple[Sequence, StepSeq, list]]:
+        budget = self.cfg.max_num_batched_tokens
+        bs = self.block_size
+        batch = []
+        decodes = [s for s in self.running if not s.prefilling]
+        prefills = [s for s in self.running if s.prefilling]
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            start = seq.num_computed
+            if seq.prefilling:
+                rem = len(seq.prompt) - start
+                take = rem if rem <= budget else (budget // bs) * bs
+                if take <= 0:
+                    continue
+                tokens = seq.prompt[start:start + take]
+                last = start + take == len(seq.prompt)
+                mode = "all" if seq.params.prompt_logprobs is not None else ("last" if last else "none")
+            else:
+                tokens, mode = [seq.output[-1]], "last"
+            budget -= len(tokens)
+            end = start + len(tokens)
+            while len(seq.block_table) * bs < end:
+                seq.block_table.append(self.pages.allocate())
+                self._reserve[id(seq)] -= 1
+                self._reserved -= 1
+            st = StepSeq(tokens=tokens, start=start, slot=seq.slot, block_table=seq.block_table, logits=mode)
+            publish = []
+            if self.snaps is not None:
+                for p in range((start // bs + 1) * bs, end + 1, bs):  # block boundaries in (start, end]
+                    h = self._hash(seq, p // bs - 1)
+                    publish.append(("page", h, seq.block_table[p // bs - 1]))
+                    if p == end or start % bs == 0:  # a state the kernels expose there (runner._write_snapshots)
+                        entry = self.snaps.reserve(h)
+                        if entry is not None:
+                            st.snapshots.append((p, entry))
+                            publish.append(("snap", h, entry))
+            batch.append((seq, st, publish))
+        if self.snaps is not None and self.record_metrics:
+            self.metrics.set("k3:state_checkpoint_evictions", self.snaps.evictions)
+        return batch
+
+    # ------------------------------------------------------------------------------------------------ sampling
+
+    def _sample(self, seq: Sequence, row_V: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """Next token from fp32 logits [V]; logprobs are the model's raw log-softmax (before penalties and
+        temperature, vLLM's default)."""
+        p = seq.params
+        logits = row_V
+        if (p.presence_penalty or p.frequency_penalty) and seq.counts:
+            ids = torch.tensor(list(seq.counts), device=row_V.device)
+            cnt = torch.tensor(list(seq.counts.values()), device=row_V.device, dtype=row_V.dtype)
+            # OpenAI's definition: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence
+            logits = logits.clone()
+            logits[ids] -= cnt * p.frequency_penalty + p.presence_penalty
+        if p.repetition_penalty != 1.0:
+            # Keskar et al. 2019 (CTRL, arXiv 1909.05858 section 4.1) as vLLM applies it: over prompt + output
+            seen = torch.tensor(sorted(set(seq.prompt) | set(seq.counts)), device=row_V.device)
+            logits = logits.clone()
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        tok = int(sample(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                         generator=seq.generator)[0])
+        lp = None
+        if p.logprobs is not None:
+            lp = _token_logprob(torch.log_softmax(row_V.float(), -1), tok, p.logprobs)
+        return tok, lp
+
+    def _gather_prompt_logprobs(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> None:
+        """Row j of the chunk predicts prompt token start + j + 1."""
+        if st.start == 0:
+            seq.prompt_lp.append(None)
+        lsm = torch.log_softmax(logits_TV.float(), -1)
+        for j in range(len(st.tokens)):
+            i = st.start + j + 1
+            if i < len(seq.prompt):
+                seq.prompt_lp.append(_token_logprob(lsm[j], seq.prompt[i], seq.params.prompt_logprobs))
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
+        p = seq.params
+        seq.output.append(tok)
+        seq.counts[tok] = seq.counts.get(tok, 0) + 1
+        if self.record_metrics:
+            self.metrics.inc("k3:generation_tokens")
+            if seq.t_first is None:
+                self.metrics.observe("k3:time_to_first_token_seconds", now - seq.arrival)
+            else:
+                self.metrics.observe("k3:inter_token_latency_seconds", now - seq.t_last)
+        if seq.t_first is None:
+            seq.t_first = now
+        seq.t_last = now
+        finish = None
+        if (tok == self.tok.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
+            finish = "stop"  # the stop token counts as output but its text is not shown
+        else:
+            before = len(seq.text)
+            seq.text += seq.decoder.add(tok)
+            if p.stop:
+                cut = _find_stop(seq.text, p.stop, before)
+                if cut is not None:
+                    seq.text, finish = seq.text[:cut], "stop"
+        if finish is None and (len(seq.output) >= p.max_tokens or len(seq.all_tokens) >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            if finish == "length":
+                seq.text += seq.decoder.flush()  # an incomplete trailing character becomes U+FFFD
+            self._finish(seq, finish, token=tok, lp=lp)
+            return
+        safe = len(seq.text) - _holdback(seq.text, p.stop)
+        delta = seq.text[seq.emitted:safe] if safe > seq.emitted else ""
+        seq.emitted += len(delta)
+        self._emit(seq, delta, [tok], [lp] if lp is not None else None, None)
+
+    # ------------------------------------------------------------------------------------------------ finishing
+
+    def _finish(self, seq: Sequence, reason: str, *, token: int | None = None, lp: TokenLogprob | None = None,
+                error: str | None = None) -> None:
+        """Free the sequence's slot and pages at once and send its last event."""
+        if seq.status == "running":
+            self.running.remove(seq)
+            self.states.release(seq.slot)
+            self.pages.release(seq.block_table)
+            self._reserved -= self._reserve.pop(id(seq), 0)
+            seq.block_table = []
+        elif seq.status == "waiting":
+            self.waiting.remove(seq)
+            with self._cv:
+                self._num_queued -= 1
+        seq.status, seq.finish_reason = "finished", reason
+        delta = seq.text[seq.emitted:]
+        seq.emitted = len(seq.text)
+        now = time.monotonic()
+        if self.record_metrics:
+            self.metrics.inc("k3:request_success", finished_reason=reason)
+            self.metrics.observe("k3:e2e_request_latency_seconds", now - seq.arrival)
+            self.metrics.observe("k3:request_prompt_tokens", len(seq.prompt))
+            self.metrics.observe("k3:request_generation_tokens", len(seq.output))
+            self.metrics.inc("k3:prompt_tokens", max(0, min(seq.num_computed, len(seq.prompt)) - seq.num_cached))
+            if seq.t_first is not None and seq.t_scheduled is not None:
+                self.metrics.observe("k3:request_prefill_time_seconds", seq.t_first - seq.t_scheduled)
+                self.metrics.observe("k3:request_decode_time_seconds", now - seq.t_first)
+        self._emit(seq, delta, [] if token is None else [token], None if lp is None else [lp], reason, error=error)
+
+    def _emit(self, seq: Sequence, text: str, toks: list[int], lps, finish: str | None, error: str | None = None):
+        ev = SeqEvent(seq_id=seq.seq_id, index=seq.index, text=text, token_ids=toks, logprobs=lps,
+                      finish_reason=finish, num_prompt_tokens=len(seq.prompt), num_cached_tokens=seq.num_cached,
+                      num_output_tokens=len(seq.output), error=error)
+        if not seq.sent_first:
+            seq.sent_first = True
+            if seq.params.prompt_logprobs is not None:
+                ev.prompt_logprobs = seq.prompt_lp
+        try:
+            seq.sink(ev)
+        except Exception:  # noqa: BLE001 - a broken client sink must not stop the engine
+            if finish is None:
+                self._finish(seq, "abort")
+
+    def _gauges(self) -> None:
+        if not self.record_metrics:
+            return
+        m = self.metrics
+        m.set("k3:num_requests_running", len(self.running))
+        m.set("k3:num_requests_waiting", len(self.waiting) + len(self._inbox))
+        m.set("k3:kv_cache_usage_perc", self.pages.usage())
+        m.set("k3:kda_state_slots_usage_perc", 1.0 - len(self.states.free) / self.states.num_slots)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _token_logprob(lsm_V: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+    top = []
+    if k > 0:
+        vals, ids = torch.topk(lsm_V, min(k, lsm_V.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id=tok, logprob=float(lsm_V[tok]), top=top)
+
+
+def _find_stop(text: str, stops: list[str], before: int) -> int | None:
+    """Earliest index where a stop string starts, searching only where a new match can begin."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, before - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that could be the beginning of a stop string (not sent yet)."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:k]):
+                keep = k
+                break
+    return keep

@@ -1,0 +1,225 @@
+"""OpenAI wire protocol: request models with range checks (serving.md 1.3), errors (1.5) and response shapes.
+
+Requests are validated strictly (no type coercion; NaN/inf rejected; unknown informational fields ignored), so bad
+input becomes a 400 naming the field and never reaches the engine. Fields that would change the output but are not
+supported yet (`logit_bias`, `response_format`, `tools`, ...) are rejected with 400 and `param` set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .request import SamplingParams, TokenLogprob
+
+UNSUPPORTED = ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call", "suffix",
+               "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, extra: dict | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.extra, self.headers = extra or {}, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """Bytes of a JSON body -> validated request, or APIError 400 naming the offending field."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    for name in UNSUPPORTED:
+        if obj.get(name) not in (None, {}, []):
+            raise APIError(400, f"'{name}' is not supported by k3 serve yet; remove it from the request",
+                           param=name, code="unsupported_parameter")
+    try:
+        return model.model_validate(_reject_nonfinite(obj))
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"invalid value for '{param}': {err['msg']}", param=param,
+                       code="invalid_parameter") from None
+
+
+def _reject_nonfinite(obj):
+    """json.loads accepts NaN/Infinity literals; they are invalid JSON numbers for every field."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise APIError(400, "NaN and infinite numbers are not valid JSON values", code="invalid_parameter")
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _reject_nonfinite(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _reject_nonfinite(v)
+    return obj
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    max_stop: int, max_n: int, max_top_logprobs: int) -> SamplingParams:
+    """Validated request -> engine SamplingParams (range checks that depend on the server config)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > max_stop:
+        raise APIError(400, f"at most {max_stop} stop sequences are allowed, got {len(stop)}", param="stop")
+    if any(s == "" for s in stop):
+        raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+    if req.n > max_n:
+        raise APIError(400, f"n must be <= {max_n}, got {req.n}", param="n")
+    for name, v in (("logprobs", logprobs), ("top_logprobs", prompt_logprobs)):
+        if v is not None and v > max_top_logprobs:
+            raise APIError(400, f"{name} must be <= {max_top_logprobs}, got {v}", param=name)
+    temperature = 1.0 if req.temperature is None else req.temperature
+    return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                          top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0, max_tokens=max_tokens, stop=stop,
+                          stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, seed=req.seed,
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+
+
+def context_error(n_prompt: int, n_out: int, n_ctx: int, param: str = "prompt") -> APIError:
+    """400 for prompt + output over the context, vLLM's wording plus llama-server's fields."""
+    return APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested {n_out} "
+                         f"output tokens and your prompt contains at least {n_prompt} input tokens, for a total of at "
+                         f"least {n_prompt + n_out} tokens. Please reduce the length of the input prompt or the "
+                         f"number of requested output tokens.", param=param,
+                    code="context_length_exceeded", extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class LogprobFormatter:
+    """Token logprobs in the completions shape (tokens/token_logprobs/top_logprobs/text_offset) or the chat shape
+    (content: [{token, logprob, bytes, top_logprobs}])."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def text(self, tid: int) -> str:
+        return self.tok.token_bytes(tid).decode("utf-8", errors="replace")
+
+    def completion(self, entries: list[TokenLogprob | None], offset0: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        off = offset0
+        for e in entries:
+            if e is None:
+                continue
+            s = self.text(e.token_id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self.text(t): lp for t, lp in e.top} if e.top else None)
+            out["text_offset"].append(off)
+            off += len(s)
+        return out
+
+    def first_prompt(self, first_id: int, offset0: int = 0) -> dict:
+        """The prompt's first token has no logprob (nothing predicts it): None, as OpenAI/vLLM report it."""
+        return {"tokens": [self.text(first_id)], "token_logprobs": [None], "top_logprobs": [None],
+                "text_offset": [offset0]}
+
+    def chat(self, entries: list[TokenLogprob]) -> list[dict]:
+        def one(tid, lp):
+            s = self.text(tid)
+            return {"token": s, "logprob": lp, "bytes": list(self.tok.token_bytes(tid))}
+        return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def merge_completion_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}

@@ -1,0 +1,252 @@
+"""ModelRunner: one forward of a K3Model over a ragged batch, reading and writing the engine's pools.
+
+Every step packs the new tokens of all scheduled sequences into one row [1, T, D] (T = sum of per-sequence token
+counts: 1 for a decode, up to a chunk for a prefill), so norms, MLPs, MoE and AttnRes run once on all tokens. Only
+the token mixers need per-sequence context:
+- KDA: varlen kernels (`cu_seqlens`) starting from each sequence's pool slot; decode-sized steps use
+  `fused_recurrent_kda` on the pool in place (`ssm_state_indices`), longer ones `chunk_kda`, which also yields the
+  fp32 per-chunk states used as prefix snapshots at 64-token boundaries (kda.md section 8).
+- MLA: the new latents [c_kv ; k_rope] are written into each sequence's pages, then absorbed ("MQA") attention runs
+  over the pages gathered by block table, with per-sequence causal masks (architecture.md 6.2). The same formula as
+  `k3.model.mla.mla_absorbed_attention`, with a per-row query position and key length.
+
+The layer weights are the model's own modules; this file re-implements only the mixers' cache plumbing.
+Legend: N sequences, T packed tokens, Tn tokens of sequence n, S keys, D width, H heads, C kv_lora, R rope dim,
+X = C + R, K = V KDA head dim, W conv kernel, G pages per sequence, V_ vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.kernels.conv import causal_conv1d
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3.model.attnres import AttnResSource, attn_res_mix
+from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
+from k3.model.mla import GatedMLA, apply_rope, rope_cos_sin
+from k3.model.transformer import K3Model
+
+from .cache import PagePool, SnapshotStore, StatePool
+
+
+@dataclass
+class StepSeq:
+    """The work of one sequence in one step."""
+
+    tokens: list[int]  # new tokens [Tn]
+    start: int  # absolute position of tokens[0] (= tokens already in the caches)
+    slot: int  # KDA working slot
+    block_table: list[int]  # latent pages covering positions [0, start + Tn)
+    logits: str = "last"  # "last" | "all" | "none": which positions' logits to return
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (boundary position p, snapshot entry)
+
+
+@dataclass
+class StepOutput:
+    logits: list[torch.Tensor | None]  # per sequence: [1, V_] ("last"), [Tn, V_] ("all") or None; fp32
+    hidden_last: torch.Tensor  # [N, D] final hidden (before the final norm) at each sequence's last token
+
+
+class ModelRunner:
+    """Binds a K3Model to its pools. `step(seqs)` -> StepOutput."""
+
+    def __init__(self, model: K3Model, pages: PagePool, states: StatePool, snaps: SnapshotStore | None):
+        self.model, self.cfg = model, model.config
+        self.pages, self.states, self.snaps = pages, states, snaps
+        self.kda_index, self.mla_index = {}, {}  # layer index -> index into the pool lists
+        for i, t in enumerate(self.cfg.layer_types):
+            (self.kda_index if t == "kda" else self.mla_index)[i] = len(self.kda_index if t == "kda" else
+                                                                      self.mla_index)
+        self.device = next(model.parameters()).device
+
+    # ---------------------------------------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, seqs: list[StepSeq]) -> StepOutput:
+        """Run all sequences' new tokens through the model; update pools; return the requested logits."""
+        dev = self.device
+        lens = [len(s.tokens) for s in seqs]
+        tokens = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
+        ctx = _StepContext(seqs, lens, dev, self.pages.page_size)
+        x = self.model.model.embed_tokens(tokens)[None]  # [1, T, D]
+        hidden = self._backbone(x, ctx)[0]  # [T, D]
+        ends = torch.tensor(ctx.cu[1:], device=dev) - 1
+        want = [i for i, s in enumerate(seqs) if s.logits != "none"]
+        logits: list[torch.Tensor | None] = [None] * len(seqs)
+        if want:
+            rows = torch.cat([torch.arange(ctx.cu[i], ctx.cu[i + 1], device=dev) if seqs[i].logits == "all"
+                              else ends[i:i + 1] for i in want])
+            out = self.model.lm_head(self.model.model.norm(hidden[rows])).float()
+            off = 0
+            for i in want:
+                n = lens[i] if seqs[i].logits == "all" else 1
+                logits[i] = out[off:off + n]
+                off += n
+        return StepOutput(logits=logits, hidden_last=hidden[ends])
+
+    def _backbone(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        """K3Backbone.forward with the mixers below; x [1, T, D] embedded tokens -> final hidden [1, T, D]."""
+        bb = self.model.model
+        if self.cfg.residual == "preln":
+            for i, layer in enumerate(bb.layers):
+                x = x + self._mixer(i, layer, layer.input_layernorm(x), ctx)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return x
+        eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size  # Block AttnRes, architecture.md 4.2
+        blocks: list[AttnResSource] = []
+        partial = x
+        for i, layer in enumerate(bb.layers):
+            h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
+                             layer.attn_res_proj.weight) if blocks else partial
+            if i % bsz == 0:
+                blocks.append(AttnResSource(partial, eps))
+                partial = None
+            a = self._mixer(i, layer, layer.input_layernorm(h), ctx)
+            partial = a if partial is None else partial + a
+            h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
+                             layer.mlp_res_proj.weight)
+            partial = partial + layer.mlp(layer.post_attention_layernorm(h))
+        return attn_res_mix(blocks + [AttnResSource(partial, eps)], bb.output_attn_res_norm.weight,
+                            bb.output_attn_res_proj.weight)
+
+    def _mixer(self, i: int, layer, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        if i in self.kda_index:
+            return self._kda(self.kda_index[i], layer.self_attn, x, ctx)
+        return self._mla(self.mla_index[i], layer.self_attn, x, ctx)
+
+    # ---------------------------------------------------------------------------------------------------- KDA
+
+    def _kda(self, li: int, attn: KimiDeltaAttention, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        """KDA over packed tokens x [1, T, D] from/to the sequences' slots; writes requested snapshots."""
+        H, K = attn.num_heads, attn.head_k_dim
+        slots = ctx.slots
+        pool_state, pool_tails = self.states.state[li], self.states.tails[li]
+        qkv, pre = [], []
+        for proj, conv, tail_pool in zip((attn.q_proj, attn.k_proj, attn.v_proj),
+                                         (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d), pool_tails):
+            p = proj(x)  # [1, T, C] pre-conv inputs
+            tail0 = tail_pool[slots]  # [N, W-1, C]
+            y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
+                                     output_final_tail=True, cu_seqlens=ctx.cu_t)
+            tail_pool[slots] = tail1.to(tail_pool.dtype)
+            qkv.append(y.unflatten(-1, (H, K)))
+            pre.append((tail0, p[0]))
+        q, k, v = qkv
+        kw = {"A_log": attn.A_log, "dt_bias": attn.dt_bias, "lower_bound": attn.lower_bound,
+              "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+              "cu_seqlens": ctx.cu_t}
+        z, b = attn.gate_input(x), attn.b_proj(x)
+        interior = any(p < s.start + len(s.tokens) for s in ctx.seqs for p, _ in s.snapshots)
+        if ctx.max_len <= RECURRENT_MAX_TOKENS and not interior:
+            # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot)
+            o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
+            hs = None
+        else:
+            o, final, hs = chunk_kda(q, k, v, z, b, initial_state=pool_state[slots], output_final_state=True,
+                                     chunk_size=attn.chunk_size, safe_gate=attn.lower_bound is not None,
+                                     return_intermediate_states=True, **kw)
+            pool_state[slots] = final
+        if self.snaps is not None:
+            self._write_snapshots(li, attn, ctx, pool_state, hs, pre)
+        o = attn.o_norm(o, attn.g_proj(x).unflatten(-1, (H, K)))
+        return attn.o_proj(o.flatten(-2))
+
+    def _write_snapshots(self, li, attn, ctx, pool_state, hs, pre) -> None:
+        """Copy the state + conv tails at each requested boundary p into its reserved snapshot entry."""
+        W1 = pre[0][0].shape[1]
+        chunk_off = 0
+        for n, s in enumerate(ctx.seqs):
+            Tn = len(s.tokens)
+            for p, entry in s.snapshots:
+                j = p - s.start  # tokens of this step consumed at the boundary
+                if j == Tn:
+                    st = pool_state[s.slot]
+                else:  # interior boundary: the chunk kernel's state entering chunk j / chunk_size (start aligned)
+                    st = hs[0, chunk_off + j // attn.chunk_size]
+                tails = []
+                for tail0, p_TC in pre:
+                    xp = torch.cat([tail0[n], p_TC[ctx.cu[n]:ctx.cu[n + 1]].to(tail0.dtype)])  # [W-1 + Tn, C]
+                    tails.append(xp[j:j + W1])
+                self.snaps.write(entry, li, st, tuple(tails))
+            chunk_off += -(-Tn // attn.chunk_size)
+
+    # ---------------------------------------------------------------------------------------------------- MLA
+
+    def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        """Absorbed MLA over packed tokens x [1, T, D]; new latents go to the pages first."""
+        T = x.shape[1]
+        H, N, R, V, C = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, T, H, N + R)
+        q_nope, q_rope = q.split([N, R], dim=-1)
+        c_kv, k_rope = attn.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
+        c_kv = attn.kv_a_layernorm(c_kv)
+        if attn.position == "rope" and R > 0:
+            cos, sin = rope_cos_sin(ctx.positions, R, attn.rope_theta)
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+        kv_pool = self.pages.kv[li]  # [P, page, X]
+        flat = kv_pool.view(-1, C + R)
+        flat[ctx.slot_mapping] = torch.cat([c_kv, k_rope], dim=-1)[0].to(flat.dtype)
+        w_uk, w_uv = attn.kv_b_proj.weight.view(H, N + V, C).split([N, V], dim=1)
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)[0]  # [T, H, C]
+        q_rope = q_rope[0].to(q_lat.dtype)
+        o_lat = torch.empty_like(q_lat)
+        for rows, seq_ids, t_max in ctx.groups:  # decodes batched together; each longer chunk on its own
+            G = max(len(ctx.seqs[n].block_table) for n in seq_ids)
+            bt = torch.tensor([ctx.seqs[n].block_table + [0] * (G - len(ctx.seqs[n].block_table)) for n in seq_ids],
+                              device=x.device)
+            kv = kv_pool[bt].flatten(1, 2)  # [n, G*page, X]
+            ql = q_lat[rows].view(len(seq_ids), t_max, H, C)
+            qr = q_rope[rows].view(len(seq_ids), t_max, H, R)
+            qpos = ctx.positions[rows].view(len(seq_ids), t_max)
+            o_lat[rows] = _masked_absorbed(ql, qr, kv, C, attn.softmax_scale, qpos).flatten(0, 1)
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(1, T, H * V)
+        if attn.g_proj is not None:
+            o = o * torch.sigmoid(attn.g_proj(x))
+        return attn.o_proj(o)
+
+
+def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT) -> torch.Tensor:
+    """Absorbed attention with per-row causal masks: query (n, t) at position qpos[n, t] sees keys 0..qpos[n, t].
+
+    Same arithmetic as k3.model.mla.mla_absorbed_attention (logits in q's dtype, softmax in >= fp32). -> [N, T, H, C]
+    """
+    c_kv, k_rope = kv_NSX.split([C, kv_NSX.shape[-1] - C], dim=-1)
+    logits = torch.einsum("nthc,nsc->nhts", q_lat_NTHC, c_kv.to(q_lat_NTHC.dtype))
+    if k_rope.shape[-1] > 0:
+        logits = logits + torch.einsum("nthr,nsr->nhts", q_rope_NTHR, k_rope.to(q_lat_NTHC.dtype))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scale
+    S = kv_NSX.shape[1]
+    valid = torch.arange(S, device=kv_NSX.device)[None, None, :] <= qpos_NT[:, :, None]  # [N, T, S]
+    logits = logits.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(q_lat_NTHC.dtype)
+    return torch.einsum("nhts,nsc->nthc", probs, c_kv.to(q_lat_NTHC.dtype))
+
+
+class _StepContext:
+    """Index tensors shared by all layers of one step."""
+
+    def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int):
+        self.seqs, self.max_len = seqs, max(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        self.cu, self.cu_t = cu, torch.tensor(cu, device=dev)
+        self.slots = torch.tensor([s.slot for s in seqs], device=dev)
+        pos, slot_map = [], []
+        for s in seqs:
+            for j in range(len(s.tokens)):
+                p = s.start + j
+                pos.append(p)
+                slot_map.append(s.block_table[p // page_size] * page_size + p % page_size)
+        self.positions = torch.tensor(pos, device=dev)
+        self.slot_mapping = torch.tensor(slot_map, device=dev)
+        singles = [n for n, L in enumerate(lens) if L == 1]
+        groups = []
+        if singles:
+            groups.append((torch.tensor([cu[n] for n in singles], device=dev), singles, 1))
+        for n, L in enumerate(lens):
+            if L > 1:
+                groups.append((torch.arange(cu[n], cu[n + 1], device=dev), [n], L))
+        self.groups = groups

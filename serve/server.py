@@ -1,0 +1,554 @@
+"""`k3 serve`: the OpenAI-compatible HTTP front end (FastAPI + uvicorn) over the continuous-batching Engine.
+
+Routes (serving.md 1.1): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize,
+/detokenize. Every request is validated here (protocol.py) before it reaches the engine; engine events come back
+through an asyncio queue per request (the engine thread hands them over with call_soon_threadsafe). A client that
+disconnects aborts its sequences, which frees their KDA slot and latent pages at the engine's next step.
+A pure ASGI middleware enforces the API key (every route but /health, constant-time comparison) and the body size
+limit (413), so neither depends on the route or on well-formed JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import ChatTemplate
+from .config import ServeConfig
+from .engine import Engine, EngineDead, QueueFull
+from .metrics import Metrics
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LogprobFormatter,
+    TokenizeRequest,
+    context_error,
+    merge_completion_logprobs,
+    new_id,
+    now,
+    parse,
+    sampling_params,
+    usage,
+)
+from .request import SeqEvent
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `engine` is None until the model is loaded; ready after warmup."""
+
+    cfg: ServeConfig
+    model_name: str
+    metrics: Metrics
+    engine: Engine | None = None
+    chat: ChatTemplate | None = None
+    created: int = field(default_factory=now)
+    load_error: str | None = None
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class GuardMiddleware:
+    """API key (401) and body size (413) checks at the ASGI level, before routing and JSON parsing."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.state.cfg
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if cfg.api_keys and scope.get("path") != "/health":
+            auth = headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            ok = any(hmac.compare_digest(given.encode(), k.encode()) for k in cfg.api_keys)
+            if not ok:
+                self.state.metrics.inc("k3:requests_rejected", reason="unauthorized")
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                return await _error_response(err)(scope, receive, send)
+        limit = cfg.max_body_bytes
+        too_large = APIError(413, f"request body exceeds the {limit}-byte limit (max_body_bytes)",
+                             code="request_too_large")
+        try:
+            declared = int(headers.get("content-length", "0") or 0)
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            return await _error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise APIError(413, too_large.message, code="request_too_large")
+            return msg
+
+        return await self.app(scope, limited_receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application over `state` (the engine may be attached later)."""
+    app = FastAPI(title="k3 serve", docs_url=None, redoc_url=None)
+    cfg = state.cfg
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                        code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        return _error_response(APIError(500, f"internal error: {exc!r}", type_="server_error"))
+
+    def engine() -> Engine:
+        eng = state.engine
+        if eng is not None and eng.dead is not None:
+            raise APIError(503, f"the engine stopped: {eng.dead!r}", type_="unavailable_error", code="engine_dead")
+        if eng is None or not eng.ready:
+            raise APIError(503, "the model is loading", type_="unavailable_error", code="loading",
+                           headers={"Retry-After": "5"})
+        return eng
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+                           param="model", code="model_not_found")
+
+    async def body(request: Request) -> bytes:
+        return await request.body()
+
+    # ---------------------------------------------------------------------------------------------- plain routes
+
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None:
+            return _error_response(APIError(503, f"loading failed: {state.load_error}", type_="unavailable_error",
+                                            code="load_failed"))
+        engine()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        eng = engine()
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "k3", "root": cfg.ckpt, "max_model_len": eng.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        eng = engine()
+        req = parse(TokenizeRequest, await body(request))
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if req.messages is not None:
+            ids = state.chat.render([m.model_dump() for m in req.messages],
+                                    add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = eng.tok.encode(req.prompt, add_bos=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        eng = engine()
+        req = parse(DetokenizeRequest, await body(request))
+        check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < eng.tok.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must lie in [0, {eng.tok.vocab_size}), got {bad[:5]}", param="tokens")
+        return {"prompt": eng.tok.decode(req.tokens)}
+
+    # ---------------------------------------------------------------------------------------------- generation
+
+    def check_prompt(eng: Engine, ids: list[int], max_tokens: int | None, param: str, *, allow_zero=False) -> int:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        V = eng.model.config.vocab_size
+        if any(not 0 <= t < V for t in ids):
+            raise APIError(400, f"prompt token ids must lie in [0, {V})", param=param)
+        n_ctx = eng.max_model_len
+        out = n_ctx - len(ids) if max_tokens is None else max_tokens
+        if len(ids) + max(out, 1 if not allow_zero else 0) > n_ctx or (max_tokens is None and out < 1):
+            raise context_error(len(ids), max(out, 1 if max_tokens is None else out), n_ctx, param)
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        eng = engine()
+        req = parse(CompletionRequest, await body(request))
+        check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        prompts = req.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) or not prompts:
+            prompts = [prompts]
+        if len(prompts) * req.n > cfg.max_n * 4:
+            raise APIError(400, f"too many prompts x n ({len(prompts)} x {req.n})", param="prompt")
+        id_lists = [eng.tok.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens=0 is only valid with echo=true (prompt scoring)", param="max_tokens")
+        outs = [check_prompt(eng, ids, req.max_tokens, "prompt", allow_zero=req.echo) for ids in id_lists]
+        lp = req.logprobs
+        params = [sampling_params(req, max_tokens=o, logprobs=lp, prompt_logprobs=lp if (req.echo and lp is not None)
+                                  else None, max_stop=cfg.max_stop, max_n=cfg.max_n, max_top_logprobs=cfg.max_top_logprobs)
+                  for o in outs]
+        rid = new_id("cmpl")
+        job = _Job(state, request, rid)
+        job.submit(id_lists, params, req.n)
+        if req.stream:
+            return _sse(job.stream_completion(req, prompts, id_lists))
+        return await job.collect_completion(req, prompts, id_lists)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        eng = engine()
+        req = parse(ChatRequest, await body(request))
+        check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported for chat completions", param="echo")
+        if not req.logprobs and req.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        ids = state.chat.render([m.model_dump() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                                continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+        mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        out = check_prompt(eng, ids, mt, "messages")
+        params = sampling_params(req, max_tokens=out, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                 prompt_logprobs=None, max_stop=cfg.max_stop, max_n=cfg.max_n,
+                                 max_top_logprobs=cfg.max_top_logprobs)
+        rid = new_id("chatcmpl")
+        job = _Job(state, request, rid)
+        job.submit([ids], [params], req.n)
+        if req.stream:
+            return _sse(job.stream_chat(req))
+        return await job.collect_chat(req)
+
+    return app
+
+
+def _sse(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Job:
+    """One HTTP request's sequences: submission, the event queue, abort on disconnect, response assembly."""
+
+    def __init__(self, state: ServerState, request: Request, rid: str):
+        self.state, self.request, self.rid = state, request, rid
+        self.engine = state.engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.seq_ids: list[str] = []
+        self.n_seqs = 0
+        self.created = now()
+        self.fmt = LogprobFormatter(self.engine.tok)
+
+    def _sink(self, ev: SeqEvent) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+    def submit(self, id_lists: list[list[int]], params: list, n: int) -> None:
+        try:
+            for k, (ids, p) in enumerate(zip(id_lists, params)):
+                self.seq_ids += self.engine.submit(ids, p, self._make_sink(k * n), n=n, request_id=f"{self.rid}-{k}")
+                self.n_seqs += n
+        except QueueFull as e:
+            self.abort()
+            self.state.metrics.inc("k3:requests_rejected", reason="queue_full")
+            raise APIError(503, f"server busy: {e}; retry later", type_="unavailable_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except EngineDead as e:
+            self.abort()
+            raise APIError(503, str(e), type_="unavailable_error", code="engine_dead") from None
+        except ValueError as e:
+            self.abort()
+            raise APIError(400, str(e), code="invalid_parameter") from None
+
+    def _make_sink(self, offset: int):
+        def sink(ev: SeqEvent) -> None:
+            ev.index += offset  # choice index across prompts x n
+            self._sink(ev)
+        return sink
+
+    def abort(self) -> None:
+        if self.seq_ids:
+            self.engine.abort(self.seq_ids)
+
+    async def events(self):
+        """Engine events until every sequence finished; None (an SSE ping) when nothing arrived for
+        sse_ping_interval_s. Raises _ClientGone when the client disconnected."""
+        left = self.n_seqs
+        ping = self.state.cfg.sse_ping_interval_s
+        idle = 0.0
+        while left:
+            try:
+                ev = await asyncio.wait_for(self.queue.get(), timeout=min(ping, 0.5))
+            except TimeoutError:
+                if await self.request.is_disconnected():
+                    raise _ClientGone() from None
+                idle += min(ping, 0.5)
+                if idle >= ping:
+                    idle = 0.0
+                    yield None
+                continue
+            idle = 0.0
+            if ev.finish_reason is not None:
+                left -= 1
+            yield ev
+
+    # ---------------------------------------------------------------------------------------------- non-streaming
+
+    async def _collect(self) -> dict[int, list[SeqEvent]]:
+        by_index: dict[int, list[SeqEvent]] = {}
+        try:
+            async for ev in self.events():
+                if ev is None:
+                    continue
+                if ev.error:
+                    raise APIError(500, ev.error, type_="server_error")
+                by_index.setdefault(ev.index, []).append(ev)
+        except _ClientGone:
+            self.abort()
+            raise APIError(499, "client closed the request", code="client_closed_request") from None
+        except BaseException:
+            self.abort()
+            raise
+        return by_index
+
+    def _usage(self, by_index: dict[int, list[SeqEvent]], n_prompts: int) -> dict:
+        firsts = [evs[-1] for _, evs in sorted(by_index.items())]
+        n = max(1, len(firsts) // max(1, n_prompts))
+        prompt = sum(e.num_prompt_tokens for e in firsts[::n])
+        cached = sum(e.num_cached_tokens for e in firsts[::n])
+        return usage(prompt, sum(e.num_output_tokens for e in firsts), cached)
+
+    async def collect_completion(self, req: CompletionRequest, prompts, id_lists) -> dict:
+        by_index = await self._collect()
+        choices = []
+        for i, evs in sorted(by_index.items()):
+            k = i // req.n
+            text = "".join(e.text for e in evs)
+            lp = None
+            if req.logprobs is not None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                if req.echo:
+                    lp = self._prompt_logprobs(evs[0], id_lists[k])
+                start = sum(len(t) for t in lp["tokens"])
+                lp = merge_completion_logprobs(lp, self.fmt.completion([x for e in evs for x in (e.logprobs or [])],
+                                                                       start))
+            if req.echo:
+                text = self._prompt_text(prompts[k], id_lists[k]) + text
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(evs[-1])})
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.state.model_name,
+                "choices": choices, "usage": self._usage(by_index, len(id_lists))}
+
+    def _prompt_text(self, prompt, ids) -> str:
+        """Echoed prompt: the decoded prompt ids, special tokens (the BOS added to string prompts) included, so
+        text_offset indexes the returned text."""
+        return self.engine.tok.decode(ids)
+
+    def _prompt_logprobs(self, first: SeqEvent, ids: list[int]) -> dict:
+        lp = self.fmt.first_prompt(ids[0])
+        rest = self.fmt.completion((first.prompt_logprobs or [])[1:], len(lp["tokens"][0]))
+        return merge_completion_logprobs(lp, rest)
+
+    async def collect_chat(self, req: ChatRequest) -> dict:
+        by_index = await self._collect()
+        choices = []
+        for i, evs in sorted(by_index.items()):
+            lp = None
+            if req.logprobs:
+                lp = {"content": self.fmt.chat([x for e in evs for x in (e.logprobs or [])])}
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+                            "logprobs": lp, "finish_reason": _reason(evs[-1])})
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
+                "choices": choices, "usage": self._usage(by_index, 1)}
+
+    # ---------------------------------------------------------------------------------------------- streaming
+
+    async def _stream(self, req, chunk_fn, first_fn=None):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+        last: dict[int, SeqEvent] = {}
+        try:
+            if first_fn is not None:
+                for c in first_fn():
+                    yield _data({**c, **extra})
+            async for ev in self.events():
+                if ev is None:
+                    yield ": ping\n\n"
+                    continue
+                if ev.error:
+                    yield _data({"error": APIError(500, ev.error, type_="server_error").body()["error"]})
+                    break
+                last[ev.index] = ev
+                for c in chunk_fn(ev):
+                    yield _data({**c, **extra})
+            if include_usage:
+                u = self._usage({i: [e] for i, e in last.items()}, getattr(self, "_n_prompts", 1))
+                yield _data({**self._chunk_head(), "choices": [], "usage": u})
+            yield "data: [DONE]\n\n"
+        except _ClientGone:
+            self.abort()
+        except BaseException:
+            self.abort()  # client gone (cancelled) or failure: free the slots now
+            raise
+
+    def _chunk_head(self) -> dict:
+        obj = "chat.completion.chunk" if self.rid.startswith("chatcmpl") else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.state.model_name}
+
+    def stream_completion(self, req: CompletionRequest, prompts, id_lists):
+        self._n_prompts = len(id_lists)
+        offsets: dict[int, int] = {}
+
+        def chunks(ev: SeqEvent):
+            k = ev.index // req.n
+            first = ev.index not in offsets
+            text, lp = ev.text, None
+            if req.echo and first:
+                text = self._prompt_text(prompts[k], id_lists[k]) + text
+            if req.logprobs is not None:
+                lp = self._prompt_logprobs(ev, id_lists[k]) if (req.echo and first) else None
+                start = offsets.get(ev.index, 0) + (sum(len(t) for t in lp["tokens"]) if lp else 0)
+                gen = self.fmt.completion(ev.logprobs or [], start)
+                lp = merge_completion_logprobs(lp, gen) if lp else gen
+                offsets[ev.index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
+            else:
+                offsets[ev.index] = 0
+            if not text and lp is None and ev.finish_reason is None:
+                return []
+            return [{**self._chunk_head(), "choices": [{"index": ev.index, "text": text, "logprobs": lp,
+                                                         "finish_reason": _reason(ev)}]}]
+
+        return self._stream(req, chunks)
+
+    def stream_chat(self, req: ChatRequest):
+        def first():
+            return [{**self._chunk_head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]}
+                    for i in range(req.n)]
+
+        def chunks(ev: SeqEvent):
+            out = []
+            lp = {"content": self.fmt.chat(ev.logprobs)} if req.logprobs and ev.logprobs else None
+            if ev.text or lp is not None:
+                out.append({**self._chunk_head(), "choices": [{"index": ev.index, "delta": {"content": ev.text},
+                                                               "logprobs": lp, "finish_reason": None}]})
+            if ev.finish_reason is not None:
+                out.append({**self._chunk_head(), "choices": [{"index": ev.index, "delta": {}, "logprobs": None,
+                                                               "finish_reason": _reason(ev)}]})
+            return out
+
+        return self._stream(req, chunks, first)
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its request finished."""
+
+
+def _reason(ev: SeqEvent) -> str | None:
+    if ev.finish_reason in (None, "stop", "length"):
+        return ev.finish_reason
+    return "abort"
+
+
+# ---------------------------------------------------------------------------------------------- startup
+
+
+def load_state(cfg: ServeConfig, state: ServerState) -> None:
+    """Load the checkpoint, build and warm the engine, start its thread; errors land in state.load_error."""
+    import torch
+
+    from k3.model.checkpoint import load_model
+    from k3.model.tokenizer import K3Tokenizer
+
+    t0 = time.monotonic()
+    try:
+        dev = cfg.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = None if cfg.dtype == "auto" and dev != "cpu" else ("float32" if cfg.dtype == "auto" else cfg.dtype)
+        model, _ = load_model(cfg.ckpt, device=dev, dtype=dtype)
+        tok = K3Tokenizer.from_file(cfg.ckpt)
+        attach_engine(state, Engine(model, tok, cfg, state.metrics), ChatTemplate(tok, cfg.ckpt))
+        state.metrics.set("k3:time_to_ready_seconds", time.monotonic() - t0)
+    except Exception as e:
+        state.load_error = f"{type(e).__name__}: {e}"
+        raise
+
+
+def attach_engine(state: ServerState, engine: Engine, chat: ChatTemplate) -> None:
+    """Warm the engine (unless disabled), start its thread and publish it to the routes."""
+    state.chat = chat
+    if state.cfg.warmup:
+        engine.warmup()
+    else:
+        engine.ready = True
+    engine.start()
+    state.engine = engine
+
+
+def make_state(cfg: ServeConfig) -> ServerState:
+    name = cfg.served_model_name or (Path(cfg.ckpt).resolve().name if cfg.ckpt else "k3")
+    return ServerState(cfg=cfg, model_name=name, metrics=Metrics(name))
+
+
+def run_server(cfg: ServeConfig) -> None:
+    """Serve `cfg.ckpt` until interrupted: HTTP comes up at once (503 on /health), the model loads and warms in
+    the background, then /health turns 200."""
+    import uvicorn
+
+    if not Path(cfg.ckpt).is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {cfg.ckpt}; pass a release directory "
+                                "(e.g. runs/<name>/final)")
+    from k3.model.checkpoint import read_release_config
+
+    read_release_config(cfg.ckpt)  # fail fast on a broken checkpoint; weights then load in the background
+    state = make_state(cfg)
+    app = GuardMiddleware(build_app(state), state)
+    threading.Thread(target=load_state, args=(cfg, state), name="k3-load", daemon=True).start()
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=30)
+    if state.engine is not None:
+        state.engine.stop()
+
+
+__all__ = [
+    "GuardMiddleware",
+    "Response",
+    "ServerState",
+    "attach_engine",
+    "build_app",
+    "load_state",
+    "make_state",
+    "run_server",
+]

@@ -1,0 +1,368 @@
+"""Triton KDA kernels (K3_KERNELS=triton) vs the float64 naive recurrence (kda.md section 6).
+
+On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set per test), so shapes are tiny: T <= 80,
+H <= 2, D in {32, 60}. On a CUDA machine the same tests run on the GPU in fp32 and bf16. Outputs are allocated with
+torch.empty, which conftest NaN-poisons, so any element a kernel fails to write fails the comparison.
+Metric (kda.md 6.1): pass if max |ref - out| <= 1e-6, else no NaN and rms(ref - out) / (rms(ref) + 1e-8) < ratio.
+"""
+
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+
+
+def _import_kernels_for_the_interpreter():
+    """Triton decides at import time whether @triton.jit functions (its own tl.* helpers included) are interpreted,
+    so on a CPU import triton and the kernel modules with TRITON_INTERPRET=1 (during collection, before any test can
+    import triton), then restore the environment: the other test files see it unchanged."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        interpreted = isinstance(tl.zeros, InterpretedFunction)
+        if not interpreted:
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
+                               "the CPU; run tests/kernels/test_kda_triton.py on its own or set TRITON_INTERPRET=1")
+        importlib.import_module("k3.kernels.kda.triton_recurrent")
+        importlib.import_module("k3.kernels.kda.triton_chunk")
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+if not CUDA:
+    _import_kernels_for_the_interpreter()
+
+import itertools
+
+from k3.kernels import dispatch
+from k3.kernels.kda import (
+    chunk_kda,
+    fused_recurrent_kda,
+    l2norm,
+    naive_kda_gate,
+    naive_kda_lowerbound_gate,
+    naive_recurrent_kda,
+)
+from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_torch
+
+DEV = "cuda" if CUDA else "cpu"
+F64 = torch.float64
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    """K3_KERNELS=triton for the public ops; on a CPU, Triton's interpreter. Restored after each test."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("K3_KERNELS", "triton")
+    dispatch.kernel_backend.cache_clear()
+    assert dispatch.kernel_backend() == "triton"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    dispatch.kernel_backend.cache_clear()
+
+
+def assert_close(name, ref, out, ratio):
+    """kda.md 6.1: abs_err <= 1e-6 passes; otherwise no NaN and rel_rms < ratio."""
+    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
+    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
+    if abs_err <= 1e-6:
+        return
+    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
+    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
+    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
+
+
+def make_inputs(B, T, H, HV, K, V, dtype, N=None):
+    """fla recipe (kda.md 6.2), drawn on the CPU in fp32: q, k ~ U(0,1) L2-normalized, v ~ U(0,1),
+    g = logsigmoid(N(0,1)), beta = sigmoid(N(0,1)); h0 ~ N(0,1) fp32. Inputs cast to `dtype` on DEV."""
+    q = l2norm(torch.rand(B, T, H, K))
+    k = l2norm(torch.rand(B, T, H, K))
+    v = torch.rand(B, T, HV, V)
+    g = F.logsigmoid(torch.randn(B, T, HV, K))
+    beta = torch.randn(B, T, HV).sigmoid()
+    h0 = torch.randn(N or B, HV, K, V)
+    q, k, v, beta = (x.to(DEV, dtype) for x in (q, k, v, beta))
+    return q, k, v, g.to(DEV), beta, h0.to(DEV)
+
+
+def naive64(q, k, v, g, beta, h0, cu=None):
+    """float64 recurrence on the CPU; varlen by a loop over sequences. Returns (o [B, T, HV, V], ht [N, HV, K, V])."""
+    args = [x.detach().double().cpu() if x is not None else None for x in (q, k, v, g, beta, h0)]
+    q, k, v, g, beta, h0 = args
+    if cu is None:
+        return naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    outs, states = [], []
+    for n, (a, b) in enumerate(itertools.pairwise(cu)):
+        o, s = naive_recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                   initial_state=None if h0 is None else h0[n : n + 1], output_final_state=True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states)
+
+
+def case_id(B, T, H, HV, D):
+    return f"B{B}-T{T}-H{H}-HV{HV}-D{D}"
+
+
+def ratio_for(dtype, fp32_ratio):
+    return fp32_ratio if dtype == torch.float32 else max(fp32_ratio, 0.01)
+
+
+# ---------------------------------------------------------------------------------------------- fused recurrent
+
+
+REC_CASES = [(2, 5, 1, 2, 32), (1, 1, 2, 2, 60), (1, 9, 1, 1, 60)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("B,T,H,HV,D", REC_CASES, ids=[case_id(*c) for c in REC_CASES])
+def test_recurrent_matches_naive(B, T, H, HV, D, dtype):
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype)
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == v.dtype and s.dtype == torch.float32
+    assert_close("o", ro, o, ratio_for(dtype, 0.005))
+    assert_close("ht", rs, s, ratio_for(dtype, 0.005))
+    o0, s0 = fused_recurrent_kda(q, k, v, g, beta, output_final_state=False)  # no initial state, no final state
+    assert s0 is None
+    assert_close("o (h0 = 0)", naive64(q, k, v, g, beta, None)[0], o0, ratio_for(dtype, 0.005))
+
+
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_recurrent_in_kernel_flags(gate):
+    B, T, H, HV, D = 1, 6, 1, 2, 60
+    q, k, v, _, _, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
+    q, k = torch.rand_like(q), torch.rand_like(k)  # raw: normalized in the kernel
+    z = torch.randn(B, T, HV, D, device=DEV)
+    b_logit = torch.randn(B, T, HV, device=DEV)
+    A_log, dt_bias = torch.randn(HV, device=DEV), torch.randn(HV * D, device=DEV)
+    lb = -5.0 if gate == "lower_bound" else None
+    o, s = fused_recurrent_kda(q, k, v, z, b_logit, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, lower_bound=lb)
+    z64, A64, b64 = z.double().cpu(), A_log.double().cpu(), dt_bias.double().cpu()
+    g = naive_kda_lowerbound_gate(z64, A64, b64, lb) if lb is not None else naive_kda_gate(z64, A64, b64)
+    ro, rs = naive64(l2norm(q.double()), l2norm(k.double()), v, g, b_logit.double().sigmoid(), h0)
+    assert_close("o", ro, o, 0.002)
+    assert_close("ht", rs, s, 0.002)
+
+
+def test_recurrent_varlen():
+    cu = [0, 3, 3, 10]  # includes an empty sequence
+    q, k, v, g, beta, h0 = make_inputs(1, 10, 1, 2, 32, 32, torch.float32, N=3)
+    ro, rs = naive64(q, k, v, g, beta, h0, cu)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               cu_seqlens=torch.tensor(cu, device=DEV))
+    assert_close("o", ro, o, 0.005)
+    assert_close("ht", rs, s, 0.005)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_recurrent_state_pool_in_place(state_v_first):
+    B, T, HV, D = 3, 2, 2, 60
+    q, k, v, g, beta, _ = make_inputs(B, T, 1, HV, D, D, torch.float32)
+    pool = torch.randn(5, HV, D, D, device=DEV)  # [P, HV, K, V] (read as V-first when state_v_first)
+    before = pool.clone()
+    idx = torch.tensor([3, -1, 0], device=DEV, dtype=torch.int32)  # -1: start from zeros, write nothing
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx, output_final_state=True,
+                               state_v_first=state_v_first)
+    h0 = before[[3, 0, 0]].clone()
+    h0[1] = 0.0
+    h0 = h0.transpose(-1, -2) if state_v_first else h0
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    rs_layout = rs.transpose(-1, -2) if state_v_first else rs
+    assert_close("o", ro, o, 0.005)
+    assert_close("ht", rs_layout, s, 0.005)
+    assert_close("pool[3]", rs_layout[0], pool[3], 0.005)
+    assert_close("pool[0]", rs_layout[2], pool[0], 0.005)
+    for untouched in (1, 2, 4):
+        assert torch.equal(pool[untouched], before[untouched]), f"pool slot {untouched} changed"
+
+
+def test_recurrent_speculative_slots_match_torch():
+    """num_accepted_tokens: same semantics as the PyTorch twin (which test_kda.py checks against the recurrence)."""
+    N, S_max, HV, D = 2, 3, 2, 32
+    q, k, v, g, beta, _ = make_inputs(N, S_max, 1, HV, D, D, torch.float32)
+    pool = torch.randn(8, HV, D, D, device=DEV)
+    idx = torch.tensor([[0, 1, 2], [5, -1, 6]], device=DEV, dtype=torch.int32)
+    nat = torch.tensor([2, 1], device=DEV, dtype=torch.int32)
+    pool_ref = pool.clone()
+    kw = {"A_log": None, "dt_bias": None, "scale": None, "output_final_state": True, "use_qk_l2norm_in_kernel": False,
+          "use_gate_in_kernel": False, "use_beta_sigmoid_in_kernel": False, "lower_bound": None, "cu_seqlens": None,
+          "state_v_first": False}
+    ro, _ = fused_recurrent_kda_torch(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx,
+                                      num_accepted_tokens=nat, **kw)
+    o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=nat,
+                               output_final_state=True)
+    assert_close("o", ro, o, 1e-5)
+    for slot in range(8):
+        if slot in (3, 4, 7):
+            assert torch.equal(pool[slot], pool_ref[slot]), f"untouched slot {slot} changed"
+        else:
+            assert_close(f"pool[{slot}]", pool_ref[slot], pool[slot], 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- chunk forward
+
+
+CHUNK_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate)
+    (1, 37, 1, 1, 32, 64, True),
+    (1, 70, 1, 2, 60, 32, True),
+    (2, 40, 1, 2, 32, 64, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe", CHUNK_CASES,
+                         ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in CHUNK_CASES])
+def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype):
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype)
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=BT, safe_gate=safe,
+                     lower_bound=-5.0 if safe else None)
+    assert o.dtype == v.dtype and s.dtype == torch.float32
+    assert_close("o", ro, o, ratio_for(dtype, 0.005))
+    assert_close("ht", rs, s, ratio_for(dtype, 0.005))
+
+
+def test_chunk_gradients_match_naive():
+    """Triton forward + PyTorch backward inside one autograd Function: gradients of every input and of h0."""
+    B, T, H, HV, D = 1, 40, 1, 2, 32
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
+    do = torch.randn(B, T, HV, D, device=DEV)
+    dht = torch.randn(B, HV, D, D, device=DEV)
+
+    def grads(fn, xs):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        o, s = fn(*leaves)
+        loss = (o * do.to(o.device, o.dtype)).sum() + (s * dht.to(s.device, s.dtype)).sum()
+        return [o, s, *torch.autograd.grad(loss, leaves)]
+
+    ref = grads(lambda *a: naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True),
+                [x.double().cpu() for x in (q, k, v, g, beta, h0)])
+    out = grads(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, safe_gate=True),
+                [q, k, v, g, beta, h0])
+    for name, r, x, ratio in zip(["o", "ht", "dq", "dk", "dv", "dg", "db", "dh0"], ref, out,
+                                 [0.005, 0.005, 0.008, 0.008, 0.008, 0.02, 0.02, 0.008], strict=True):
+        assert_close(name, r, x, ratio)
+
+
+def test_chunk_in_kernel_flags_forward_and_gate_gradients():
+    B, T, H, HV, D = 1, 20, 1, 1, 32
+    q, k, v, _, _, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
+    q, k = torch.rand_like(q), torch.rand_like(k)
+    z, b_logit = torch.randn(B, T, HV, D, device=DEV), torch.randn(B, T, HV, device=DEV)
+    A_log, dt_bias = torch.randn(HV, device=DEV), torch.randn(HV * D, device=DEV)
+
+    def run(fn, xs):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        o, s = fn(*leaves)
+        return [o, s, *torch.autograd.grad(o.sum() + s.sum(), leaves)]
+
+    def ref_fn(q, k, v, z, b, A, dtb):
+        g = naive_kda_lowerbound_gate(z, A, dtb, -5.0)
+        return naive_recurrent_kda(l2norm(q), l2norm(k), v, g, b.sigmoid(), initial_state=h0.double().cpu(),
+                                   output_final_state=True)
+
+    def out_fn(q, k, v, z, b, A, dtb):
+        return chunk_kda(q, k, v, z, b, A_log=A, dt_bias=dtb, initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0)
+
+    xs = [q, k, v, z, b_logit, A_log, dt_bias]
+    ref = run(ref_fn, [x.double().cpu() for x in xs])
+    out = run(out_fn, xs)
+    names = ["o", "ht", "dq", "dk", "dv", "dz", "dbeta_logit", "dA_log", "d_dt_bias"]
+    ratios = [0.005, 0.005, 0.008, 0.008, 0.008, 0.02, 0.02, 0.003, 0.008]
+    for name, r, x, ratio in zip(names, ref, out, ratios, strict=True):
+        assert_close(name, r, x, ratio)
+
+
+def test_chunk_varlen_and_intermediate_states():
+    cu = [0, 15, 80]
+    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 1, 32, 32, torch.float32, N=2)
+    ro, rs = naive64(q, k, v, g, beta, h0, cu)
+    o, s, h = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,
+                        cu_seqlens=torch.tensor(cu, device=DEV), return_intermediate_states=True)
+    assert_close("o", ro, o, 0.005)
+    assert_close("ht", rs, s, 0.005)
+    # chunks: sequence 0 -> [0, 15); sequence 1 -> [15, 79), [79, 80): h = state entering each (fp32)
+    assert h.shape == (1, 3, 1, 32, 32) and h.dtype == torch.float32
+    assert_close("h[0]", h0[0], h[0, 0], 1e-5)
+    assert_close("h[1]", h0[1], h[0, 1], 1e-5)
+    _, s64 = naive64(q[:, 15:79], k[:, 15:79], v[:, 15:79], g[:, 15:79], beta[:, 15:79], h0[1:2])
+    assert_close("h[2]", s64[0], h[0, 2], 1e-5)
+
+
+def test_chunk_extreme_gates_exact_path():
+    """Unbounded gate with g = -1000 entries: the exact pairwise diagonal path must stay finite and correct."""
+    q, k, v, g, beta, h0 = make_inputs(1, 24, 1, 1, 32, 32, torch.float32)
+    g = g.clone()
+    g[0, 3, 0, :7] = -1000.0
+    g[0, 17, 0, 5:] = -1000.0
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close("o", ro, o, 0.005)
+    assert_close("ht", rs, s, 0.005)
+
+
+def test_chunk_no_dependence_on_later_tokens():
+    """kda.md 6.3: changing tokens after position t leaves outputs <= t unchanged (fixed anchor, masked dots)."""
+    t = 21
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 1, 32, 32, torch.float32)
+    o1, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, safe_gate=True)
+    g2 = g.clone()
+    g2[:, t + 1 :] = -5.0 * torch.rand_like(g2[:, t + 1 :])
+    v2 = v.clone()
+    v2[:, t + 1 :] = 100.0
+    o2, _ = chunk_kda(q, k, v2, g2, beta, initial_state=h0, safe_gate=True)
+    assert_close("prefix", o1[:, : t + 1], o2[:, : t + 1], 1e-6)
+    assert not torch.allclose(o1[:, t + 1 :], o2[:, t + 1 :])
+
+
+def test_recurrent_decode_continues_chunk_prefill():
+    q, k, v, g, beta, h0 = make_inputs(1, 24, 1, 1, 32, 32, torch.float32)
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    o, s = chunk_kda(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], initial_state=h0,
+                     output_final_state=True, safe_gate=True)
+    outs = [o]
+    for t in range(20, 24):
+        o_t, s = fused_recurrent_kda(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                     beta[:, t : t + 1], initial_state=s, output_final_state=True)
+        outs.append(o_t)
+    assert_close("o", ro, torch.cat(outs, 1), 0.005)
+    assert_close("ht", rs, s, 0.005)
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+def test_backend_selection(monkeypatch):
+    assert dispatch.parse_backend("triton") == "triton"
+    assert set(dispatch.TRITON_OPS) == {"chunk_kda", "fused_recurrent_kda"}
+    if not CUDA:
+        assert dispatch.parse_backend(None) == "torch"  # default: torch without a GPU, even when triton imports
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(dispatch.KernelBackendError, match="TRITON_INTERPRET=1.*K3_KERNELS=torch"):
+            dispatch.parse_backend("triton")
+    else:
+        assert dispatch.parse_backend(None) == "triton"

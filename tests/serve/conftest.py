@@ -1,0 +1,103 @@
+"""Serve test fixtures: one tiny trained checkpoint per session and a live server on a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from k3.cli.config import resolve_config
+from k3.model.checkpoint import load_model
+from k3.model.tokenizer import K3Tokenizer
+from k3.serve.chat import ChatTemplate
+from k3.serve.config import ServeConfig
+from k3.serve.engine import Engine
+from k3.serve.server import GuardMiddleware, attach_engine, build_app, make_state
+from k3.train.pretrain import run
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """k3-debug trained for a few steps (sharper than random init, so greedy argmax has no near-ties)."""
+    root = tmp_path_factory.mktemp("serve_ckpt")
+    sets = ["train.max_steps=30", "train.batch_size=8", "data.max_bytes=400000", "data.tokenizer_sample_bytes=200000",
+            f"data.cache_dir={root / 'cache'}", "train.eval_every=0", "ckpt.every=0", "train.log_every=10",
+            "train.threads=1"]
+    run(resolve_config("pretrain", preset="debug", sets=sets), run_dir=root / "run")
+    return root / "run" / "final"
+
+
+@pytest.fixture(scope="session")
+def model_tok(ckpt):
+    model, _ = load_model(ckpt)
+    return model, K3Tokenizer.from_file(ckpt)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    state: object
+    server: object
+    thread: threading.Thread
+
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.stop()
+
+
+def start_server(model, tok, ckpt, **overrides) -> LiveServer:
+    """Build the app around an in-memory model and serve it with uvicorn on a background thread."""
+    import uvicorn
+
+    cfg = ServeConfig(ckpt=str(ckpt), port=free_port(), served_model_name="k3-test", max_model_len=512,
+                      max_num_seqs=8, max_num_batched_tokens=128, **overrides)
+    state = make_state(cfg)
+    app = GuardMiddleware(build_app(state), state)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{cfg.port}"
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    live = LiveServer(url, state, server, th)
+    live.health_before_load = httpx.get(url + "/health").status_code
+    attach_engine(state, Engine(model, tok, cfg, state.metrics), ChatTemplate(tok, ckpt))
+    return live
+
+
+@pytest.fixture(scope="session")
+def server(model_tok, ckpt):
+    live = start_server(*model_tok, ckpt)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def server_factory(model_tok, ckpt):
+    """Start an extra server with ServeConfig overrides: `live = server_factory(api_keys=[...])`; call live.stop()."""
+    return lambda **overrides: start_server(*model_tok, ckpt, **overrides)
