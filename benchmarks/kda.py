@@ -29,8 +29,9 @@ os.environ["K3_KERNELS"] = "triton"
 import torch
 import torch.nn.functional as F
 import triton
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 from triton.testing import do_bench
+
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -70,9 +71,11 @@ def chunk_inputs(B, T, H, D):
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
 
 
-def time_chunk(fn, xs, do):
+def time_chunk(fn, xs, do, fwd_only=False):
     with torch.no_grad():
         t_fwd = bench(lambda: fn(*xs, **KW))
+    if fwd_only:
+        return t_fwd, float("nan")
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def fwd_bwd():
@@ -83,11 +86,13 @@ def time_chunk(fn, xs, do):
     return t_fwd, t_fb
 
 
-def time_sdpa(xs, do):
+def time_sdpa(xs, do, fwd_only=False):
     """Causal flash attention at the same B, T, H, D ([B, H, T, D] layout), fwd and fwd+bwd ms."""
     qs, ks, vs = (x.transpose(1, 2).contiguous() for x in xs[:3])
     with torch.no_grad():
         t_fwd = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    if fwd_only:
+        return t_fwd, float("nan")
     ql, kl, vl = (x.detach().requires_grad_() for x in (qs, ks, vs))
     dos = do.transpose(1, 2).contiguous()
     t_fb = bench(lambda: F.scaled_dot_product_attention(ql, kl, vl, is_causal=True).backward(dos))
@@ -109,6 +114,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all", choices=["all", "small"])
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fwd-only", action="store_true", help="skip fwd+bwd (the k3 backward is the PyTorch path)")
     args = ap.parse_args()
     fla_chunk = fla_rec = None
     if not args.no_fla:
@@ -133,11 +139,13 @@ def main():
         with torch.no_grad():
             o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(fla_chunk(*xs, **KW)[0], o_k3) if fla_chunk else float("nan")
-        k3_f, k3_fb = time_chunk(chunk_kda, xs, do)
+        k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
+        print(f"# k3 timed {datetime.datetime.now():%H:%M:%S}", file=sys.stderr, flush=True)
         fla_f = fla_fb = float("nan")
         if fla_chunk:
-            fla_f, fla_fb = time_chunk(fla_chunk, xs, do)
-        sd_f, sd_fb = time_sdpa(xs, do)
+            fla_f, fla_fb = time_chunk(fla_chunk, xs, do, args.fwd_only)
+            print(f"# fla timed {datetime.datetime.now():%H:%M:%S}", file=sys.stderr, flush=True)
+        sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         print(f"| ({B},{T},{H},{D}) | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | {fla_f / k3_f:.2f} | "
               f"{k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | "

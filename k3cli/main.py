@@ -13,6 +13,7 @@ import typer  # noqa: E402
 from k3.cli.commands.generate import generate  # noqa: E402
 from k3.cli.commands.pretrain import pretrain  # noqa: E402
 from k3.cli.commands.scaling_fit import scaling_fit  # noqa: E402
+from k3.cli.commands.serve import serve  # noqa: E402
 
 app = typer.Typer(
     name="k3",
@@ -24,6 +25,7 @@ app = typer.Typer(
 app.command("pretrain")(pretrain)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
+app.command("serve")(serve)
 
 
 if __name__ == "__main__":

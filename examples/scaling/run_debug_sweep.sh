@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Debug-scale scaling study on a CPU (~5-8 min on 2 cores): `k3 sweep` trains 9 K3-shaped models (3 sizes x
+# 3 token budgets) on the Python standard library, then `k3 scaling-fit` fits L(N, D) = E + A/N^alpha + B/D^beta.
+#
+#   bash examples/scaling/run_debug_sweep.sh             # runs in ./runs/scaling-debug, writes fit.* next to this file
+#   OUT=/tmp/sw FIT=/tmp/fit bash examples/scaling/run_debug_sweep.sh
+#
+# Interrupt it at any time (Ctrl-C checkpoints the running model); running it again skips the finished runs and
+# resumes the interrupted one. K3 names the k3 executable (default `k3`; e.g. K3="python -m k3.cli.main").
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+OUT="${OUT:-runs/scaling-debug}"    # sweep directory: runs/<size>-<ratio>/, runs.csv, token cache
+FIT="${FIT:-$HERE}"                 # where fit.json, fit.png and a copy of runs.csv go
+THREADS="${THREADS:-2}"
+K3="${K3:-k3}"
+
+# Sizes are active non-embedding parameters (what scaling-fit's N means by default); the debug preset's smallest
+# K3-shaped model has ~23k. Batch 32 x seq 64 = 2048 tokens per step; no evaluation until the final one (8 batches).
+$K3 sweep --preset debug --sizes 25k,50k,100k --tokens-per-param 2,4,8 \
+  --set train.batch_size=32 --set train.eval_every=0 --set train.eval_batches=8 --set train.log_every=10 \
+  --set ckpt.every=100 --set train.threads="$THREADS" --set data.cache_dir="$OUT/cache" \
+  --out "$OUT"
+
+mkdir -p "$FIT"
+cp "$OUT/runs.csv" "$FIT/runs.csv"
+$K3 scaling-fit "$FIT/runs.csv" --out "$FIT" --budget 1e12 --budget 1e13
