@@ -1,8 +1,10 @@
 """Serving benchmark of `k3 serve` (serving.md 4.1): TTFT, TPOT, ITL, E2EL and output tokens/s at several
-concurrencies, plus TTFT of a repeated long prompt with and without a prefix-cache hit.
+concurrencies, plus TTFT of a repeated long prompt with and without a prefix-cache hit, and (with
+`--speculative-tokens N`) output tokens/s at concurrency 1 with and without MTP speculative decoding.
 
     python benchmarks/serve.py --ckpt runs/x/final --concurrency 1 8 64 --input-len 128 --output-len 64
     python benchmarks/serve.py --model k3-tiny          # random weights, a small BPE trained here (CPU smoke run)
+    python benchmarks/serve.py --ckpt runs/x/final --speculative-tokens 2   # + the speculative row (trained MTP)
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --served-model NAME   # any OpenAI server
 
 Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py): TTFT = request sent -> first streamed token;
@@ -147,7 +149,38 @@ def _random_release(preset: str, out: Path, device: str) -> Path:
     return out / "final"
 
 
-def start_local(ckpt: Path, args) -> tuple[str, object, int]:
+def spec_counters(base_url: str) -> dict[str, float]:
+    """The k3:spec_decode_* counters of a k3 server's /metrics (summed over labels)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("k3:spec_decode_num_") and "_per_pos" not in line:
+            name, v = line.rsplit(" ", 1)
+            key = name.split("{")[0].removeprefix("k3:spec_decode_num_").removesuffix("_total")
+            out[key] = out.get(key, 0.0) + float(v)
+    return out
+
+
+def bench_speculative(plain_url: str, spec_url: str, model: str, *, k: int, num_prompts: int, input_len: int,
+                      output_len: int, vocab: int) -> dict:
+    """Concurrency-1 greedy decoding on a plain server and on one with k MTP drafts: tokens/s, speedup and the
+    acceptance the spec server counted (acceptance rate = accepted / draft tokens; mean acceptance length =
+    1 + accepted / drafts, vLLM's convention, serving.md 2.4)."""
+    kw = {"concurrency": 1, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+          "vocab": vocab}
+    bench_openai_server(spec_url, model, concurrency=1, num_prompts=1, input_len=input_len, output_len=4,
+                        vocab=vocab)  # warmup of the speculative path, excluded
+    plain = bench_openai_server(plain_url, model, **kw)
+    before = spec_counters(spec_url)
+    spec = bench_openai_server(spec_url, model, **kw)
+    c = {key: v - before.get(key, 0.0) for key, v in spec_counters(spec_url).items()}
+    drafts, proposed, accepted = c.get("drafts", 0.0), c.get("draft_tokens", 0.0), c.get("accepted_tokens", 0.0)
+    return {"k": k, "plain_tok_s": plain["output_tok_s"], "spec_tok_s": spec["output_tok_s"],
+            "speedup": spec["output_tok_s"] / plain["output_tok_s"], "tpot_plain": plain["tpot"][1],
+            "tpot_spec": spec["tpot"][1], "acceptance_rate": accepted / proposed if proposed else float("nan"),
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan")}
+
+
+def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, object, int]:
     """Load `ckpt`, start uvicorn on a free loopback port in this process; returns (base URL, stop function, vocab size)."""
     import socket
 
@@ -162,7 +195,8 @@ def start_local(ckpt: Path, args) -> tuple[str, object, int]:
     cfg = ServeConfig(ckpt=str(ckpt), port=port, served_model_name="k3-bench", device=args.device,
                       max_num_seqs=max(args.concurrency), max_model_len=max(args.input_len + args.output_len,
                                                                            args.prefix_len + 8) + 64,
-                      max_num_batched_tokens=args.max_num_batched_tokens, log_level="error")
+                      max_num_batched_tokens=args.max_num_batched_tokens, log_level="error",
+                      num_speculative_tokens=speculative_tokens)
     state = make_state(cfg)
     load_state(cfg, state)
     server = uvicorn.Server(uvicorn.Config(GuardMiddleware(build_app(state), state), host="127.0.0.1", port=port,
@@ -195,15 +229,19 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=1024, help="repeated-prompt length for the prefix-hit row "
                                                                  "(0 = skip)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="also measure concurrency 1 on a second "
+                    "in-process server with this many MTP drafts per step (0 = skip; not with --base-url)")
     args = ap.parse_args()
 
-    stop = None
+    stop = spec_stop = None
     if args.base_url:
         url, model, vocab = args.base_url, args.served_model, args.vocab
     else:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = args.ckpt or _random_release(args.model, Path(tmp), args.device)
             url, stop, vocab = start_local(ckpt, args)
+            if args.speculative_tokens:
+                spec_url, spec_stop, _ = start_local(ckpt, args, args.speculative_tokens)
         model = "k3-bench"
     try:
         bench_openai_server(url, model, concurrency=2, num_prompts=2, input_len=args.input_len, output_len=4,
@@ -218,9 +256,17 @@ def main() -> None:
             r = bench_prefix_hit(url, model, prompt_len=args.prefix_len, vocab=vocab)
             print(f"\nprefix cache: {r['prompt_len']}-token prompt, TTFT miss {r['ttft_miss_ms']:.1f} ms, hit "
                   f"{r['ttft_hit_ms']:.1f} ms ({r['ttft_miss_ms'] / max(r['ttft_hit_ms'], 1e-9):.1f}x)")
+        if spec_stop is not None:
+            r = bench_speculative(url, spec_url, model, k=args.speculative_tokens, num_prompts=args.num_prompts or 4,
+                                  input_len=args.input_len, output_len=args.output_len, vocab=vocab)
+            print(f"\nspeculative (MTP, k={r['k']}, concurrency 1): {r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} "
+                  f"out tok/s ({r['speedup']:.2f}x), median TPOT {r['tpot_plain']:.2f} -> {r['tpot_spec']:.2f} ms, "
+                  f"acceptance rate {r['acceptance_rate']:.2f}, mean acceptance length "
+                  f"{r['mean_acceptance_length']:.2f}")
     finally:
-        if stop is not None:
-            stop()
+        for f in (stop, spec_stop):
+            if f is not None:
+                f()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@
    token prefix they end (`block_hashes`), ref-counted, and reused by later sequences with the same prefix; a page
    with no reference stays cached (LRU) until a new allocation needs it.
 2. `StatePool`: one working slot per running sequence for every KDA layer: state [H, K, V] fp32 and the three conv
-   tails [W-1, C] (last W-1 pre-conv inputs of q, k, v).
+   tails [W-1, C] (last W-1 pre-conv inputs of q, k, v). With speculative decoding every working slot also owns
+   `spec_tokens` scratch states: a verify step writes the state after each draft token there, so a rejected draft
+   rolls back by copying the last accepted one (`token_slot`).
 3. `SnapshotStore`: fp32 KDA state + conv-tail snapshots at block boundaries, keyed by block hash, LRU. Entries are
    preallocated as NaN; an entry becomes readable only after it has been fully written and marked valid, and
    reading an invalid entry raises (kda.md 8 rule 3), so a never-written snapshot can never leak into outputs.
+   With speculative decoding an entry also keeps the main model's final hidden of the token before the boundary
+   (`hidden`, [S, D]): the MTP drafter pairs it with the next token after a prefix hit.
 
 Legend: P pages or slots, S snapshot entries, L layers, H heads, K key dim, V value dim, W conv kernel, C channels,
 X latent width (kv_lora + qk_rope).
@@ -117,13 +121,15 @@ class PagePool:
 
 
 class StatePool:
-    """KDA working slots: state[l] [P, H, K, V] fp32 and tails[l] = (q, k, v) each [P, W-1, C] per KDA layer."""
+    """KDA working slots: state[l] [P * (1 + spec_tokens), H, K, V] fp32 (working slots first, then each slot's
+    scratch states) and tails[l] = (q, k, v) each [P, W-1, C] per KDA layer."""
 
     def __init__(self, num_layers: int, num_slots: int, heads: int, head_dim: int, conv_width: int,
-                 tail_dtype: torch.dtype, device: torch.device | str):
+                 tail_dtype: torch.dtype, device: torch.device | str, spec_tokens: int = 0):
         C = heads * head_dim
-        self.num_slots = num_slots
-        self.state = [torch.zeros(num_slots, heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        self.num_slots, self.spec_tokens = num_slots, spec_tokens
+        rows = num_slots * (1 + spec_tokens)
+        self.state = [torch.zeros(rows, heads, head_dim, head_dim, dtype=torch.float32, device=device)
                       for _ in range(num_layers)]
         self.tails = [tuple(torch.zeros(num_slots, conv_width - 1, C, dtype=tail_dtype, device=device)
                             for _ in range(3)) for _ in range(num_layers)]
@@ -143,6 +149,15 @@ class StatePool:
     def release(self, s: int) -> None:
         self.free.append(s)
 
+    def token_slot(self, s: int, t: int) -> int:
+        """Row of state[l] holding slot s's state after token t of a verify step: the working slot itself for t = 0
+        (the first token of a verify step is always kept), scratch row t for a draft token t in 1..spec_tokens."""
+        if t == 0:
+            return s
+        if not 1 <= t <= self.spec_tokens:
+            raise ValueError(f"token index {t} outside the verify step (1 + {self.spec_tokens} tokens)")
+        return self.num_slots + s * self.spec_tokens + t - 1
+
 
 class SnapshotStore:
     """fp32 KDA snapshots at block boundaries: state[l] [S, H, K, V], tails[l] 3 x [S, W-1, C] (fp32), NaN until
@@ -150,10 +165,11 @@ class SnapshotStore:
     valid index or None; `read_into(idx, pool, slot)` copies it into a working slot."""
 
     def __init__(self, num_layers: int, num_entries: int, heads: int, head_dim: int, conv_width: int,
-                 device: torch.device | str):
+                 device: torch.device | str, hidden_dim: int = 0):
         C = heads * head_dim
         self.num_entries = num_entries
         nan = float("nan")
+        self.hidden = torch.full((num_entries, hidden_dim), nan, device=device) if hidden_dim else None
         self.state = [torch.full((num_entries, heads, head_dim, head_dim), nan, device=device)
                       for _ in range(num_layers)]
         self.tails = [tuple(torch.full((num_entries, conv_width - 1, C), nan, device=device) for _ in range(3))
@@ -200,6 +216,16 @@ class SnapshotStore:
         self.state[layer][i].copy_(state_HKV.float())
         for dst, src in zip(self.tails[layer], tails):
             dst[i].copy_(src.float())
+
+    def write_hidden(self, i: int, hidden_D: torch.Tensor) -> None:
+        """Copy the main final hidden [D] of the token before entry i's boundary (speculative decoding only)."""
+        self.hidden[i].copy_(hidden_D.float())
+
+    def read_hidden(self, i: int) -> torch.Tensor:
+        """The hidden [D] stored with valid entry i (fp32 copy)."""
+        if not self.valid[i]:
+            raise RuntimeError(f"snapshot entry {i} was never written (or was evicted); refusing to read it")
+        return self.hidden[i].clone()
 
     def read_into(self, i: int, pool: StatePool, slot: int) -> None:
         """Restore valid entry i into working slot `slot` of `pool` (all layers). Reading an unwritten entry is an

@@ -9,6 +9,9 @@ Every `step()`:
    `max_num_batched_tokens` (chunks are multiples of the 64-token block, so KDA chunk and page boundaries align);
 4. runs one forward (`ModelRunner`), publishes newly completed pages and snapshots (written before published),
    samples, detokenizes, applies stop conditions and sends a `SeqEvent` to each sequence's sink.
+With `num_speculative_tokens` = k > 0 (k3.serve.speculative), a greedy decode step verifies the sequence's k MTP
+drafts in the same forward, keeps the accepted prefix plus the bonus token (rolling the KDA state back to it), and
+the MTP then catches up on the committed tokens and drafts the next k.
 Sequences join and leave between any two steps. `start()` runs steps on a background thread; without it, call
 `step()` yourself (tests, `k3 generate`).
 """
@@ -32,6 +35,7 @@ from .metrics import Metrics
 from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob
 from .runner import ModelRunner, StepSeq
 from .sampling import sample
+from .speculative import MTPDrafter, SpecState, greedy_verify, record_acceptance
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -68,14 +72,26 @@ class Engine:
                              f"{self.max_model_len} ({pages_per_seq} pages of {bs}); raise it or lower max_model_len")
         dev = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
+        k = cfg.num_speculative_tokens
+        if k < 0 or k > 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {k} (1-3 is typical for one MTP head)")
+        if k and model.mtp is None:
+            raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head (model.mtp_depth: 1); "
+                             "serve this one without --speculative-tokens")
         n_kda = mc.layer_types.count("kda")
         n_mla = len(mc.layer_types) - n_kda
-        self.pages = PagePool(n_mla, num_pages, bs, mc.kv_lora_rank + mc.qk_rope_head_dim, dtype, dev)
+        # with speculation the MTP's latent cache is one more page layer (k3.serve.speculative)
+        self.pages = PagePool(n_mla + (1 if k else 0), num_pages, bs, mc.kv_lora_rank + mc.qk_rope_head_dim, dtype,
+                              dev)
         self.states = StatePool(n_kda, cfg.max_num_seqs, mc.kda_num_heads, mc.kda_head_dim, mc.kda_conv_kernel,
-                                dtype, dev)
+                                dtype, dev, spec_tokens=k)
         self.snaps = (SnapshotStore(n_kda, cfg.num_state_snapshots, mc.kda_num_heads, mc.kda_head_dim,
-                                    mc.kda_conv_kernel, dev) if cfg.enable_prefix_caching else None)
+                                    mc.kda_conv_kernel, dev, hidden_dim=mc.d_model if k else 0)
+                      if cfg.enable_prefix_caching else None)
         self.runner = ModelRunner(model, self.pages, self.states, self.snaps)
+        self.drafter = MTPDrafter(self.runner, k) if k else None
+        self._spec: dict[int, SpecState] = {}  # id(seq) -> drafting state (speculation on)
+        self.d_model, self.dtype = mc.d_model, dtype
         self.device = dev
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -214,29 +230,76 @@ class Engine:
             return False
         out = self.runner.step([st for _, st, _ in batch])
         now = time.monotonic()
-        for seq, st, publish in batch:  # everything this step wrote is complete: publish pages and snapshots
-            seq.num_computed = st.start + len(st.tokens)
-            for kind, h, ref in publish:
+        if self.record_metrics:
+            self.metrics.observe("k3:iteration_tokens_total", sum(len(st.tokens) for _, st, _ in batch))
+        # 1. commit what the caches now hold (verify steps: the accepted prefix), publish, pick the new tokens
+        picks = []  # per batch item: (new tokens, their logprobs, tokens committed to the caches this step)
+        for i, (seq, st, publish) in enumerate(batch):
+            toks, lps, kept = [], [], len(st.tokens)
+            logits = out.logits[i]
+            if st.spec:
+                toks, lps = self._verify(seq, st, logits)
+                kept = len(toks)
+                publish = self._commit_verify(i, seq, st, kept, toks)
+            seq.num_computed = st.start + kept
+            for kind, h, ref in publish:  # everything this step wrote is complete: publish pages and snapshots
                 if kind == "page":
                     self.pages.register(ref, h)
                 else:
                     self.snaps.publish(h, ref)
-        if self.record_metrics:
-            self.metrics.observe("k3:iteration_tokens_total", sum(len(st.tokens) for _, st, _ in batch))
-        for (seq, st, _), logits in zip(batch, out.logits):
-            if seq.status != "running":
-                continue
-            if st.logits == "all" and seq.params.prompt_logprobs is not None:
-                self._gather_prompt_logprobs(seq, st, logits)
-            if seq.prefilling:
+            if seq.status == "running":
+                if st.logits == "all" and seq.params.prompt_logprobs is not None:
+                    self._gather_prompt_logprobs(seq, st, logits)
+                if not st.spec and not seq.prefilling and seq.params.max_tokens > 0:
+                    tok, lp = self._sample(seq, logits[-1])
+                    toks, lps = [tok], [lp]
+            picks.append((toks, lps, kept))
+        # 2. MTP: catch up on the committed tokens and draft the next ones (before any sequence frees its pages)
+        if self.drafter is not None:
+            self.drafter.after_step(self, batch, picks, out)
+        # 3. stream the new tokens (stop conditions may finish sequences here)
+        for (seq, st, _), (toks, lps, _) in zip(batch, picks):
+            if seq.status != "running" or seq.prefilling:
                 continue
             if seq.params.max_tokens == 0:  # prompt scoring only (echo + logprobs)
                 self._finish(seq, "length")
                 continue
-            tok, lp = self._sample(seq, logits[-1])
-            self._append(seq, tok, lp, now)
+            for tok, lp in zip(toks, lps):
+                self._append(seq, tok, lp, now)
+                if seq.status != "running":
+                    break
         self._gauges()
         return True
+
+    # ------------------------------------------------------------------------------------------------ speculation
+
+    def _verify(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> tuple[list[int], list]:
+        """Greedy acceptance over a verify step's logits (row j = target after tokens[:j+1]): the target's token at
+        every position up to and including the first one that differs from the draft. Penalties see the tokens
+        accepted before each position, exactly as one-token steps would."""
+        saved = dict(seq.counts)
+        toks, lps = greedy_verify(st.tokens[1:], lambda row: self._sample(seq, logits_TV[row]), seq.counts)
+        seq.counts = saved  # _append counts them again
+        if self.record_metrics:
+            record_acceptance(self.metrics, st.tokens[1:], toks)
+        return toks, lps
+
+    def _commit_verify(self, i: int, seq: Sequence, st: StepSeq, kept: int, toks: list[int]) -> list:
+        """Roll the verify step of batch item i back to its first `kept` tokens; returns the pages and snapshots
+        to publish (block boundaries among the kept tokens, whose per-token KDA states the runner still holds)."""
+        bs, start = self.block_size, st.start
+        known = seq.all_tokens + toks[:kept - 1]  # accepted drafts are not in seq.output yet
+        publish, snaps = [], []
+        if self.snaps is not None:
+            for p in range((start // bs + 1) * bs, start + kept + 1, bs):
+                h = self._hash(seq, p // bs - 1, known)
+                publish.append(("page", h, seq.block_table[p // bs - 1]))
+                entry = self.snaps.reserve(h)
+                if entry is not None:
+                    snaps.append((p, entry))
+                    publish.append(("snap", h, entry))
+        self.runner.commit_spec(i, kept, snaps)
+        return publish
 
     # ------------------------------------------------------------------------------------------------ scheduling
 
@@ -278,9 +341,13 @@ class Engine:
                 self._num_queued -= 1
             seq.slot = self.states.allocate()
             seq.block_table = list(hit_pages)
+            if self.drafter is not None:
+                self._spec[id(seq)] = SpecState(hidden=torch.zeros(self.d_model, device=self.device))
             if hit_pages:
                 self.snaps.read_into(entry, self.states, seq.slot)
                 seq.num_computed = seq.num_cached = len(hit_pages) * self.block_size
+                if self.drafter is not None:  # h_{p-1} pairs with token p in the MTP
+                    self._spec[id(seq)].hidden = self.snaps.read_hidden(entry)
             self._reserve[id(seq)] = need
             self._reserved += need
             seq.status, seq.t_scheduled = "running", time.monotonic()
@@ -308,9 +375,17 @@ class Engine:
             k -= 1
         return [self.pages.lookup(h) for h in seq.hashes[:k]], entry
 
-    def _hash(self, seq: Sequence, block: int) -> bytes:
-        """Chained hash of block `block` of the sequence's tokens (extends seq.hashes as tokens become known)."""
-        toks = seq.all_tokens
+    def _grow(self, seq: Sequence, end: int) -> None:
+        """Extend the block table to cover positions [0, end) from the sequence's reserved pages."""
+        while len(seq.block_table) * self.block_size < end:
+            seq.block_table.append(self.pages.allocate())
+            self._reserve[id(seq)] -= 1
+            self._reserved -= 1
+
+    def _hash(self, seq: Sequence, block: int, toks: list[int] | None = None) -> bytes:
+        """Chained hash of block `block` of the sequence's tokens (extends seq.hashes as tokens become known);
+        `toks` overrides seq.all_tokens when tokens are known before they are appended."""
+        toks = seq.all_tokens if toks is None else toks
         bs = self.block_size
         while len(seq.hashes) <= block:
             b = len(seq.hashes)
@@ -337,15 +412,20 @@ class Engine:
                 mode = "all" if seq.params.prompt_logprobs is not None else ("last" if last else "none")
             else:
                 tokens, mode = [seq.output[-1]], "last"
+                spec = self._spec.get(id(seq))
+                if spec is not None and spec.drafts:  # verify the drafts that fit the budget in one forward
+                    tokens += spec.drafts[:budget - 1]
+                    mode = "all" if len(tokens) > 1 else mode
+                    spec.drafts = []
             budget -= len(tokens)
             end = start + len(tokens)
-            while len(seq.block_table) * bs < end:
-                seq.block_table.append(self.pages.allocate())
-                self._reserve[id(seq)] -= 1
-                self._reserved -= 1
-            st = StepSeq(tokens=tokens, start=start, slot=seq.slot, block_table=seq.block_table, logits=mode)
+            self._grow(seq, end)
+            st = StepSeq(tokens=tokens, start=start, slot=seq.slot, block_table=seq.block_table, logits=mode,
+                         spec=len(tokens) > 1 and not seq.prefilling)
             publish = []
-            if self.snaps is not None:
+            if st.spec:
+                pass  # pages and snapshots of a verify step are published after acceptance (_commit_verify)
+            elif self.snaps is not None:
                 for p in range((start // bs + 1) * bs, end + 1, bs):  # block boundaries in (start, end]
                     h = self._hash(seq, p // bs - 1)
                     publish.append(("page", h, seq.block_table[p // bs - 1]))
@@ -440,6 +520,7 @@ class Engine:
             self.states.release(seq.slot)
             self.pages.release(seq.block_table)
             self._reserved -= self._reserve.pop(id(seq), 0)
+            self._spec.pop(id(seq), None)
             seq.block_table = []
         elif seq.status == "waiting":
             self.waiting.remove(seq)

@@ -9,6 +9,12 @@ the token mixers need per-sequence context:
 - MLA: the new latents [c_kv ; k_rope] are written into each sequence's pages, then absorbed ("MQA") attention runs
   over the pages gathered by block table, with per-sequence causal masks (architecture.md 6.2). The same formula as
   `k3.model.mla.mla_absorbed_attention`, with a per-row query position and key length.
+- Speculative decoding (serving.md 2.4): a verify sequence (`StepSeq.spec`) runs its KDA tokens through
+  `fused_recurrent_kda` with per-token state slots (`ssm_state_indices` [N, S_max], the state after token t goes to
+  `StatePool.token_slot(slot, t)`); its conv tails and state are set to the accepted length by `commit_spec` once
+  the engine knows how many drafts survived. Rejected latents stay in the pages past the sequence's length and
+  are overwritten later. `mtp_step` runs the MTP module over the same paged pools (its latent cache is one more
+  page layer, see k3.serve.speculative for the slot convention).
 
 The layer weights are the model's own modules; this file re-implements only the mixers' cache plumbing.
 Legend: N sequences, T packed tokens, Tn tokens of sequence n, S keys, D width, H heads, C kv_lora, R rope dim,
@@ -41,12 +47,15 @@ class StepSeq:
     block_table: list[int]  # latent pages covering positions [0, start + Tn)
     logits: str = "last"  # "last" | "all" | "none": which positions' logits to return
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (boundary position p, snapshot entry)
+    spec: bool = False  # verify step: keep the KDA state after every token so drafts can be rolled back
 
 
 @dataclass
 class StepOutput:
     logits: list[torch.Tensor | None]  # per sequence: [1, V_] ("last"), [Tn, V_] ("all") or None; fp32
     hidden_last: torch.Tensor  # [N, D] final hidden (before the final norm) at each sequence's last token
+    hidden: torch.Tensor | None = None  # [T, D] final hidden of every packed token (rows cu[n]:cu[n+1])
+    cu: list[int] = field(default_factory=list)  # [N+1] packed row offsets
 
 
 class ModelRunner:
@@ -60,6 +69,8 @@ class ModelRunner:
             (self.kda_index if t == "kda" else self.mla_index)[i] = len(self.kda_index if t == "kda" else
                                                                       self.mla_index)
         self.device = next(model.parameters()).device
+        self.mtp_layer = len(self.mla_index)  # the MTP's latents: the page layer after the main MLA layers
+        self._last: tuple | None = None  # (ctx, hidden, per-KDA-layer pre-conv inputs) of the last verify step
 
     # ---------------------------------------------------------------------------------------------------- step
 
@@ -71,8 +82,14 @@ class ModelRunner:
         tokens = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
         ctx = _StepContext(seqs, lens, dev, self.pages.page_size)
         x = self.model.model.embed_tokens(tokens)[None]  # [1, T, D]
+        self._pre: dict[int, list] = {}
         hidden = self._backbone(x, ctx)[0]  # [T, D]
         ends = torch.tensor(ctx.cu[1:], device=dev) - 1
+        if self.snaps is not None and self.snaps.hidden is not None:
+            for n, s in enumerate(seqs):  # the hidden of the token before each boundary, for the MTP drafter
+                for p, entry in s.snapshots:
+                    self.snaps.write_hidden(entry, hidden[ctx.cu[n] + p - s.start - 1])
+        self._last = (ctx, hidden, self._pre) if any(s.spec for s in seqs) else None
         want = [i for i, s in enumerate(seqs) if s.logits != "none"]
         logits: list[torch.Tensor | None] = [None] * len(seqs)
         if want:
@@ -84,7 +101,25 @@ class ModelRunner:
                 n = lens[i] if seqs[i].logits == "all" else 1
                 logits[i] = out[off:off + n]
                 off += n
-        return StepOutput(logits=logits, hidden_last=hidden[ends])
+        return StepOutput(logits=logits, hidden_last=hidden[ends], hidden=hidden, cu=ctx.cu)
+
+    @torch.no_grad()
+    def mtp_step(self, seqs: list[StepSeq], hidden_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP forward (architecture.md 10, same equations as k3.model.mtp.MTPModule) over packed pairs.
+
+        seqs[n].tokens are the tokens t_j paired with hidden rows hidden_TD[cu[n]:cu[n+1]] = h_{j-1}, written at MTP
+        slots j = start, start+1, ... of the sequence's pages (slot j holds the pair (h_{j-1}, t_j); slot 0 never
+        holds one and is masked). Returns (pre-norm MTP output [N, D], fp32 logits [N, V_] of t_{j+1}) at each
+        sequence's last pair."""
+        mtp = self.model.mtp
+        lens = [len(s.tokens) for s in seqs]
+        ctx = _StepContext(seqs, lens, self.device, self.pages.page_size)
+        emb = self.model.model.embed_tokens(torch.tensor([t for s in seqs for t in s.tokens], device=self.device))
+        x = mtp.eh_proj(torch.cat([mtp.hnorm(hidden_TD), mtp.enorm(emb)], dim=-1))[None]  # [1, T, D]
+        x = x + self._mla(self.mtp_layer, mtp.self_attn, mtp.input_layernorm(x), ctx, min_key=1)
+        x = x + mtp.mlp(mtp.post_attention_layernorm(x))
+        last = x[0, torch.tensor(ctx.cu[1:], device=self.device) - 1]  # [N, D]
+        return last, self.model.lm_head(mtp.norm(last)).float()
 
     def _backbone(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         """K3Backbone.forward with the mixers below; x [1, T, D] embedded tokens -> final hidden [1, T, D]."""
@@ -122,7 +157,7 @@ class ModelRunner:
         """KDA over packed tokens x [1, T, D] from/to the sequences' slots; writes requested snapshots."""
         H, K = attn.num_heads, attn.head_k_dim
         slots = ctx.slots
-        pool_state, pool_tails = self.states.state[li], self.states.tails[li]
+        pool_tails = self.states.tails[li]
         qkv, pre = [], []
         for proj, conv, tail_pool in zip((attn.q_proj, attn.k_proj, attn.v_proj),
                                          (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d), pool_tails):
@@ -134,12 +169,45 @@ class ModelRunner:
             qkv.append(y.unflatten(-1, (H, K)))
             pre.append((tail0, p[0]))
         q, k, v = qkv
-        kw = {"A_log": attn.A_log, "dt_bias": attn.dt_bias, "lower_bound": attn.lower_bound,
-              "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-              "cu_seqlens": ctx.cu_t}
         z, b = attn.gate_input(x), attn.b_proj(x)
-        interior = any(p < s.start + len(s.tokens) for s in ctx.seqs for p, _ in s.snapshots)
-        if ctx.max_len <= RECURRENT_MAX_TOKENS and not interior:
+        verify = [n for n, s in enumerate(ctx.seqs) if s.spec]
+        if not verify:
+            o = self._kda_plain(li, attn, (q, k, v, z, b), ctx, None, pre)
+        else:  # verify sequences and the others run separately (recurrences are per sequence), then merge
+            self._pre[li] = pre
+            plain = [n for n, s in enumerate(ctx.seqs) if not s.spec]
+            o = torch.empty_like(v)
+            o[:, ctx.rows(verify)] = self._kda_verify(li, attn, (q, k, v, z, b), ctx, verify)
+            if plain:
+                o[:, ctx.rows(plain)] = self._kda_plain(li, attn, (q, k, v, z, b), ctx, plain, pre)
+        o = attn.o_norm(o, attn.g_proj(x).unflatten(-1, (H, K)))
+        return attn.o_proj(o.flatten(-2))
+
+    @staticmethod
+    def _kda_kwargs(attn: KimiDeltaAttention, cu_t: torch.Tensor) -> dict:
+        return {"A_log": attn.A_log, "dt_bias": attn.dt_bias, "lower_bound": attn.lower_bound,
+                "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+                "cu_seqlens": cu_t}
+
+    def _kda_plain(self, li, attn, inputs, ctx: _StepContext, group: list[int] | None, pre) -> torch.Tensor:
+        """KDA of the sequences `group` (None = all) from/to their slots; writes requested snapshots.
+        inputs: (q, k, v, z, b) of all packed tokens. Returns o [1, Tg, H, V] for the group's rows."""
+        pool_state = self.states.state[li]
+        idx = list(range(len(ctx.seqs))) if group is None else group
+        if group is None:
+            q, k, v, z, b = inputs
+        else:
+            rows = ctx.rows(group)
+            q, k, v, z, b = (t[:, rows] for t in inputs)
+        lens = [len(ctx.seqs[n].tokens) for n in idx]
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+        cu_t = ctx.cu_t if group is None else torch.tensor(cu, device=q.device)
+        slots = ctx.slots if group is None else ctx.slots[idx]
+        kw = self._kda_kwargs(attn, cu_t)
+        interior = any(p < ctx.seqs[n].start + lens[i] for i, n in enumerate(idx) for p, _ in ctx.seqs[n].snapshots)
+        if max(lens) <= RECURRENT_MAX_TOKENS and not interior:
             # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot)
             o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
             hs = None
@@ -149,15 +217,59 @@ class ModelRunner:
                                      return_intermediate_states=True, **kw)
             pool_state[slots] = final
         if self.snaps is not None:
-            self._write_snapshots(li, attn, ctx, pool_state, hs, pre)
-        o = attn.o_norm(o, attn.g_proj(x).unflatten(-1, (H, K)))
-        return attn.o_proj(o.flatten(-2))
+            self._write_snapshots(li, attn, ctx, idx, pool_state, hs, pre)
+        return o
 
-    def _write_snapshots(self, li, attn, ctx, pool_state, hs, pre) -> None:
-        """Copy the state + conv tails at each requested boundary p into its reserved snapshot entry."""
+    def _kda_verify(self, li, attn, inputs, ctx: _StepContext, group: list[int]) -> torch.Tensor:
+        """Verify sequences: recurrent KDA writing the state after token t of sequence n to
+        token_slot(slot_n, t) (vLLM's ssm_state_indices [N, S_max] convention, starting from the working slot)."""
+        rows = ctx.rows(group)
+        q, k, v, z, b = (t[:, rows] for t in inputs)
+        lens = [len(ctx.seqs[n].tokens) for n in group]
+        S_max = max(lens)
+        idx = torch.tensor([[self.states.token_slot(ctx.seqs[n].slot, t) if t < L else -1 for t in range(S_max)]
+                            for n, L in zip(group, lens)], device=q.device)
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+        kw = self._kda_kwargs(attn, torch.tensor(cu, device=q.device))
+        ones = torch.ones(len(group), dtype=torch.long, device=q.device)
+        o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=self.states.state[li], ssm_state_indices=idx,
+                                   num_accepted_tokens=ones, **kw)
+        return o
+
+    def commit_spec(self, n: int, kept: int, snapshots: list[tuple[int, int]]) -> None:
+        """After a verify step: sequence n of that step keeps its first `kept` tokens (>= 1). Write the snapshots
+        at boundaries p in (start, start + kept] from the per-token states, then set the working slot's state and
+        conv tails to those after token kept - 1 (rejected drafts roll back without recompute)."""
+        ctx, hidden, pre_by_layer = self._last
+        s = ctx.seqs[n]
+        if not s.spec or not 1 <= kept <= len(s.tokens):
+            raise ValueError(f"commit_spec: sequence {n} is not a verify sequence of {len(s.tokens)} tokens "
+                             f"or kept={kept} is out of range")
+        for li, pre in pre_by_layer.items():
+            pool_state, pool_tails = self.states.state[li], self.states.tails[li]
+            W1 = pre[0][0].shape[1]
+            xps = [torch.cat([tail0[n], p_TC[ctx.cu[n]:ctx.cu[n + 1]].to(tail0.dtype)]) for tail0, p_TC in pre]
+            for p, entry in snapshots:
+                j = p - s.start  # tokens consumed at the boundary
+                self.snaps.write(entry, li, pool_state[self.states.token_slot(s.slot, j - 1)],
+                                 tuple(xp[j:j + W1] for xp in xps))
+            if kept > 1:
+                pool_state[s.slot] = pool_state[self.states.token_slot(s.slot, kept - 1)]
+            for dst, xp in zip(pool_tails, xps):  # [W-1 + Tn, C]: after `kept` tokens the tail is rows kept..
+                dst[s.slot] = xp[kept:kept + W1]
+        if self.snaps is not None and self.snaps.hidden is not None:
+            for p, entry in snapshots:
+                self.snaps.write_hidden(entry, hidden[ctx.cu[n] + p - s.start - 1])
+
+    def _write_snapshots(self, li, attn, ctx, group, pool_state, hs, pre) -> None:
+        """Copy the state + conv tails at each requested boundary p of the sequences `group` (the ones the kernel
+        call that produced `hs` covered) into its reserved snapshot entry."""
         W1 = pre[0][0].shape[1]
         chunk_off = 0
-        for n, s in enumerate(ctx.seqs):
+        for n in group:
+            s = ctx.seqs[n]
             Tn = len(s.tokens)
             for p, entry in s.snapshots:
                 j = p - s.start  # tokens of this step consumed at the boundary
@@ -174,8 +286,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------------------------------- MLA
 
-    def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
-        """Absorbed MLA over packed tokens x [1, T, D]; new latents go to the pages first."""
+    def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, ctx: _StepContext, min_key: int = 0) -> torch.Tensor:
+        """Absorbed MLA over packed tokens x [1, T, D]; new latents go to the pages first. Keys at positions below
+        `min_key` are masked (the MTP's slot 0 holds no pair)."""
         T = x.shape[1]
         H, N, R, V, C = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, T, H, N + R)
@@ -192,7 +305,7 @@ class ModelRunner:
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)[0]  # [T, H, C]
         q_rope = q_rope[0].to(q_lat.dtype)
         o_lat = torch.empty_like(q_lat)
-        for rows, seq_ids, t_max in ctx.groups:  # decodes batched together; each longer chunk on its own
+        for rows, seq_ids, t_max in ctx.groups:  # equal short lengths batched together; long chunks on their own
             G = max(len(ctx.seqs[n].block_table) for n in seq_ids)
             bt = torch.tensor([ctx.seqs[n].block_table + [0] * (G - len(ctx.seqs[n].block_table)) for n in seq_ids],
                               device=x.device)
@@ -200,15 +313,16 @@ class ModelRunner:
             ql = q_lat[rows].view(len(seq_ids), t_max, H, C)
             qr = q_rope[rows].view(len(seq_ids), t_max, H, R)
             qpos = ctx.positions[rows].view(len(seq_ids), t_max)
-            o_lat[rows] = _masked_absorbed(ql, qr, kv, C, attn.softmax_scale, qpos).flatten(0, 1)
+            o_lat[rows] = _masked_absorbed(ql, qr, kv, C, attn.softmax_scale, qpos, min_key).flatten(0, 1)
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(1, T, H * V)
         if attn.g_proj is not None:
             o = o * torch.sigmoid(attn.g_proj(x))
         return attn.o_proj(o)
 
 
-def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT) -> torch.Tensor:
-    """Absorbed attention with per-row causal masks: query (n, t) at position qpos[n, t] sees keys 0..qpos[n, t].
+def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT, min_key: int = 0) -> torch.Tensor:
+    """Absorbed attention with per-row causal masks: query (n, t) at position qpos[n, t] sees keys
+    min_key..qpos[n, t].
 
     Same arithmetic as k3.model.mla.mla_absorbed_attention (logits in q's dtype, softmax in >= fp32). -> [N, T, H, C]
     """
@@ -218,7 +332,8 @@ def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT) -> torc
         logits = logits + torch.einsum("nthr,nsr->nhts", q_rope_NTHR, k_rope.to(q_lat_NTHC.dtype))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scale
     S = kv_NSX.shape[1]
-    valid = torch.arange(S, device=kv_NSX.device)[None, None, :] <= qpos_NT[:, :, None]  # [N, T, S]
+    key = torch.arange(S, device=kv_NSX.device)[None, None, :]
+    valid = (key <= qpos_NT[:, :, None]) & (key >= min_key)  # [N, T, S]
     logits = logits.masked_fill(~valid[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(q_lat_NTHC.dtype)
     return torch.einsum("nhts,nsc->nthc", probs, c_kv.to(q_lat_NTHC.dtype))
@@ -242,11 +357,14 @@ class _StepContext:
                 slot_map.append(s.block_table[p // page_size] * page_size + p % page_size)
         self.positions = torch.tensor(pos, device=dev)
         self.slot_mapping = torch.tensor(slot_map, device=dev)
-        singles = [n for n, L in enumerate(lens) if L == 1]
-        groups = []
-        if singles:
-            groups.append((torch.tensor([cu[n] for n in singles], device=dev), singles, 1))
+        by_len: dict = {}  # decodes (L = 1) and verify steps (L = 1 + drafts) of equal length attend together
         for n, L in enumerate(lens):
-            if L > 1:
-                groups.append((torch.arange(cu[n], cu[n + 1], device=dev), [n], L))
-        self.groups = groups
+            by_len.setdefault(L if L <= _BATCHED_MAX_LEN else ("solo", n), []).append(n)
+        self.groups = [(self.rows(ns), ns, lens[ns[0]]) for ns in by_len.values()]
+
+    def rows(self, group: list[int]) -> torch.Tensor:
+        """Packed row indices of the sequences `group`, in order."""
+        return torch.cat([torch.arange(self.cu[n], self.cu[n + 1], device=self.cu_t.device) for n in group])
+
+
+_BATCHED_MAX_LEN = 16  # steps of at most this many tokens per sequence share one attention call per length

@@ -165,11 +165,19 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
         task = prog.add_task("train", total=tcfg.max_steps, completed=trainer.state.step, loss="-", tps="-")
-        t0, tok0 = time.time(), trainer.state.tokens
+        t0, tok0, start_step = time.time(), trainer.state.tokens, trainer.state.step
+
+        plain = not console.is_terminal  # logs and pipes get one line per log step instead of a redrawn bar
 
         def progress(step: int, loss: float) -> None:
-            tps = (trainer.state.tokens - tok0) / max(time.time() - t0, 1e-9)
+            elapsed = max(time.time() - t0, 1e-9)
+            tps = (trainer.state.tokens - tok0) / elapsed
             prog.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
+            if plain and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
+                done = step - start_step
+                eta = elapsed / max(done, 1) * (tcfg.max_steps - step)
+                console.print(f"step {step}/{tcfg.max_steps} loss {loss:.4f} {tps:,.0f} tok/s "
+                              f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
 
         try:
             state = trainer.fit(progress=progress)

@@ -4,7 +4,8 @@ Plan (Hoffmann et al. 2022, arXiv 2203.15556, approach 3 needs runs spread over 
 1. The base model is the pretrain preset's model after the user's `--set` overrides. Every size is derived from it
    by `derive_model`, which keeps the K3 shape (architecture.md sections 1-2):
    - MLA at the 1-based layers that are multiples of 4, plus the last layer when the depth is not a multiple of 4
-     (K3 itself: 4, 8, ..., 92 and 93), so every model has at least one MLA layer and about 3 KDA per MLA layer;
+     (K3 itself: 4, 8, ..., 92 and 93): ceil(L/4) MLA layers, so every model has one and deep ones are ~3:1 KDA:MLA
+     (shallow ones cannot be: L = 2 is one KDA and one MLA layer);
    - layer 0 (0-based) KDA with the dense MLP (first_k_dense = 1), every other layer a LatentMoE;
    - AttnRes block size B = ceil(L / 8), so the stack has at most and about 8 blocks (AttnRes paper, spec section 2);
    - latent width l = d/2; head dims (KDA d_k, MLA qk_nope / qk_rope / v) kept; head counts, q/kv LoRA ranks,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -156,7 +158,7 @@ def count_model(cfg: ModelConfig) -> dict[str, int]:
     return count_parameters(model)
 
 
-def _per_layer_counts(base: ModelConfig, d_model: int, key: str) -> tuple[int, int, int]:
+def per_layer_counts(base: ModelConfig, d_model: int, key: str) -> tuple[int, int, int]:
     """N(L) = c0 + (L - 1 - n_mla) * kda_moe + n_mla * mla_moe at width d (c0: embeddings excluded, layer 0 and
     the output norms; AttnRes adds the same per-layer parameters whatever B is). Solved from three meta models."""
     n4 = count_model(derive_model(base, 4, d_model))[key]  # c0 + 2 kda_moe + 1 mla_moe
@@ -168,7 +170,7 @@ def _per_layer_counts(base: ModelConfig, d_model: int, key: str) -> tuple[int, i
 
 
 def estimate_n(c0: int, kda_moe: int, mla_moe: int, n_layers: int) -> int:
-    """Parameter count of depth n_layers from `_per_layer_counts` (the K3 layout of `mla_layout`)."""
+    """Parameter count of depth n_layers from `per_layer_counts` (the K3 layout of `mla_layout`)."""
     n_mla = len(mla_layout(n_layers))
     return c0 + (n_layers - 1 - n_mla) * kda_moe + n_mla * mla_moe
 
@@ -190,7 +192,7 @@ class SizedModel:
 def size_model(base: ModelConfig, target: float, *, params: str = "active", tol: float = 0.10) -> SizedModel:
     """Search depth x width for the K3-shaped model whose N is closest to `target` (rule: module docstring, 2).
 
-    Example: size_model(load_model_config("k3-debug"), 5e4).N  # within 5% of 50k where the family allows
+    Example: size_model(load_model_config("k3-debug"), 5e4).N  # 50,835: L=4, d=32
     """
     if params not in PARAMS_MODES:
         raise SweepError(f"--params must be 'active' or 'total', got {params!r}")
@@ -201,7 +203,7 @@ def size_model(base: ModelConfig, target: float, *, params: str = "active", tol:
     smallest = largest = None
     for k in range(1, MAX_WIDTH_STEPS + 1):
         d = k * step
-        c0, kda_moe, mla_moe = _per_layer_counts(base, d, key)
+        c0, kda_moe, mla_moe = per_layer_counts(base, d, key)
         ns = [(L, estimate_n(c0, kda_moe, mla_moe, L)) for L in range(MIN_LAYERS, MAX_LAYERS + 1)]
         smallest = ns[0][1] if smallest is None else smallest
         largest = ns[-1][1]
@@ -288,7 +290,7 @@ def plan_sweep(resolve: Callable[[list[str]], Any], *, preset: str, sizes: list[
     tcfg = base_cfg.train
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * base_cfg.data.seq_len
     sized = [size_model(base_cfg.model, s, params=params, tol=tol) for s in sorted(sizes)]
-    for a, b in zip(sized, sized[1:]):
+    for a, b in itertools.pairwise(sized):
         if a.model == b.model:
             raise SweepError(f"sizes {format_size(a.target)} and {format_size(b.target)} give the same model "
                              f"(N = {a.N:,}); choose sizes further apart")

@@ -15,12 +15,15 @@ FIT="${FIT:-$HERE}"                 # where fit.json, fit.png and a copy of runs
 THREADS="${THREADS:-2}"
 K3="${K3:-k3}"
 
-# Sizes are active non-embedding parameters (what scaling-fit's N means by default); the debug preset's smallest
-# K3-shaped model has ~23k. Batch 32 x seq 64 = 2048 tokens per step; no evaluation until the final one (8 batches).
-$K3 sweep --preset debug --sizes 25k,50k,100k --tokens-per-param 2,4,8 \
+# Sizes are active non-embedding parameters (what scaling-fit's N means by default). At this scale the sweep picks
+# d = 32 with 2, 3 and 4 layers (the debug preset's smallest K3-shaped models, 23k-51k parameters). Token budgets
+# span 2.5-25 tokens per parameter so that both terms of L(N, D) matter. Batch 32 x seq 64 = 2048 tokens per step;
+# no evaluation until the final one (8 batches = 16k validation tokens); 5 MB of text = ~2.1M training tokens, more
+# than the largest run reads.
+$K3 sweep --preset debug --sizes 25k,35k,50k --tokens-per-param 2.5,8,25 \
   --set train.batch_size=32 --set train.eval_every=0 --set train.eval_batches=8 --set train.log_every=10 \
-  --set ckpt.every=100 --set train.threads="$THREADS" --set data.cache_dir="$OUT/cache" \
-  --out "$OUT"
+  --set ckpt.every=100 --set data.max_bytes=5000000 --set train.threads="$THREADS" \
+  --set data.cache_dir="$OUT/cache" --out "$OUT"
 
 mkdir -p "$FIT"
 cp "$OUT/runs.csv" "$FIT/runs.csv"

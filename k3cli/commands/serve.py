@@ -26,6 +26,8 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="disable prefix caching"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16"),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens", min=0, max=16,
+                                           help="MTP draft tokens per step for greedy requests (0 = off)"),
 ) -> None:
     """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from k3.serve.config import ServeConfig
@@ -37,4 +39,5 @@ def serve(
     run_server(ServeConfig(ckpt=str(ckpt), host=host, port=port, api_keys=keys, max_num_seqs=max_batch,
                            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=max_queue, served_model_name=served_model_name,
-                           enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype))
+                           enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
+                           num_speculative_tokens=speculative_tokens))

@@ -3,6 +3,7 @@ derived models, and a 2x2 debug grid runs end to end (interrupted run resumed, f
 k3.train.scaling.read_points)."""
 
 import csv
+import io
 import math
 import os
 import signal
@@ -15,8 +16,21 @@ import k3.train.loop as loop_mod
 from k3.cli.config import load_model_config, resolve_config
 from k3.model.transformer import K3Model, count_parameters
 from k3.train.scaling import read_points
-from k3.train.sweep import (SweepError, count_model, derive_model, estimate_n, format_size, mla_layout, parse_list,
-                            parse_ratio, parse_size, plan_sweep, run_sweep, size_model, _per_layer_counts)
+from k3.train.sweep import (
+    SweepError,
+    count_model,
+    derive_model,
+    estimate_n,
+    format_size,
+    mla_layout,
+    parse_list,
+    parse_ratio,
+    parse_size,
+    per_layer_counts,
+    plan_sweep,
+    run_sweep,
+    size_model,
+)
 
 TOL = 0.10  # the documented default: N within 10% of the target wherever the family has such a model
 
@@ -97,7 +111,7 @@ def test_total_params_mode_and_base_preset_recovered():
 def test_per_layer_estimate_equals_exact_count():
     base = load_model_config("k3-debug")
     for d in (32, 96):
-        parts = _per_layer_counts(base, d, "active_nonembed")
+        parts = per_layer_counts(base, d, "active_nonembed")
         for L in (2, 3, 7, 9, 12):
             assert estimate_n(*parts, L) == count_model(derive_model(base, L, d))["active_nonembed"], (d, L)
 
@@ -136,7 +150,7 @@ def test_debug_grid_end_to_end_resume_and_skip(tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     plan = plan_sweep(resolver(), preset="debug", sizes=[25e3, 5e4], ratios=[0.1, 0.2], sets=sets, out=out)
     assert [p.max_steps for p in plan.points] == [10, 19, 20, 40]
-    quiet = Console(file=open(os.devnull, "w"))
+    quiet = Console(file=io.StringIO())
 
     # 1st call: SIGTERM during the second run (the train loop checkpoints and stops; the sweep stops there)
     real_lr_at, calls = loop_mod.lr_at, {"n": 0}
@@ -157,7 +171,8 @@ def test_debug_grid_end_to_end_resume_and_skip(tmp_path, monkeypatch):
     assert res2.skipped == ["25k-0.1"] and res2.ran == ["25k-0.2", "50k-0.1", "50k-0.2"] and res2.stopped is None
     pts = read_points([str(out / "runs.csv")])  # what `k3 scaling-fit OUT/runs.csv` reads
     assert len(pts.N) == 4
-    rows = list(csv.DictReader(open(out / "runs.csv")))
+    with open(out / "runs.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
     for r, p in zip(rows, plan.points):
         assert int(r["N"]) == p.sized.N and int(r["D"]) == p.max_steps * 8 * 32 and r["params_mode"] == "active"
         assert float(r["C"]) == pytest.approx(6 * p.sized.N * int(r["D"]), rel=1e-5)

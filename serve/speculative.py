@@ -1,0 +1,188 @@
+"""MTP speculative decoding for the serving engine (serving.md 2.4, architecture.md 10).
+
+The model's depth-1 MTP module drafts k = `num_speculative_tokens` tokens per running greedy sequence; the next
+engine step verifies all of them in one target forward (k3.serve.runner: per-token KDA states, latents past the
+accepted length are simply overwritten later) and keeps the longest prefix of drafts equal to the target's own
+greedy choice, plus the target's token after it (the "bonus" token). At temperature 0 this is exactly plain greedy
+decoding (tested token for token).
+
+MTP cache convention. The MTP predicts t_{j+1} from the pair (h_{j-1}, t_j), h = the main model's final hidden
+before the final norm (DeepSeek-V3 arXiv 2412.19437 section 2.2: h'_i = M[RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
+predicts t_{i+2}; here j = i + 1). The pair's MLA latent is stored at **slot j**, in the same page layer stack and
+block table as the main latents (one extra page layer). So a page of positions [64b, 64b + 64) holds MTP pairs that
+depend only on tokens < 64(b + 1): a page published to the prefix cache is complete for the MTP too. Slot 0 never
+holds a pair and is masked. Because the MTP is NoPE, a slot number only decides causality: the pair at slot j sees
+slots 1..j, exactly the training-time causal mask over pairs (h_0, t_1) .. (h_{j-1}, t_j).
+
+Per engine step and sequence (`DraftJob`): the committed tokens t_s..t_{s+c-1} of the step are paired with
+[h_{s-1} (carried over in `SpecState.hidden`), h_s, ..., h_{s+c-2}] and written at slots s..s+c-1 ("catch-up");
+if the sequence just sampled t_{s+c}, one more pair (h_{s+c-1}, t_{s+c}) at slot s+c gives the first draft's logits.
+Drafts 2..k (k > 1) are recursive, as vLLM's MTP/EAGLE proposer does with one MTP layer: the pair for slot
+s+c+r-1 is (pre-norm MTP output of the previous draft position, draft r), i.e. the MTP's own output hidden stands in
+for the main hidden that does not exist yet. Those draft slots are overwritten by true pairs once their tokens are
+verified. A prefix-cache hit restores h_{p-1} from the KDA snapshot at p (SnapshotStore.hidden).
+
+Acceptance: greedy only (draft accepted while it equals the target's argmax after the request's penalties).
+Requests with temperature > 0 decode without speculation (one token per step); the lossless rejection rule
+min(1, p/q) with resampling from norm(max(0, p - q)) is not implemented yet.
+
+Legend: N sequences, T packed pairs, D width, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .runner import ModelRunner, StepSeq
+
+
+@dataclass
+class SpecState:
+    """Drafting state of one running sequence."""
+
+    hidden: torch.Tensor  # [D] main final hidden h_{n-1} of the last computed token (pairs with the next token)
+    drafts: list[int] = field(default_factory=list)  # tokens proposed for the next verify step
+
+
+@dataclass
+class DraftJob:
+    """MTP work of one sequence in one engine step: pairs (hidden[r], tokens[r]) at slots start + r."""
+
+    block_table: list[int]
+    start: int  # slot of the first pair
+    tokens: list[int]  # [Tn] t_j
+    hidden: torch.Tensor  # [Tn, D] h_{j-1}
+    num_drafts: int = 0  # drafts to propose after the last pair (0: catch-up only)
+
+
+def num_drafts(k: int, temperature: float, out_len: int, max_tokens: int, seq_len: int, max_model_len: int) -> int:
+    """Drafts to propose for a sequence that has `out_len` output tokens and `seq_len` tokens in all: at most k,
+    0 for sampled requests (no rejection sampling yet), and never more than the request or the context can still
+    take after the bonus token (so a verify step never writes past the pages reserved for the sequence).
+
+    Example: num_drafts(3, 0.0, out_len=10, max_tokens=12, seq_len=20, max_model_len=100) -> 1
+    """
+    if temperature > 0:
+        return 0
+    return max(0, min(k, max_tokens - out_len - 1, max_model_len - seq_len - 1))
+
+
+def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
+    """Number of leading drafts equal to the target's choices (greedy acceptance); targets[i] is the target's token
+    at the position of drafts[i].
+
+    Example: accepted_prefix([5, 7, 9], [5, 7, 2, 4]) -> 2
+    """
+    a = 0
+    while a < len(drafts) and a < len(targets) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+def greedy_verify(drafts: list[int], pick, counts: dict[int, int]) -> tuple[list[int], list]:
+    """Greedy acceptance of one verify step. pick(j) -> (token, logprob) is the target's choice at position j
+    (after the request's penalties, which read `counts`); position j follows the step's first token and drafts[:j].
+    Returns the target's tokens up to and including the first one that differs from its draft (all len(drafts) + 1
+    when every draft matches: the last one is the bonus token). `counts` is updated with each picked token so the
+    penalties at j see the tokens accepted before it, as one-token steps would.
+
+    Example: with pick(j) = ([5, 7, 2, 4][j], None): greedy_verify([5, 7, 9], pick, {}) -> ([5, 7, 2], [None] * 3)
+    """
+    toks, lps = [], []
+    for j in range(len(drafts) + 1):
+        tok, lp = pick(j)
+        toks.append(tok)
+        lps.append(lp)
+        counts[tok] = counts.get(tok, 0) + 1
+        if j == len(drafts) or tok != drafts[j]:
+            break
+    return toks, lps
+
+
+def record_acceptance(metrics, drafts: list[int], targets: list[int]) -> None:
+    """Count one verify step in the k3:spec_decode_* counters (vLLM's names; position label 0-based)."""
+    a = accepted_prefix(drafts, targets)
+    metrics.inc("k3:spec_decode_num_drafts")
+    metrics.inc("k3:spec_decode_num_draft_tokens", len(drafts))
+    metrics.inc("k3:spec_decode_num_accepted_tokens", a)
+    for pos in range(a):
+        metrics.inc("k3:spec_decode_num_accepted_tokens_per_pos", position=pos)
+
+
+def make_job(spec: SpecState, block_table: list[int], start: int, committed: list[int], h_rows_TD: torch.Tensor,
+             new_token: int | None, k: int) -> DraftJob:
+    """The MTP job of one sequence after a step that committed tokens t_start.. (`committed`, [c]) with main
+    hiddens h_rows [c, D]: pairs (h_{j-1}, t_j) at slots start..start+c-1 (h_{start-1} from `spec`), plus the draft
+    pair (h_{start+c-1}, new_token) when k > 0 drafts are wanted. Advances spec.hidden to h_{start+c-1}."""
+    prev = spec.hidden[None].to(h_rows_TD.dtype)
+    if k:
+        tokens, hidden = committed + [new_token], torch.cat([prev, h_rows_TD])
+    else:
+        tokens, hidden = list(committed), torch.cat([prev, h_rows_TD[:-1]])
+    spec.hidden = h_rows_TD[-1].clone()
+    spec.drafts = []
+    return DraftJob(block_table=block_table, start=start, tokens=tokens, hidden=hidden, num_drafts=k)
+
+
+class MTPDrafter:
+    """Runs the MTP module over the engine's pools: catch-up pairs, then k recursive greedy drafts."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
+        if runner.model.mtp is None:
+            raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head (model.mtp_depth: 1); "
+                             "this model has none: serve it without --speculative-tokens")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 to draft, got {num_speculative_tokens}")
+        self.runner, self.k = runner, num_speculative_tokens
+
+    def after_step(self, engine, batch, picks, out) -> None:
+        """One MTP call for a whole engine step (before any sequence of it frees its pages): pairs for every
+        committed token, so pages published to the prefix cache are complete for the MTP too, plus the first draft
+        pair for greedy sequences that just got a token, then the recursive drafts (stored in SpecState.drafts).
+        batch: the engine's (seq, StepSeq, publish) items; picks: per item (new tokens, logprobs, committed count);
+        out: the runner's StepOutput (hidden rows of every packed token)."""
+        jobs, owners = [], []
+        for (seq, st, _), (toks, _, kept), row in zip(batch, picks, out.cu):
+            k = 0
+            if toks and seq.status == "running":
+                p = seq.params
+                k = num_drafts(self.k, p.temperature, len(seq.output) + len(toks), p.max_tokens,
+                               len(seq.all_tokens) + len(toks), engine.max_model_len)
+                engine._grow(seq, st.start + kept + k)  # draft slots n .. n + k - 1 (n = tokens in the caches)
+            spec = engine._spec[id(seq)]
+            jobs.append(make_job(spec, seq.block_table, st.start, st.tokens[:kept], out.hidden[row:row + kept],
+                                 toks[-1] if k else None, k))
+            owners.append(spec)
+        for spec, drafts in zip(owners, self.run(jobs)):
+            spec.drafts = drafts
+
+    @torch.no_grad()
+    def run(self, jobs: list[DraftJob]) -> list[list[int]]:
+        """Write every job's pairs into the MTP cache and return its drafts ([] where num_drafts is 0). The pages
+        for slots start .. start + len(tokens) - 1 + num_drafts - 1 must already be in each block table."""
+        if not jobs:
+            return []
+        seqs = [StepSeq(tokens=j.tokens, start=j.start, slot=-1, block_table=j.block_table) for j in jobs]
+        x_ND, logits_NV = self.runner.mtp_step(seqs, torch.cat([j.hidden for j in jobs]))
+        drafts: list[list[int]] = [[] for _ in jobs]
+        live = [i for i, j in enumerate(jobs) if j.num_drafts > 0]
+        if not live:
+            return drafts
+        tok = logits_NV.argmax(-1).tolist()
+        for i in live:
+            drafts[i].append(tok[i])
+        x_by_job = {i: x_ND[i] for i in live}
+        for r in range(1, self.k):  # draft r + 1 from (MTP output at the previous draft slot, draft r)
+            live = [i for i in live if jobs[i].num_drafts > r]
+            if not live:
+                break
+            seqs = [StepSeq(tokens=[drafts[i][-1]], start=jobs[i].start + len(jobs[i].tokens) - 1 + r, slot=-1,
+                            block_table=jobs[i].block_table) for i in live]
+            x_ND, logits_NV = self.runner.mtp_step(seqs, torch.stack([x_by_job[i] for i in live]))
+            tok = logits_NV.argmax(-1).tolist()
+            for n, i in enumerate(live):
+                drafts[i].append(tok[n])
+                x_by_job[i] = x_ND[n]
+        return drafts
