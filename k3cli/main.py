@@ -14,10 +14,11 @@ from k3.cli.commands.generate import generate  # noqa: E402
 from k3.cli.commands.pretrain import pretrain  # noqa: E402
 from k3.cli.commands.scaling_fit import scaling_fit  # noqa: E402
 from k3.cli.commands.serve import serve  # noqa: E402
+from k3.cli.commands.sweep import sweep  # noqa: E402
 
 app = typer.Typer(
     name="k3",
-    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs (pretrain, generate, scaling-fit, ...).",
+    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, generate, serve, sweep, scaling-fit.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -26,6 +27,7 @@ app.command("pretrain")(pretrain)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
 app.command("serve")(serve)
+app.command("sweep")(sweep)
 
 
 if __name__ == "__main__":

@@ -321,16 +321,17 @@ def pretrain_command(plan: SweepPlan, p: GridPoint) -> str:
 
 
 def plan_table(plan: SweepPlan):
-    """A rich Table of the plan: size, derived shape, N, ratio, tokens, steps, run directory."""
+    """A rich Table of the plan: run name, derived depth / width / MLA layer count, N, tokens, steps, compute."""
     from rich.table import Table
 
     t = Table(title=f"k3 sweep: {len(plan.points)} runs, N = {plan.params} non-embedding parameters")
     for col in ("run", "L", "d", "MLA", "N", "vs target", "D", "steps", "C=6ND"):
         t.add_column(col, justify="right", no_wrap=True)
-    for p in plan.points:
+    for p in plan.points:  # MLA: the number of MLA layers (their indices: mla_layout(L))
         m, D = p.sized.model, p.max_steps * p.tokens_per_step
-        t.add_row(p.name, str(m.n_layers), str(m.d_model), ",".join(map(str, m.full_attn_layers)), f"{p.sized.N:,}",
-                  f"{100 * p.sized.rel_err:+.1f}%", format_size(D), str(p.max_steps), f"{6 * p.sized.N * D:.2g}")
+        t.add_row(p.name, str(m.n_layers), str(m.d_model), str(len(m.full_attn_layers)), f"{p.sized.N:,}",
+                  f"{100 * p.sized.rel_err:+.1f}%", format_size(D), str(p.max_steps),
+                  f"{6 * p.sized.N * D:.2g}".replace("e+", "e"))
     return t
 
 
