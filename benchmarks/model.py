@@ -64,6 +64,15 @@ def anchor_for(cfg, active_nonembed: int) -> DenseLM:
     return DenseLM(cfg.vocab_size, d, L, ff)
 
 
+def measured_matmul_tflops(dev: torch.device) -> float:
+    """Square matmul rate on this device (bf16 on CUDA, fp32 on CPU): the MFU denominator."""
+    cuda = dev.type == "cuda"
+    n, dt = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+    t = time_steps(lambda: a @ b, steps=5, warmup=2, cuda=cuda)
+    return 2 * n**3 / t / 1e12
+
+
 def time_steps(step, steps: int, warmup: int, cuda: bool) -> float:
     for _ in range(warmup):
         step()
@@ -88,7 +97,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="device peak for MFU (default: 989 bf16 on H100/H200, 0.087 fp32 on a 2-core CPU)")
+                    help="device peak for MFU (default: the matmul rate measured here, bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--no-mtp", action="store_true", help="drop the MTP branch")
     args = ap.parse_args()
 
@@ -100,7 +109,9 @@ def main() -> None:
     k3 = build_model(cfg, seed=0).to(dev)
     counts = count_parameters(k3)
     dense = anchor_for(cfg, counts["active_nonembed"]).to(dev)
-    dense_active = sum(p.numel() for p in dense.parameters())
+    # FLOPs count the head but not the embedding table (a lookup)
+    dense_active = sum(p.numel() for p in dense.parameters()) - dense.emb.weight.numel()
+    k3_active = counts["active"] - k3.model.embed_tokens.weight.numel()
     B, T, V = args.batch, args.seq, cfg.vocab_size
     tokens = torch.randint(0, V, (B, T + 1), device=dev)
 
@@ -121,12 +132,12 @@ def main() -> None:
         loss.backward()
         dense.zero_grad(set_to_none=True)
 
-    peak = args.peak_tflops or (989.0 if cuda else 0.087)
+    peak = args.peak_tflops or measured_matmul_tflops(dev)
     n_mla = cfg.layer_types.count("mla")
     rows = []
     for name, step, active, attn_layers, hd in [
         ("dense anchor", dense_step, dense_active, cfg.n_layers, cfg.d_model),
-        (f"{args.model}", k3_step, counts["active"] + (0 if args.no_mtp else counts["mtp"]), n_mla,
+        (f"{args.model}", k3_step, k3_active + (0 if args.no_mtp else counts["mtp"]), n_mla,
          cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / 2),
     ]:
         t = time_steps(step, args.steps, args.warmup, cuda)
@@ -136,8 +147,8 @@ def main() -> None:
             rows[-1] += (torch.cuda.max_memory_allocated() / 2**30,)
             torch.cuda.reset_peak_memory_stats()
     print(f"\nfwd+bwd, B={B} T={T}, device={dev} ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'model':<14} {'active params':>14} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'vs anchor':>10}"
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, MFU against {peak:.3f} TFLOP/s matmul")
+    print(f"{'model':<14} {'FLOP params':>14} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'vs anchor':>10}"
           + (f" {'peak GiB':>9}" if cuda else ""))
     base = rows[0][3]
     for r in rows:

@@ -1,5 +1,7 @@
-"""Token sampling: greedy, temperature, top-k, top-p (nucleus), min-p. Sync-free on the device.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p (nucleus), min-p. Sync-free on the device.
 
+`token_probs` is the processed distribution a sampled request draws from; speculative sampling
+(k3.serve.speculative) uses it for both the target p and the draft q, so both see the same processing.
 Legend: B batch, V vocab.
 """
 
@@ -8,18 +10,47 @@ from __future__ import annotations
 import torch
 
 
-def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of logits [B, V] -> [B] int64. temperature 0 means greedy (argmax, lowest index on ties).
+def apply_penalties(logits_V: torch.Tensor, params, counts: dict[int, int], prompt: list[int]) -> torch.Tensor:
+    """Presence/frequency and repetition penalties of a request (`params`: SamplingParams) on one row [V] -> [V];
+    `counts` maps generated token -> occurrences, `prompt` the prompt ids. Returns the input when no penalty is on.
 
-    Example: sample(torch.tensor([[0., 5., 1.]]), temperature=0) -> tensor([1])
+    Example: apply_penalties(torch.zeros(3), SamplingParams(presence_penalty=1.0), {2: 1}, []) -> [0., 0., -1.]
     """
+    p = params
+    logits = logits_V
+    if (p.presence_penalty or p.frequency_penalty) and counts:
+        ids = torch.tensor(list(counts), device=logits_V.device)
+        cnt = torch.tensor(list(counts.values()), device=logits_V.device, dtype=logits_V.dtype)
+        # OpenAI's definition: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence
+        logits = logits.clone()
+        logits[ids] -= cnt * p.frequency_penalty + p.presence_penalty
+    if p.repetition_penalty != 1.0:
+        # Keskar et al. 2019 (CTRL, arXiv 1909.05858 section 4.1) as vLLM applies it: over prompt + output
+        seen = torch.tensor(sorted(set(prompt) | set(counts)), device=logits_V.device)
+        logits = logits.clone()
+        x = logits[seen]
+        logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+    return logits
+
+
+def _check(temperature: float, top_p: float) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+
+
+def token_probs(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                min_p: float = 0.0) -> torch.Tensor:
+    """The (unnormalized after min-p/top-p truncation) fp32 sampling weights [B, V] for temperature > 0:
+    softmax(logits / T) restricted by top-k, min-p and top-p. Rows sum to the kept mass (<= 1); divide by the row
+    sum for a distribution (torch.multinomial accepts unnormalized weights).
+
+    Example: token_probs(torch.tensor([[0., 0., -1e9]])) -> [[0.5, 0.5, 0.]]
+    """
+    _check(temperature, top_p)
     if temperature == 0:
-        return logits_BV.argmax(dim=-1)
+        raise ValueError("token_probs needs temperature > 0 (temperature 0 is argmax)")
     logits = logits_BV.float() / temperature
     if top_k and top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -33,4 +64,17 @@ def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return probs
+
+
+def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+           min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of logits [B, V] -> [B] int64. temperature 0 means greedy (argmax, lowest index on ties).
+
+    Example: sample(torch.tensor([[0., 5., 1.]]), temperature=0) -> tensor([1])
+    """
+    _check(temperature, top_p)
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    probs = token_probs(logits_BV, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
