@@ -22,15 +22,21 @@ s+c+r-1 is (pre-norm MTP output of the previous draft position, draft r), i.e. t
 for the main hidden that does not exist yet. Those draft slots are overwritten by true pairs once their tokens are
 verified. A prefix-cache hit restores h_{p-1} from the KDA snapshot at p (SnapshotStore.hidden).
 
-Acceptance: greedy only (draft accepted while it equals the target's argmax after the request's penalties).
-Requests with temperature > 0 decode without speculation (one token per step); the lossless rejection rule
-min(1, p/q) with resampling from norm(max(0, p - q)) is not implemented yet.
+Acceptance. Greedy requests: a draft is accepted while it equals the target's argmax after the request's
+penalties. Sampled requests (temperature > 0): speculative sampling (Leviathan et al. 2023, arXiv 2211.17192,
+Algorithm 1; Chen et al. 2023, arXiv 2302.01318): draft r is sampled from q_r, the MTP logits after the request's
+own penalties / temperature / top-k / min-p / top-p (`k3.serve.sampling.token_probs`, penalties counting the tokens
+before it including earlier drafts); the target accepts draft x with probability min(1, p(x)/q(x)) and, at the first
+rejection, samples from norm(max(0, p - q)); after k acceptances the bonus token comes from p. Every output token is
+then distributed exactly as plain sampling from p would give (tested with a chi-square test). All random draws use
+the sequence's generator in a fixed order, so seeded requests are reproducible.
 
 Legend: N sequences, T packed pairs, D width, V vocab.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +50,8 @@ class SpecState:
 
     hidden: torch.Tensor  # [D] main final hidden h_{n-1} of the last computed token (pairs with the next token)
     drafts: list[int] = field(default_factory=list)  # tokens proposed for the next verify step
+    draft_q: list[torch.Tensor] = field(default_factory=list)  # sampled requests: [V] weights each draft came from
+    verify_q: torch.Tensor | None = None  # [K, V] the q rows of the drafts in the current verify step
 
 
 @dataclass
@@ -55,17 +63,17 @@ class DraftJob:
     tokens: list[int]  # [Tn] t_j
     hidden: torch.Tensor  # [Tn, D] h_{j-1}
     num_drafts: int = 0  # drafts to propose after the last pair (0: catch-up only)
+    # sampled requests: draw(logits [V]) -> (draft token, q weights [V]); None = greedy argmax drafts
+    draw: Callable[[torch.Tensor], tuple[int, torch.Tensor]] | None = None
 
 
-def num_drafts(k: int, temperature: float, out_len: int, max_tokens: int, seq_len: int, max_model_len: int) -> int:
+def num_drafts(k: int, out_len: int, max_tokens: int, seq_len: int, max_model_len: int) -> int:
     """Drafts to propose for a sequence that has `out_len` output tokens and `seq_len` tokens in all: at most k,
-    0 for sampled requests (no rejection sampling yet), and never more than the request or the context can still
-    take after the bonus token (so a verify step never writes past the pages reserved for the sequence).
+    and never more than the request or the context can still take after the bonus token (so a verify step never
+    writes past the pages reserved for the sequence).
 
-    Example: num_drafts(3, 0.0, out_len=10, max_tokens=12, seq_len=20, max_model_len=100) -> 1
+    Example: num_drafts(3, out_len=10, max_tokens=12, seq_len=20, max_model_len=100) -> 1
     """
-    if temperature > 0:
-        return 0
     return max(0, min(k, max_tokens - out_len - 1, max_model_len - seq_len - 1))
 
 
@@ -99,6 +107,42 @@ def greedy_verify(drafts: list[int], pick, counts: dict[int, int]) -> tuple[list
         if j == len(drafts) or tok != drafts[j]:
             break
     return toks, lps
+
+
+def rejection_verify(drafts: list[int], q_KV: torch.Tensor, p_at, counts: dict[int, int],
+                     generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Speculative sampling over one verify step (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1).
+    drafts [K] were sampled from the draft weights q_KV [K, V] (row r: the distribution draft r was drawn from, any
+    non-negative weights); p_at(j) -> [V] gives the target's weights at position j (after drafts[:j]; it may read
+    `counts`, which is updated with each emitted token as one-token steps would). Rows need not be normalized.
+    Draft x is accepted with probability min(1, p(x)/q(x)); the first rejection emits a sample from
+    norm(max(0, p - q)) and stops; if all K are accepted, a bonus token is sampled from p_at(K).
+    Returns (emitted tokens: accepted drafts + one more, number of accepted drafts).
+
+    Example: with q_KV = p rows (draft == target) every draft is accepted: -> (drafts + [bonus], K)
+    """
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        p_V = p_at(j).float()
+        p_V = p_V / p_V.sum()
+        q_V = q_KV[j].float()
+        q_V = q_V / q_V.sum()
+        u = torch.rand((), generator=generator, device=p_V.device)
+        if bool(u * q_V[x] < p_V[x]):  # u < p/q, i.e. accept with probability min(1, p(x)/q(x))
+            out.append(x)
+            counts[x] = counts.get(x, 0) + 1
+            continue
+        resid = (p_V - q_V).clamp_min(0.0)
+        # the residual has zero mass only when p == q up to rounding, where a rejection has probability ~0
+        w = resid if bool(resid.sum() > 0) else p_V
+        tok = int(torch.multinomial(w, 1, generator=generator))
+        out.append(tok)
+        counts[tok] = counts.get(tok, 0) + 1
+        return out, j
+    tok = int(torch.multinomial(p_at(len(drafts)).float(), 1, generator=generator))
+    counts[tok] = counts.get(tok, 0) + 1
+    out.append(tok)
+    return out, len(drafts)
 
 
 def record_acceptance(metrics, drafts: list[int], targets: list[int]) -> None:
@@ -140,40 +184,41 @@ class MTPDrafter:
     def after_step(self, engine, batch, picks, out) -> None:
         """One MTP call for a whole engine step (before any sequence of it frees its pages): pairs for every
         committed token, so pages published to the prefix cache are complete for the MTP too, plus the first draft
-        pair for greedy sequences that just got a token, then the recursive drafts (stored in SpecState.drafts).
-        batch: the engine's (seq, StepSeq, publish) items; picks: per item (new tokens, logprobs, committed count);
-        out: the runner's StepOutput (hidden rows of every packed token)."""
+        pair for sequences that just got a token, then the recursive drafts (stored in SpecState.drafts, with their
+        q weights in SpecState.draft_q for sampled requests). batch: the engine's (seq, StepSeq, publish) items;
+        picks: per item (new tokens, logprobs, committed count); out: the runner's StepOutput (hidden rows of every
+        packed token). engine.draft_sampler(seq, new_tokens) gives a sampled request's draw function."""
         jobs, owners = [], []
         for (seq, st, _), (toks, _, kept), row in zip(batch, picks, out.cu):
             k = 0
             if toks and seq.status == "running":
                 p = seq.params
-                k = num_drafts(self.k, p.temperature, len(seq.output) + len(toks), p.max_tokens,
-                               len(seq.all_tokens) + len(toks), engine.max_model_len)
+                k = num_drafts(self.k, len(seq.output) + len(toks), p.max_tokens, len(seq.all_tokens) + len(toks),
+                               engine.max_model_len)
                 engine._grow(seq, st.start + kept + k)  # draft slots n .. n + k - 1 (n = tokens in the caches)
             spec = engine._spec[id(seq)]
-            jobs.append(make_job(spec, seq.block_table, st.start, st.tokens[:kept], out.hidden[row:row + kept],
-                                 toks[-1] if k else None, k))
+            job = make_job(spec, seq.block_table, st.start, st.tokens[:kept], out.hidden[row:row + kept],
+                           toks[-1] if k else None, k)
+            if k and seq.params.temperature > 0:
+                job.draw = engine.draft_sampler(seq, toks)
+            jobs.append(job)
             owners.append(spec)
-        for spec, drafts in zip(owners, self.run(jobs)):
-            spec.drafts = drafts
+        for spec, job, (drafts, qs) in zip(owners, jobs, self.run(jobs, with_q=True)):
+            spec.drafts, spec.draft_q = drafts, qs
 
     @torch.no_grad()
-    def run(self, jobs: list[DraftJob]) -> list[list[int]]:
+    def run(self, jobs: list[DraftJob], with_q: bool = False):
         """Write every job's pairs into the MTP cache and return its drafts ([] where num_drafts is 0). The pages
-        for slots start .. start + len(tokens) - 1 + num_drafts - 1 must already be in each block table."""
-        if not jobs:
-            return []
-        seqs = [StepSeq(tokens=j.tokens, start=j.start, slot=-1, block_table=j.block_table) for j in jobs]
-        x_ND, logits_NV = self.runner.mtp_step(seqs, torch.cat([j.hidden for j in jobs]))
+        for slots start .. start + len(tokens) - 1 + num_drafts - 1 must already be in each block table.
+        with_q: return (drafts, q rows) per job instead, q rows [V] only for jobs with a `draw` function."""
         drafts: list[list[int]] = [[] for _ in jobs]
+        qs: list[list[torch.Tensor]] = [[] for _ in jobs]
         live = [i for i, j in enumerate(jobs) if j.num_drafts > 0]
-        if not live:
-            return drafts
-        tok = logits_NV.argmax(-1).tolist()
-        for i in live:
-            drafts[i].append(tok[i])
-        x_by_job = {i: x_ND[i] for i in live}
+        if jobs:
+            seqs = [StepSeq(tokens=j.tokens, start=j.start, slot=-1, block_table=j.block_table) for j in jobs]
+            x_ND, logits_NV = self.runner.mtp_step(seqs, torch.cat([j.hidden for j in jobs]))
+            self._pick(jobs, live, logits_NV[live], drafts, qs)
+            x_by_job = {i: x_ND[i] for i in live}
         for r in range(1, self.k):  # draft r + 1 from (MTP output at the previous draft slot, draft r)
             live = [i for i in live if jobs[i].num_drafts > r]
             if not live:
@@ -181,8 +226,20 @@ class MTPDrafter:
             seqs = [StepSeq(tokens=[drafts[i][-1]], start=jobs[i].start + len(jobs[i].tokens) - 1 + r, slot=-1,
                             block_table=jobs[i].block_table) for i in live]
             x_ND, logits_NV = self.runner.mtp_step(seqs, torch.stack([x_by_job[i] for i in live]))
-            tok = logits_NV.argmax(-1).tolist()
+            self._pick(jobs, live, logits_NV, drafts, qs)
             for n, i in enumerate(live):
-                drafts[i].append(tok[n])
                 x_by_job[i] = x_ND[n]
-        return drafts
+        return list(zip(drafts, qs)) if with_q else drafts
+
+    @staticmethod
+    def _pick(jobs, live, logits_LV, drafts, qs) -> None:
+        """Append one draft to every live job i = live[n] from its logits row n ([L, V], L = len(live)): argmax
+        (greedy) or the job's draw function (sampled)."""
+        greedy = logits_LV.argmax(-1).tolist() if live else []
+        for n, i in enumerate(live):
+            if jobs[i].draw is None:
+                drafts[i].append(greedy[n])
+            else:
+                tok, q_V = jobs[i].draw(logits_LV[n])
+                drafts[i].append(tok)
+                qs[i].append(q_V)
