@@ -32,5 +32,6 @@ class ServeConfig:
     max_stop: int = 4  # most stop strings per request (OpenAI's limit)
     request_timeout_s: float = 600.0  # wall-clock limit of one request; it is aborted after that
     sse_ping_interval_s: float = 15.0  # SSE comment keep-alive while a request waits or prefills
+    shutdown_timeout_s: float = 30.0  # on SIGTERM: 503 "draining" for new requests, in-flight ones get this long
     warmup: bool = True  # run every step shape once before /health reports ready
     log_level: str = "warning"  # uvicorn log level

@@ -9,9 +9,10 @@ Every `step()`:
    `max_num_batched_tokens` (chunks are multiples of the 64-token block, so KDA chunk and page boundaries align);
 4. runs one forward (`ModelRunner`), publishes newly completed pages and snapshots (written before published),
    samples, detokenizes, applies stop conditions and sends a `SeqEvent` to each sequence's sink.
-With `num_speculative_tokens` = k > 0 (k3.serve.speculative), a greedy decode step verifies the sequence's k MTP
-drafts in the same forward, keeps the accepted prefix plus the bonus token (rolling the KDA state back to it), and
-the MTP then catches up on the committed tokens and drafts the next k.
+With `num_speculative_tokens` = k > 0 (k3.serve.speculative), a decode step verifies the sequence's k MTP drafts
+in the same forward, keeps the accepted prefix plus the bonus/resampled token (greedy match, or speculative
+sampling for temperature > 0), rolling the KDA state back to it, and the MTP then catches up on the committed
+tokens and drafts the next k.
 Sequences join and leave between any two steps. `start()` runs steps on a background thread; without it, call
 `step()` yourself (tests, `k3 generate`).
 """
@@ -32,10 +33,10 @@ from k3.model.transformer import K3Model
 from .cache import PagePool, SnapshotStore, StatePool, block_hashes, chain_hash
 from .config import ServeConfig
 from .metrics import Metrics
-from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob
+from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, find_stop, holdback, token_logprob
 from .runner import ModelRunner, StepSeq
-from .sampling import sample
-from .speculative import MTPDrafter, SpecState, greedy_verify, record_acceptance
+from .sampling import apply_penalties, sample, token_probs
+from .speculative import MTPDrafter, SpecState, accepted_prefix, greedy_verify, record_acceptance, rejection_verify
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -143,6 +144,12 @@ class Engine:
         """Cancel sequences (client gone): their slot and pages are freed at the next step."""
         with self._cv:
             self._inbox.extend(("abort", sid) for sid in seq_ids)
+            self._cv.notify()
+
+    def abort_all(self) -> None:
+        """Cancel every waiting and running sequence at the next step (end of a graceful shutdown)."""
+        with self._cv:
+            self._inbox.append(("abort_all", None))
             self._cv.notify()
 
     def has_work(self) -> bool:
@@ -274,14 +281,25 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ speculation
 
     def _verify(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> tuple[list[int], list]:
-        """Greedy acceptance over a verify step's logits (row j = target after tokens[:j+1]): the target's token at
-        every position up to and including the first one that differs from the draft. Penalties see the tokens
-        accepted before each position, exactly as one-token steps would."""
-        saved = dict(seq.counts)
-        toks, lps = greedy_verify(st.tokens[1:], lambda row: self._sample(seq, logits_TV[row]), seq.counts)
-        seq.counts = saved  # _append counts them again
+        """Acceptance over a verify step's logits [K+1, V] (row j = target after tokens[:j+1]). Greedy: the target's
+        token at every position up to and including the first one that differs from the draft. Sampled: speculative
+        sampling against the drafts' q rows. Penalties see the tokens accepted before each position, exactly as
+        one-token steps would. Returns the emitted tokens and their logprobs (the target's)."""
+        drafts = st.tokens[1:]
+        counts = dict(seq.counts)  # _append counts the emitted tokens again
+        spec = self._spec[id(seq)]
+        if seq.params.temperature > 0:  # speculative sampling (k3.serve.speculative.rejection_verify)
+            q_KV, spec.verify_q = spec.verify_q, None
+            toks, a = rejection_verify(drafts, q_KV, lambda j: self._probs(seq, logits_TV[j], counts), counts,
+                                       seq.generator)
+            lps = [self._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
+        else:
+            saved, seq.counts = seq.counts, counts
+            toks, lps = greedy_verify(drafts, lambda row: self._sample(seq, logits_TV[row]), seq.counts)
+            seq.counts = saved
+            a = accepted_prefix(drafts, toks)
         if self.record_metrics:
-            record_acceptance(self.metrics, st.tokens[1:], toks)
+            record_acceptance(self.metrics, drafts, a)
         return toks, lps
 
     def _commit_verify(self, i: int, seq: Sequence, st: StepSeq, kept: int, toks: list[int]) -> list:
@@ -310,6 +328,9 @@ class Engine:
         for kind, x in items:
             if kind == "add":
                 self.waiting.append(x)
+            elif kind == "abort_all":
+                for s in list(self.waiting) + list(self.running):
+                    self._finish(s, "abort")
             else:
                 for s in itertools.chain(self.waiting, self.running):
                     if s.seq_id == x and s.status != "finished":
@@ -416,7 +437,9 @@ class Engine:
                 if spec is not None and spec.drafts:  # verify the drafts that fit the budget in one forward
                     tokens += spec.drafts[:budget - 1]
                     mode = "all" if len(tokens) > 1 else mode
-                    spec.drafts = []
+                    if spec.draft_q and len(tokens) > 1:
+                        spec.verify_q = torch.stack(spec.draft_q[:len(tokens) - 1])  # [K, V]
+                    spec.drafts, spec.draft_q = [], []
             budget -= len(tokens)
             end = start + len(tokens)
             self._grow(seq, end)
@@ -445,25 +468,36 @@ class Engine:
         """Next token from fp32 logits [V]; logprobs are the model's raw log-softmax (before penalties and
         temperature, vLLM's default)."""
         p = seq.params
-        logits = row_V
-        if (p.presence_penalty or p.frequency_penalty) and seq.counts:
-            ids = torch.tensor(list(seq.counts), device=row_V.device)
-            cnt = torch.tensor(list(seq.counts.values()), device=row_V.device, dtype=row_V.dtype)
-            # OpenAI's definition: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence
-            logits = logits.clone()
-            logits[ids] -= cnt * p.frequency_penalty + p.presence_penalty
-        if p.repetition_penalty != 1.0:
-            # Keskar et al. 2019 (CTRL, arXiv 1909.05858 section 4.1) as vLLM applies it: over prompt + output
-            seen = torch.tensor(sorted(set(seq.prompt) | set(seq.counts)), device=row_V.device)
-            logits = logits.clone()
-            x = logits[seen]
-            logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        logits = apply_penalties(row_V, p, seq.counts, seq.prompt)
         tok = int(sample(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                          generator=seq.generator)[0])
-        lp = None
-        if p.logprobs is not None:
-            lp = _token_logprob(torch.log_softmax(row_V.float(), -1), tok, p.logprobs)
-        return tok, lp
+        return tok, self._logprob(seq, row_V, tok)
+
+    def _logprob(self, seq: Sequence, row_V: torch.Tensor, tok: int) -> TokenLogprob | None:
+        k = seq.params.logprobs
+        return None if k is None else token_logprob(torch.log_softmax(row_V.float(), -1), tok, k)
+
+    def _probs(self, seq: Sequence, row_V: torch.Tensor, counts: dict[int, int]) -> torch.Tensor:
+        """The weights [V] a sampled request draws from after `counts` generated tokens (penalties included)."""
+        p = seq.params
+        logits = apply_penalties(row_V, p, counts, seq.prompt)
+        return token_probs(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)[0]
+
+    def draft_sampler(self, seq: Sequence, new_tokens: list[int]):
+        """The MTP draw function of a sampled sequence whose step just produced `new_tokens` (not yet appended):
+        draft r is drawn from q = the request's processed distribution of the MTP logits, with penalties counting
+        the output so far, `new_tokens` and drafts 1..r-1, i.e. exactly what the target sees at that position."""
+        counts = dict(seq.counts)
+        for t in new_tokens:
+            counts[t] = counts.get(t, 0) + 1
+
+        def draw(logits_V: torch.Tensor) -> tuple[int, torch.Tensor]:
+            q_V = self._probs(seq, logits_V.float(), counts)
+            tok = int(torch.multinomial(q_V, 1, generator=seq.generator))
+            counts[tok] = counts.get(tok, 0) + 1
+            return tok, q_V
+
+        return draw
 
     def _gather_prompt_logprobs(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> None:
         """Row j of the chunk predicts prompt token start + j + 1."""
@@ -473,7 +507,7 @@ class Engine:
         for j in range(len(st.tokens)):
             i = st.start + j + 1
             if i < len(seq.prompt):
-                seq.prompt_lp.append(_token_logprob(lsm[j], seq.prompt[i], seq.params.prompt_logprobs))
+                seq.prompt_lp.append(token_logprob(lsm[j], seq.prompt[i], seq.params.prompt_logprobs))
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
         p = seq.params
@@ -495,7 +529,7 @@ class Engine:
             before = len(seq.text)
             seq.text += seq.decoder.add(tok)
             if p.stop:
-                cut = _find_stop(seq.text, p.stop, before)
+                cut = find_stop(seq.text, p.stop, before)
                 if cut is not None:
                     seq.text, finish = seq.text[:cut], "stop"
         if finish is None and (len(seq.output) >= p.max_tokens or len(seq.all_tokens) >= self.max_model_len):
@@ -505,7 +539,7 @@ class Engine:
                 seq.text += seq.decoder.flush()  # an incomplete trailing character becomes U+FFFD
             self._finish(seq, finish, token=tok, lp=lp)
             return
-        safe = len(seq.text) - _holdback(seq.text, p.stop)
+        safe = len(seq.text) - holdback(seq.text, p.stop)
         delta = seq.text[seq.emitted:safe] if safe > seq.emitted else ""
         seq.emitted += len(delta)
         self._emit(seq, delta, [tok], [lp] if lp is not None else None, None)
@@ -563,35 +597,3 @@ class Engine:
         m.set("k3:num_requests_waiting", len(self.waiting) + len(self._inbox))
         m.set("k3:kv_cache_usage_perc", self.pages.usage())
         m.set("k3:kda_state_slots_usage_perc", 1.0 - len(self.states.free) / self.states.num_slots)
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _token_logprob(lsm_V: torch.Tensor, tok: int, k: int) -> TokenLogprob:
-    top = []
-    if k > 0:
-        vals, ids = torch.topk(lsm_V, min(k, lsm_V.shape[-1]))
-        top = list(zip(ids.tolist(), vals.tolist()))
-    return TokenLogprob(token_id=tok, logprob=float(lsm_V[tok]), top=top)
-
-
-def _find_stop(text: str, stops: list[str], before: int) -> int | None:
-    """Earliest index where a stop string starts, searching only where a new match can begin."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, before - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _holdback(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` that could be the beginning of a stop string (not sent yet)."""
-    keep = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:k]):
-                keep = k
-                break
-    return keep

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
 from k3.model.transformer import K3Model
 
 from .sampling import sample

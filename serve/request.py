@@ -92,3 +92,36 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers (engine)
+
+
+def token_logprob(lsm_V: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+    """The chosen token's logprob and the top-k [(id, logprob)] from a log-softmax row [V]."""
+    top = []
+    if k > 0:
+        vals, ids = torch.topk(lsm_V, min(k, lsm_V.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id=tok, logprob=float(lsm_V[tok]), top=top)
+
+
+def find_stop(text: str, stops: list[str], before: int) -> int | None:
+    """Earliest index where a stop string starts, searching only where a new match can begin."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, before - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that could be the beginning of a stop string (not sent yet)."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:k]):
+                keep = k
+                break
+    return keep

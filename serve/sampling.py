@@ -42,9 +42,9 @@ def _check(temperature: float, top_p: float) -> None:
 
 def token_probs(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 min_p: float = 0.0) -> torch.Tensor:
-    """The (unnormalized after min-p/top-p truncation) fp32 sampling weights [B, V] for temperature > 0:
-    softmax(logits / T) restricted by top-k, min-p and top-p. Rows sum to the kept mass (<= 1); divide by the row
-    sum for a distribution (torch.multinomial accepts unnormalized weights).
+    """The fp32 sampling weights [B, V] for temperature > 0: softmax(logits / T) restricted by top-k, min-p and
+    top-p, not renormalized (rows sum to the kept mass <= 1; torch.multinomial accepts unnormalized weights, divide
+    by the row sum for a distribution).
 
     Example: token_probs(torch.tensor([[0., 0., -1e9]])) -> [[0.5, 0.5, 0.]]
     """

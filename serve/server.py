@@ -6,6 +6,9 @@ through an asyncio queue per request (the engine thread hands them over with cal
 disconnects aborts its sequences, which frees their KDA slot and latent pages at the engine's next step.
 A pure ASGI middleware enforces the API key (every route but /health, constant-time comparison) and the body size
 limit (413), so neither depends on the route or on well-formed JSON.
+Graceful shutdown (serving.md 5): the first SIGTERM/SIGINT starts draining: new requests (and /health) get 503
+`draining`, in-flight ones finish for up to `shutdown_timeout_s`, then whatever is left is aborted and uvicorn exits;
+a second signal exits at once. Streams send `: ping` SSE comments every `sse_ping_interval_s` without events.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class ServerState:
     chat: ChatTemplate | None = None
     created: int = field(default_factory=now)
     load_error: str | None = None
+    draining: bool = False  # shutting down: new requests get 503 "draining"
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -124,6 +128,10 @@ def build_app(state: ServerState) -> FastAPI:
         return _error_response(APIError(500, f"internal error: {exc!r}", type_="server_error"))
 
     def engine() -> Engine:
+        if state.draining:
+            state.metrics.inc("k3:requests_rejected", reason="draining")
+            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another replica",
+                           type_="unavailable_error", code="draining", headers={"Retry-After": "5"})
         eng = state.engine
         if eng is not None and eng.dead is not None:
             raise APIError(503, f"the engine stopped: {eng.dead!r}", type_="unavailable_error", code="engine_dead")
@@ -518,6 +526,41 @@ def attach_engine(state: ServerState, engine: Engine, chat: ChatTemplate) -> Non
     state.engine = engine
 
 
+def drain(state: ServerState, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Graceful shutdown: refuse new requests (503 draining) and wait up to `timeout_s` for the engine to finish
+    the in-flight ones; abort whatever is left after that. Returns True when everything finished in time."""
+    state.draining = True
+    eng = state.engine
+    if eng is None or eng.dead is not None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while eng.has_work():
+        if time.monotonic() >= deadline:
+            eng.abort_all()
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def make_server(app, state: ServerState, **uvicorn_kwargs):
+    """A uvicorn server whose first SIGINT/SIGTERM drains (`drain`) before exiting; a second one exits at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining or self.should_exit:
+                return super().handle_exit(sig, frame)
+            state.draining = True  # set here, in the signal handler, so no request slips in after the signal
+
+            def finish() -> None:
+                drain(state, state.cfg.shutdown_timeout_s)
+                self.should_exit = True
+
+            threading.Thread(target=finish, name="k3-drain", daemon=True).start()
+
+    return DrainingServer(uvicorn.Config(app, **uvicorn_kwargs))
+
+
 def make_state(cfg: ServeConfig) -> ServerState:
     name = cfg.served_model_name or (Path(cfg.ckpt).resolve().name if cfg.ckpt else "k3")
     return ServerState(cfg=cfg, model_name=name, metrics=Metrics(name))
@@ -525,9 +568,7 @@ def make_state(cfg: ServeConfig) -> ServerState:
 
 def run_server(cfg: ServeConfig) -> None:
     """Serve `cfg.ckpt` until interrupted: HTTP comes up at once (503 on /health), the model loads and warms in
-    the background, then /health turns 200."""
-    import uvicorn
-
+    the background, then /health turns 200; SIGTERM drains (module docstring)."""
     if not Path(cfg.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {cfg.ckpt}; pass a release directory "
                                 "(e.g. runs/<name>/final)")
@@ -537,7 +578,8 @@ def run_server(cfg: ServeConfig) -> None:
     state = make_state(cfg)
     app = GuardMiddleware(build_app(state), state)
     threading.Thread(target=load_state, args=(cfg, state), name="k3-load", daemon=True).start()
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=30)
+    make_server(app, state, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout_s))).run()
     if state.engine is not None:
         state.engine.stop()
 
@@ -548,7 +590,9 @@ __all__ = [
     "ServerState",
     "attach_engine",
     "build_app",
+    "drain",
     "load_state",
+    "make_server",
     "make_state",
     "run_server",
 ]

@@ -1,10 +1,12 @@
 """MTP speculative decoding for the serving engine (serving.md 2.4, architecture.md 10).
 
-The model's depth-1 MTP module drafts k = `num_speculative_tokens` tokens per running greedy sequence; the next
-engine step verifies all of them in one target forward (k3.serve.runner: per-token KDA states, latents past the
-accepted length are simply overwritten later) and keeps the longest prefix of drafts equal to the target's own
-greedy choice, plus the target's token after it (the "bonus" token). At temperature 0 this is exactly plain greedy
-decoding (tested token for token).
+The model's depth-1 MTP module drafts k = `num_speculative_tokens` tokens per running sequence; the next engine
+step verifies all of them in one target forward (k3.serve.runner: per-token KDA states, latents past the accepted
+length are simply overwritten later) and keeps the accepted drafts plus one target token after them (the "bonus"
+token, or the resampled one after a rejection; see Acceptance below). At temperature 0 this is exactly plain greedy
+decoding (tested token for token); at temperature > 0 each token has exactly the plain sampling distribution
+(tested with chi-square tests), though a seeded request draws a different, equally distributed, sample than it does
+without speculation (the random numbers are consumed differently).
 
 MTP cache convention. The MTP predicts t_{j+1} from the pair (h_{j-1}, t_j), h = the main model's final hidden
 before the final norm (DeepSeek-V3 arXiv 2412.19437 section 2.2: h'_i = M[RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
@@ -65,6 +67,7 @@ class DraftJob:
     num_drafts: int = 0  # drafts to propose after the last pair (0: catch-up only)
     # sampled requests: draw(logits [V]) -> (draft token, q weights [V]); None = greedy argmax drafts
     draw: Callable[[torch.Tensor], tuple[int, torch.Tensor]] | None = None
+    q: list[torch.Tensor] = field(default_factory=list)  # [V] weights each sampled draft was drawn from
 
 
 def num_drafts(k: int, out_len: int, max_tokens: int, seq_len: int, max_model_len: int) -> int:
@@ -121,6 +124,9 @@ def rejection_verify(drafts: list[int], q_KV: torch.Tensor, p_at, counts: dict[i
 
     Example: with q_KV = p rows (draft == target) every draft is accepted: -> (drafts + [bonus], K)
     """
+    if q_KV is None or q_KV.shape[0] != len(drafts):
+        shape = None if q_KV is None else tuple(q_KV.shape)
+        raise ValueError(f"rejection_verify needs one q row per draft: {len(drafts)} drafts, q rows {shape}")
     out: list[int] = []
     for j, x in enumerate(drafts):
         p_V = p_at(j).float()
@@ -145,9 +151,9 @@ def rejection_verify(drafts: list[int], q_KV: torch.Tensor, p_at, counts: dict[i
     return out, len(drafts)
 
 
-def record_acceptance(metrics, drafts: list[int], targets: list[int]) -> None:
-    """Count one verify step in the k3:spec_decode_* counters (vLLM's names; position label 0-based)."""
-    a = accepted_prefix(drafts, targets)
+def record_acceptance(metrics, drafts: list[int], a: int) -> None:
+    """Count one verify step with `a` of its drafts accepted in the k3:spec_decode_* counters (vLLM's names;
+    position label 0-based)."""
     metrics.inc("k3:spec_decode_num_drafts")
     metrics.inc("k3:spec_decode_num_draft_tokens", len(drafts))
     metrics.inc("k3:spec_decode_num_accepted_tokens", a)
@@ -171,7 +177,8 @@ def make_job(spec: SpecState, block_table: list[int], start: int, committed: lis
 
 
 class MTPDrafter:
-    """Runs the MTP module over the engine's pools: catch-up pairs, then k recursive greedy drafts."""
+    """Runs the MTP module over the engine's pools: catch-up pairs, then k recursive drafts (argmax for greedy
+    requests, sampled from q for sampled ones)."""
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         if runner.model.mtp is None:
@@ -203,16 +210,16 @@ class MTPDrafter:
                 job.draw = engine.draft_sampler(seq, toks)
             jobs.append(job)
             owners.append(spec)
-        for spec, job, (drafts, qs) in zip(owners, jobs, self.run(jobs, with_q=True)):
-            spec.drafts, spec.draft_q = drafts, qs
+        for spec, job, drafts in zip(owners, jobs, self.run(jobs)):
+            spec.drafts, spec.draft_q = drafts, job.q
 
     @torch.no_grad()
-    def run(self, jobs: list[DraftJob], with_q: bool = False):
-        """Write every job's pairs into the MTP cache and return its drafts ([] where num_drafts is 0). The pages
-        for slots start .. start + len(tokens) - 1 + num_drafts - 1 must already be in each block table.
-        with_q: return (drafts, q rows) per job instead, q rows [V] only for jobs with a `draw` function."""
+    def run(self, jobs: list[DraftJob]) -> list[list[int]]:
+        """Write every job's pairs into the MTP cache and return its drafts ([] where num_drafts is 0); jobs with a
+        `draw` function also get the q row [V] of each draft in job.q. The pages for slots
+        start .. start + len(tokens) - 1 + num_drafts - 1 must already be in each block table."""
         drafts: list[list[int]] = [[] for _ in jobs]
-        qs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        qs = [j.q for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.num_drafts > 0]
         if jobs:
             seqs = [StepSeq(tokens=j.tokens, start=j.start, slot=-1, block_table=j.block_table) for j in jobs]
@@ -229,7 +236,7 @@ class MTPDrafter:
             self._pick(jobs, live, logits_NV, drafts, qs)
             for n, i in enumerate(live):
                 x_by_job[i] = x_ND[n]
-        return list(zip(drafts, qs)) if with_q else drafts
+        return drafts
 
     @staticmethod
     def _pick(jobs, live, logits_LV, drafts, qs) -> None:

@@ -16,7 +16,7 @@ from k3.model.tokenizer import K3Tokenizer
 from k3.serve.chat import ChatTemplate
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
-from k3.serve.server import GuardMiddleware, attach_engine, build_app, make_state
+from k3.serve.server import GuardMiddleware, attach_engine, build_app, make_server, make_state
 from k3.train.pretrain import run
 
 
@@ -62,14 +62,11 @@ class LiveServer:
 
 def start_server(model, tok, ckpt, **overrides) -> LiveServer:
     """Build the app around an in-memory model and serve it with uvicorn on a background thread."""
-    import uvicorn
-
     cfg = ServeConfig(ckpt=str(ckpt), port=free_port(), served_model_name="k3-test", max_model_len=512,
                       max_num_seqs=8, max_num_batched_tokens=128, **overrides)
     state = make_state(cfg)
     app = GuardMiddleware(build_app(state), state)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
+    server = make_server(app, state, host="127.0.0.1", port=cfg.port, log_level="warning", timeout_graceful_shutdown=1)
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{cfg.port}"

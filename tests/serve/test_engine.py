@@ -6,9 +6,9 @@ import torch
 
 from k3.model.tokenizer import IncrementalDecoder
 from k3.serve.config import ServeConfig
-from k3.serve.engine import Engine, QueueFull, _find_stop, _holdback
+from k3.serve.engine import Engine, QueueFull
 from k3.serve.generate import generate_tokens
-from k3.serve.request import SamplingParams, Sequence
+from k3.serve.request import SamplingParams, Sequence, find_stop, holdback
 
 
 def _engine(model_tok, **kw):
@@ -163,11 +163,11 @@ def test_stop_strings_and_stop_ids(model_tok):
 
 
 def test_stop_helpers():
-    assert _find_stop("hello world", ["wor"], 0) == 6
-    assert _find_stop("hello world", ["wor", "llo"], 0) == 2
-    assert _find_stop("abc", ["x"], 0) is None
-    assert _holdback("hello wo", ["world"]) == 2
-    assert _holdback("hello", ["xyz"]) == 0
+    assert find_stop("hello world", ["wor"], 0) == 6
+    assert find_stop("hello world", ["wor", "llo"], 0) == 2
+    assert find_stop("abc", ["x"], 0) is None
+    assert holdback("hello wo", ["world"]) == 2
+    assert holdback("hello", ["xyz"]) == 0
 
 
 def test_context_limit_finishes_with_length(model_tok):
