@@ -69,3 +69,18 @@ def test_slots_reject_typos_on_assignment():
     cfg = resolve_config("pretrain", preset="debug")
     with pytest.raises(AttributeError):
         cfg.trian = 1  # type: ignore[attr-defined]
+
+
+def test_every_field_is_documented_and_reference_is_current():
+    import dataclasses
+    from pathlib import Path
+
+    from k3.cli.config import SECTIONS
+    from k3.cli.docs import reference, section_rows
+
+    for section, cls in SECTIONS.items():
+        documented = {row[0] for row in section_rows(cls)}
+        missing = {f.name for f in dataclasses.fields(cls)} - documented
+        assert not missing, f"{section}: fields without a trailing comment: {missing}"
+    committed = (Path(__file__).resolve().parents[2] / "k3cli" / "README.md").read_text()
+    assert committed.strip() == reference().strip(), "k3cli/README.md is stale: run python -m k3.cli.docs > k3cli/README.md"
