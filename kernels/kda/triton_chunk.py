@@ -1,4 +1,4 @@
-"""Chunkwise KDA forward as Triton kernels (`chunk_kda` on the "triton" backend); backward by the PyTorch path.
+"""Chunkwise KDA forward as Triton kernels (`chunk_kda` on the "triton" backend); backward in triton_chunk_bwd.py.
 
 Legend: N sequences, T_all total tokens (B * T, or the packed varlen length), H q/k heads, HV value heads, K key dim,
 V value dim, BT chunk size (16/32/64), BC = 16 sub-chunk, NC = BT / BC, NT_all chunks over all sequences,
@@ -21,8 +21,11 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
-Backward: `_ChunkKDATriton.backward` recomputes the forward with the PyTorch implementation (chunk.py, hand-written
-blockwise backward) and returns its gradients, so autograd is exact but the backward runs at PyTorch speed.
+Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py: recompute of Gamma, Aqk, Akk, M,
+w, u, v_new, h by `chunk_fwd_pipeline`, then reverse state scan, inter-chunk and intra-chunk gradient kernels).
+K3_KDA_BWD selects the backward: "torch" (default for now) recomputes the forward with the PyTorch implementation
+(chunk.py, hand-written blockwise backward) and returns its gradients, at PyTorch speed; "triton" runs
+triton_chunk_bwd.py, tested under the interpreter in fp32 but not yet on a GPU.
 The in-kernel steps (q/k L2 norm, gate, beta sigmoid) run as PyTorch ops around the core, so autograd covers them.
 float64 inputs (the reference precision) run on the PyTorch implementation.
 """
@@ -30,6 +33,7 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import triton
@@ -60,10 +64,10 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 
 @triton.jit
-def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, scale, shift, T, NT,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, VARLEN: tl.constexpr,
-                  PREC: tl.constexpr):
+                  BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
+                  VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -100,12 +104,14 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu_seqlens, scale
             e_k = tl.exp2(tl.where(o_t[:, None] < s * BC, b_Gn[None, :] - b_G, float("-inf")))
             b_kc = (b_kall.to(tl.float32) * e_k).to(b_kall.dtype)  # [BT, BK], zero rows from s * BC on
             b_Aoff = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BT]
-            b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC) * b_b[:, None]
+            b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
         else:
             b_Aoff = tl.zeros([BC, BT], dtype=tl.float32)
             b_Loff = tl.zeros([BC, BT], dtype=tl.float32)
         tl.store(Aqk + p_A, b_Aoff.to(Aqk.dtype.element_ty), mask=m_store)
-        tl.store(Lkk + p_A, b_Loff, mask=m_store)
+        if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
+            tl.store(Akk + p_A, b_Loff, mask=m_store)
+        tl.store(Lkk + p_A, b_Loff * b_b[:, None], mask=m_store)
         # diagonal 16 x 16 block
         if SAFE:  # fixed anchor C = Gamma_n - shift: exp2(Gamma_i - C) and exp2(C - Gamma_j) both finite in fp32
             b_C = b_Gn - shift
@@ -125,10 +131,12 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu_seqlens, scale
                 b_Ad += tl.where(o_c[None, :] == j, tl.sum(b_q * ke, axis=1)[:, None], 0.0)
                 b_Ld += tl.where(o_c[None, :] == j, tl.sum(b_k * ke, axis=1)[:, None], 0.0)
         b_Ad = tl.where(o_c[:, None] >= o_c[None, :], b_Ad, 0.0)
-        b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld * b_b[:, None], 0.0)
+        b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld, 0.0)
         p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
         tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
-        tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])
+        if STORE_AKK:
+            tl.store(Akk + p_D, b_Ld, mask=m_s[:, None])
+        tl.store(Lkk + p_D, b_Ld * b_b[:, None], mask=m_s[:, None])
 
 
 @triton.jit
@@ -308,10 +316,25 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
     tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32):
-    """Run the five kernels. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] fp32 log decay; beta: [B, T, HV];
-    h0: [N, HV, K, V] fp32 or None. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32,
-    h [NT_all, HV, K, V] = state entering each chunk, fp32 if h_fp32 else in the input dtype)."""
+def chunk_layout(B, T, chunk_size, cu_seqlens, device):
+    """Chunk bookkeeping shared by forward and backward: (N, NT, NT_all, chunk_indices [NT_all, 2] int32,
+    chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen."""
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, chunk_size)
+        return B, NT, B * NT, None, None, None
+    lens = [b - a for a, b in itertools.pairwise(cu_seqlens.tolist())]
+    per = [triton.cdiv(n, chunk_size) for n in lens]
+    chunk_indices = torch.tensor([[n, c] for n, m in enumerate(per) for c in range(m)], dtype=torch.int32,
+                                 device=device).reshape(-1, 2)
+    chunk_offsets = torch.tensor([0, *itertools.accumulate(per)], dtype=torch.int32, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    return len(lens), 0, sum(per), chunk_indices, chunk_offsets, cu
+
+
+def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, for_backward=False):
+    """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
+    Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
+    with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -320,40 +343,34 @@ def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
     prec = "ieee" if dt == torch.float32 else "tf32"
     q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev)
     if cu_seqlens is None:
-        N, NT = B, triton.cdiv(T, BT)
-        NT_all = N * NT
         chunk_indices = chunk_offsets = cu = q  # unused placeholders (VARLEN=False)
-    else:
-        cu_list = cu_seqlens.tolist()
-        lens = [b - a for a, b in itertools.pairwise(cu_list)]
-        N, NT = len(lens), 0
-        per = [triton.cdiv(n, BT) for n in lens]
-        chunk_indices = torch.tensor([[n, c] for n, m in enumerate(per) for c in range(m)], dtype=torch.int32,
-                                     device=dev).reshape(-1, 2)
-        chunk_offsets = torch.tensor([0, *itertools.accumulate(per)], dtype=torch.int32, device=dev)
-        NT_all = sum(per)
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     varlen = cu_seqlens is not None
     T_all = B * T
     f32 = torch.float32
-    Gam = torch.empty(T_all, HV, K, dtype=f32, device=dev)
-    Aqk = torch.empty(T_all, HV, BT, dtype=dt, device=dev)
-    Lkk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
-    Mm = torch.empty(T_all, HV, BT, dtype=dt, device=dev)
-    w = torch.empty(T_all, HV, K, dtype=dt, device=dev)
-    u = torch.empty(T_all, HV, V, dtype=dt, device=dev)
-    vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
-    hbuf = torch.empty(NT_all, HV, K, V, dtype=f32 if h_fp32 else dt, device=dev)
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    ht = torch.empty(N, HV, K, V, dtype=f32, device=dev)
+    r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
+         "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
+         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
+         "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if for_backward else None,
+         "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
+         "w": torch.empty(T_all, HV, K, dtype=dt, device=dev),
+         "u": torch.empty(T_all, HV, V, dtype=dt, device=dev),
+         "vnew": torch.empty(T_all, HV, V, dtype=dt, device=dev),
+         "hbuf": torch.empty(NT_all, HV, K, V, dtype=f32 if h_fp32 else dt, device=dev),
+         "o": None if for_backward else torch.empty(B, T, HV, V, dtype=v.dtype, device=dev),
+         "ht": torch.empty(N, HV, K, V, dtype=f32, device=dev)}
     if NT_all == 0 or HV == 0:
-        ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return o, ht, hbuf
+        r["ht"].copy_(h0 if h0 is not None else torch.zeros_like(r["ht"]))
+        return r
     shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
     common = {"VARLEN": varlen, "PREC": prec}
-    _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, chunk_indices, cu, float(scale), shift, T, NT,
-                                H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None, **common)
+    Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
+                                                                 "hbuf", "o", "ht"))
+    Akk = r["Akk"] if for_backward else Lkk
+    _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
+                                H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None,
+                                STORE_AKK=for_backward, **common)
     _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common)
     BVu = max(16, min(64, triton.next_power_of_2(V)))
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
@@ -363,14 +380,27 @@ def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](k, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
                                                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
                                                STORE_HT=True, **common)
+    if for_backward:
+        return r
     BVo = 32 if BK > 128 else max(16, min(64, triton.next_power_of_2(V)))
     _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu, float(scale),
                                                       T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVo, BT=BT, **common)
-    return o, ht, hbuf
+    return r
+
+
+def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32):
+    """Run the five kernels. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] fp32 log decay; beta: [B, T, HV];
+    h0: [N, HV, K, V] fp32 or None. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32,
+    h [NT_all, HV, K, V] = state entering each chunk, fp32 if h_fp32 else in the input dtype)."""
+    r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=scale, safe_shift=safe_shift, chunk_size=chunk_size,
+                           cu_seqlens=cu_seqlens, h_fp32=h_fp32)
+    return r["o"], r["ht"], r["hbuf"]
 
 
 class _ChunkKDATriton(torch.autograd.Function):
-    """Triton forward, PyTorch backward (recompute). q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
+    """Triton forward; backward chosen by K3_KDA_BWD (torch recompute by default, or Triton).
+
+    q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
     Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient)."""
 
@@ -388,6 +418,14 @@ class _ChunkKDATriton(torch.autograd.Function):
     def backward(ctx, do, dht, _dh):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         cfg = ctx.cfg
+        if backward_impl() == "triton":
+            from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
+
+            grads = chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
+                                     chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"])
+            out = [d.to(x.dtype) if d is not None else None for d, x in zip(grads, (q, k, v, g, beta, h0),
+                                                                              strict=True)]
+            return (*out, None)
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
             o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
@@ -402,13 +440,24 @@ class _ChunkKDATriton(torch.autograd.Function):
         return (*out, None)
 
 
+def backward_impl() -> str:
+    """Which backward `_ChunkKDATriton` runs: K3_KDA_BWD=torch (default: recompute with the PyTorch path, the
+    backward validated on the H200) or K3_KDA_BWD=triton (triton_chunk_bwd.py: passes the interpreter tests on the
+    CPU in fp32 but has not run on a GPU yet; it becomes the default once the GPU suite and benchmark pass)."""
+    name = os.environ.get("K3_KDA_BWD", "torch").strip().lower() or "torch"
+    if name not in ("triton", "torch"):
+        raise ValueError(f"K3_KDA_BWD must be 'triton' or 'torch', got {name!r}; unset it for the default backward")
+    return name
+
+
 def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
                      chunk_size, cu_seqlens, return_intermediate_states, state_v_first):
     """Triton implementation behind `chunk_kda` (arguments validated by the public function; see chunk_kda).
 
     Same inputs and returns as `chunk_kda_torch`: (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or
-    None[, h [B, NT, HV, K, V] fp32]). Forward by the Triton kernels above; backward by the PyTorch path.
+    None[, h [B, NT, HV, K, V] fp32]). Forward by the Triton kernels above; backward by triton_chunk_bwd.py
+    (or, with K3_KDA_BWD=torch, by the PyTorch path).
     """
     kwargs = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
               "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,

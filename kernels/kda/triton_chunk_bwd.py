@@ -1,0 +1,323 @@
+"""Chunkwise KDA backward as Triton kernels (the backward of `chunk_kda` on the "triton" backend).
+
+Legend as in triton_chunk.py: T_all total tokens, H q/k heads, HV value heads, K key dim, V value dim, BT chunk size,
+BC = 16 sub-chunk, NC = BT / BC, NT_all chunks over all sequences, BK = next_pow2(K), BV value block.
+Gamma = chunk-local cumsum(g) (stored in log2 units, so exp(Gamma) = exp2(Gam)); qs = scale * q.
+
+Forward per chunk (kda.md 3.1): Aqk = tril(qs k^T decay), L = diag(beta) Akk (strict), M = (I + L)^-1,
+w = M diag(beta) (k e^Gamma), u = M diag(beta) v, v_new = u - w h, o = (qs e^Gamma) h + Aqk v_new,
+h' = Diag(e^Gamma_last) h + (k e^(Gamma_last - Gamma))^T v_new.  The backward is the chain rule of these lines
+(the same derivation as chunk.py `_ChunkKDA.backward`, at chunk granularity):
+  reverse scan (dh' = gradient of the state leaving chunk c, starting from d final state):
+    dv_new = Aqk^T do + kg dh'                                  kg = k e^(Gamma_last - Gamma)
+    dh     = Diag(e^Gamma_last) dh' + qg^T do - w^T dv_new      qg = qs e^Gamma        (dh of chunk 0 = dh0)
+  per chunk:  dqg = do h^T,  dAqk = tril(do v_new^T),  dkg = v_new dh'^T,  dw = -dv_new h^T,  du = dv_new
+    [dkb | dvb] = M^T [dw | du]  (kb = beta k e^Gamma, vb = beta v; dkb = -dvb h^T, one dot fewer),
+    dL = -strict(dkb w^T + dvb u^T)
+    dv = beta dvb,  dbeta = rowsum(dL * Akk) + rowsum(dkb * k e^Gamma) + rowsum(dvb * v),  dAkk = diag(beta) dL
+    dGamma gets qg * dqg + beta k e^Gamma * dkb - kg * dkg, and row Gamma_last gets sum_t kg*dkg + e^Gamma_last
+    * rowsum(dh' * h);  then the intra-chunk terms of Aqk and Akk (dq, dk and dGamma from exp(Gamma_i - Gamma_j))
+    with the forward's anchors (kda.md 3.3), and finally dg = reverse cumsum of dGamma inside the chunk.
+
+Kernels:
+1. `_bwd_scan_kernel`, one program per (V block, sequence, value head): the reverse scan; stores dv_new, dh' per
+   chunk (fp32) and dh0.
+2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
+   dv, dbeta and partial dqs, dk, dGamma, plus dAqk and dAkk (fp32 [T_all, HV, BT]).
+3. `_bwd_intra_kernel`, one program per (chunk, value head): the gradient of Aqk and Akk w.r.t. q, k, Gamma per
+   16-token sub-chunk: off-diagonal columns with the anchor Gamma_n (first row of the query sub-chunk, both factors
+   <= 1), diagonal blocks with the fixed anchor C (safe gate) or exact pairwise exponents; then dg.
+The forward intermediates are recomputed (triton_chunk.chunk_fwd_pipeline with fp32 states), not saved.
+All backward arithmetic is fp32; dots run in IEEE fp32 for fp32 inputs and in 'bf16x3' (three bf16 MMAs, near-fp32
+accuracy) for bf16/fp16 inputs, as kda.md 3.3 prescribes for the safe-path backward (HALF_INPUT_PRECISION).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk import SUB_CHUNK
+from .triton_chunk import RCP_LN2, _chunk_bounds, chunk_fwd_pipeline, chunk_layout
+
+# 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
+# cuobjdump --dump-resource-usage) at BT = 64, K = V = 128 shows all three kernels at 255 registers with per-thread
+# local-memory spills of 2.2 / 3.4 / 1.6 KB (scan / inter / intra) at 4 warps and 0.26 / 1.7 / 0.6 KB at 8.
+# Not yet timed on a GPU: the next GPU session tunes warps, blocks and stages.
+NUM_WARPS = 8
+HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf16/fp16 inputs (kda.md 3.3)
+
+
+@triton.jit
+def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, scale, T, NT,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+        n_chunks = NT
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    b_dh = tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
+    c = n_chunks - 1
+    while c >= 0:  # reverse over the sequence's chunks (while: the interpreter cannot range() a runtime scalar)
+        start = bos + c * BT
+        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
+        m_t = o_t < n_valid
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :], b_dh, mask=m_kv)
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_kg = b_k * tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))
+        b_qg = b_q * tl.exp2(b_G)
+        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kg, b_dh, input_precision=PREC)
+        tl.store(dvn + p_tv, b_dvn, mask=m_tv)
+        b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+                - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC))
+        c -= 1
+    tl.store(dh0 + p_state, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
+                      chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
+                      PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    p_tt = ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :]
+    b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_M = tl.load(Mm + p_tt, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0).to(tl.float32)
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkb = tl.zeros([BT, BK], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
+    b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dL = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dlast = tl.zeros([BK], dtype=tl.float32)  # sum_v dh' h (gradient of the decay e^Gamma_last, before the factor)
+    p_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    for i_v in range(0, V, BV):  # a runtime loop, not unrolled: fewer live registers
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        p_kv = p_h + o_k[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
+        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BK, BV]
+        b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0)  # gradient of the state leaving it [BK, BV]
+        b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dAq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
+        b_dvb = tl.dot(tl.trans(b_M), b_dvn, input_precision=PREC)  # d(beta v)
+        b_dkb -= tl.dot(b_dvb, tl.trans(b_h), input_precision=PREC)
+        tl.store(dv + p_tv, b_dvb * b_b[:, None], mask=m_tv)
+        b_dL -= tl.dot(b_dvb, tl.trans(b_u), input_precision=PREC)
+        b_db += tl.sum(b_dvb * b_v, axis=1)
+        b_dlast += tl.sum(b_dh * b_h, axis=1)
+    # loaded only now, after the V loop, to keep fewer [BT, BK] tiles live in registers
+    b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_dL -= tl.dot(b_dkb, tl.trans(b_w), input_precision=PREC)
+    b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+    b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
+    b_dL = tl.where(m_strict, b_dL, 0.0)
+    b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
+    b_eG = tl.exp2(b_G)
+    b_kb = b_dkb * b_eG
+    b_db += tl.sum(b_dL * b_Akk, axis=1) + tl.sum(b_kb * b_k, axis=1)
+    tl.store(db + (start + o_t) * HV + i_hv, b_db, mask=m_t)
+    tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])
+    tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
+    b_eL = tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))  # e^(Gamma_last - Gamma) <= 1
+    b_kg = b_k * b_eL
+    b_dGc = b_dqg * b_q * b_eG + b_b[:, None] * b_kb * b_k - b_dkg * b_kg
+    b_dlast = b_dlast * tl.exp2(b_Gl) + tl.sum(b_dkg * b_kg, axis=0)
+    b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
+    tl.store(dqs + p_tk, b_dqg * b_eG, mask=m_tk)
+    tl.store(dkk + p_tk, b_b[:, None] * b_kb + b_dkg * b_eL, mask=m_tk)
+    tl.store(dG + p_tk, b_dGc, mask=m_tk)
+
+
+@triton.jit
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out, chunk_indices, cu_seqlens, scale,
+                      shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
+                      VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_c = tl.arange(0, BC)
+    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+    b_kall = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+    b_dcol = tl.zeros([BT, BK], dtype=tl.float32)  # sum_i (dAq_ij qs_i + dAk_ij k_i) e^(Gamma_i - Gamma_j), off-diag
+    for s in range(NC):  # a runtime loop, not unrolled: fewer live registers
+        r_s = s * BC + o_c
+        m_s = r_s < n_valid
+        m_sk = m_s[:, None] & m_k[None, :]
+        p_sk = ((start + r_s[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_sq = ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_sq, mask=m_sk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + p_sq, mask=m_sk, other=0.0).to(tl.float32)
+        b_Gs = tl.load(Gam + p_sk, mask=m_sk, other=0.0)
+        b_Gn = tl.load(Gam + ((start + s * BC) * HV + i_hv) * K + o_k, mask=m_k & (s * BC < n_valid), other=0.0)
+        p_rows = ((start + r_s[:, None]) * HV + i_hv) * BT
+        b_dAq_s = tl.load(dAq + p_rows + o_t[None, :], mask=m_s[:, None], other=0.0)  # [BC, BT]
+        b_dAk_s = tl.load(dAk + p_rows + o_t[None, :], mask=m_s[:, None], other=0.0)
+        b_dqr = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dkr = tl.zeros([BC, BK], dtype=tl.float32)
+        if s > 0:  # off-diagonal columns j < s * BC, anchor Gamma_n: both factors <= 1
+            e_q = tl.exp2(tl.where(m_sk, b_Gs - b_Gn[None, :], float("-inf")))
+            live = (o_t[:, None] < s * BC) & (s * BC < n_valid)
+            e_k = tl.exp2(tl.where(live, b_Gn[None, :] - b_G, float("-inf")))  # [BT, BK], zero rows from s * BC
+            b_kc = b_kall * e_k
+            b_dqr += e_q * tl.dot(b_dAq_s, b_kc, input_precision=PREC)
+            b_dkr += e_q * tl.dot(b_dAk_s, b_kc, input_precision=PREC)
+            b_dcol += e_k * (tl.dot(tl.trans(b_dAq_s), b_q * e_q, input_precision=PREC)
+                             + tl.dot(tl.trans(b_dAk_s), b_k * e_q, input_precision=PREC))
+        p_d = p_rows + s * BC + o_c[None, :]
+        b_dAq_d = tl.load(dAq + p_d, mask=m_s[:, None], other=0.0)  # [BC, BC], zero above the diagonal
+        b_dAk_d = tl.load(dAk + p_d, mask=m_s[:, None], other=0.0)  # zero on and above it
+        if SAFE:  # fixed anchor C = Gamma_n - shift, as in the forward
+            b_C = b_Gn - shift
+            rf = tl.exp2(tl.where(m_sk, b_Gs - b_C[None, :], float("-inf")))
+            cf = tl.exp2(tl.where(m_sk, b_C[None, :] - b_Gs, float("-inf")))
+            b_kcf = b_k * cf
+            b_dqr += rf * tl.dot(b_dAq_d, b_kcf, input_precision=PREC)
+            b_dkr += rf * tl.dot(b_dAk_d, b_kcf, input_precision=PREC)
+            b_dcd = cf * (tl.dot(tl.trans(b_dAq_d), b_q * rf, input_precision=PREC)
+                          + tl.dot(tl.trans(b_dAk_d), b_k * rf, input_precision=PREC))
+        else:  # exact pairwise exponents, one key column j at a time
+            b_dcd = tl.zeros([BC, BK], dtype=tl.float32)
+            for j in tl.static_range(BC):
+                sel = o_c[:, None] == j
+                b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
+                b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)
+                e = tl.exp2(tl.where((o_c[:, None] >= j) & m_sk, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
+                a_q = tl.sum(tl.where(o_c[None, :] == j, b_dAq_d, 0.0), axis=1)  # column j of dAq [BC]
+                a_k = tl.sum(tl.where(o_c[None, :] == j, b_dAk_d, 0.0), axis=1)
+                b_dqr += a_q[:, None] * b_kj[None, :] * e
+                b_dkr += a_k[:, None] * b_kj[None, :] * e
+                col = tl.sum((a_q[:, None] * b_q + a_k[:, None] * b_k) * e, axis=0)  # [BK]
+                b_dcd += tl.where(sel, col[None, :], 0.0)
+        # rows of sub-chunk s: dq is final; dk and dGamma still miss the off-diagonal column terms of later
+        # sub-chunks (b_dcol), added after the loop. Written to the outputs, read back below (fewer live tiles
+        # than keeping [BT, BK] row accumulators in registers).
+        b_dqr_s = tl.load(dqs + p_sk, mask=m_sk, other=0.0) + b_dqr
+        tl.store(dq_out + p_sk, b_dqr_s * scale, mask=m_sk)
+        tl.store(dk_out + p_sk, tl.load(dkk + p_sk, mask=m_sk, other=0.0) + b_dkr + b_dcd, mask=m_sk)
+        b_dG_s = tl.load(dG + p_sk, mask=m_sk, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dcd)
+        tl.store(dg_out + p_sk, b_dG_s, mask=m_sk)
+    tl.debug_barrier()  # the stores above came from other threads of this program
+    b_dk = tl.load(dk_out + p_tk, mask=m_tk, other=0.0) + b_dcol
+    # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
+    b_dG = tl.load(dg_out + p_tk, mask=m_tk, other=0.0) - b_kall * b_dcol
+    b_dG = tl.where(m_tk, b_dG, 0.0)
+    # Gamma = inclusive cumsum of g inside the chunk, so dg_t = sum_{t' >= t} dGamma_t'
+    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
+    tl.debug_barrier()  # every thread has read its partial dGamma before dg overwrites it
+    tl.store(dk_out + p_tk, b_dk, mask=m_tk)
+    tl.store(dg_out + p_tk, b_dg, mask=m_tk)
+
+
+def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens):
+    """Gradients of the chunkwise KDA core. q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; g: [B, T, HV, K] fp32;
+    beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None; do: [B, T, HV, V]; dht: [N, HV, K, V].
+    Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
+    dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev, dt = q.device, q.dtype
+    BT, BC = chunk_size, SUB_CHUNK
+    BK = max(16, triton.next_power_of_2(K))
+    prec = "ieee" if dt == torch.float32 else HALF_INPUT_PRECISION
+    r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=scale, safe_shift=safe_shift, chunk_size=BT,
+                           cu_seqlens=cu_seqlens, h_fp32=True, for_backward=True)
+    q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
+    beta = beta.contiguous()
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev)
+    varlen = cu_seqlens is not None
+    if not varlen:
+        chunk_indices = chunk_offsets = cu = q  # unused placeholders
+    T_all = B * T
+    f32 = torch.float32
+    do = do.contiguous()
+    dht = torch.zeros(N, HV, K, V, dtype=f32, device=dev) if dht is None else dht.float().contiguous()
+    dvn = torch.empty(T_all, HV, V, dtype=f32, device=dev)
+    dhs = torch.empty(NT_all, HV, K, V, dtype=f32, device=dev)
+    dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
+    dv = torch.empty(T_all, HV, V, dtype=f32, device=dev)
+    dAq = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
+    dAk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
+    dqs, dkk, dG = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
+    dq, dk, dg = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
+    db = torch.empty(T_all, HV, dtype=f32, device=dev)
+    if NT_all == 0 or HV == 0:
+        dh0.copy_(dht)
+        for t in (dq, dk, dv, dg, db):
+            t.zero_()
+    else:
+        common = {"VARLEN": varlen, "PREC": prec}
+        BVs = max(16, min(32, triton.next_power_of_2(V)))
+        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, r["w"], r["Gam"], r["Aqk"], do, dht, dvn, dhs, dh0, cu,
+                                                       chunk_offsets, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
+                                                       BK=BK, BV=BVs, BT=BT, num_warps=NUM_WARPS, **common)
+        BVi = max(16, min(32, triton.next_power_of_2(V)))
+        _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, r["Gam"], r["Akk"], r["Mm"], r["w"], r["u"], r["vnew"],
+                                        r["hbuf"], dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db, chunk_indices, cu,
+                                        float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVi, BT=BT,
+                                        num_warps=NUM_WARPS, **common)
+        shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
+        _bwd_intra_kernel[(NT_all, HV)](q, k, r["Gam"], dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu,
+                                        float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC,
+                                        NC=BT // BC, SAFE=safe_shift is not None, num_warps=NUM_WARPS, **common)
+    G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
+    dq = dq.view(B, T, H, G, K).sum(3).to(dt)
+    dk = dk.view(B, T, H, G, K).sum(3).to(dt)
+    return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),
+            dh0 if h0 is not None else None)
