@@ -1,0 +1,160 @@
+"""Fused Triton C2-GLU (kernels/glu/triton.py) vs the naive twin `c2_glu` evaluated in float64 (architecture.md 8).
+
+On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set while importing the module), so shapes
+are small. Outputs are allocated with torch.empty, which conftest NaN-poisons: an element the kernel fails to write
+fails the comparison. Metric (kda.md 6.1 style): pass if max |ref - out| <= 1e-6, else no NaN and
+rms(ref - out) / (rms(ref) + 1e-8) < ratio; ratio 1e-5 for fp32 values and gradients (fp32 math, a few ulp per
+element), 1e-2 for bf16 (GPU only; interpreter tests run fp32).
+"""
+
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+
+
+def _import_for_the_interpreter():
+    """Triton decides at import time whether @triton.jit functions run interpreted, so import it (and the kernel
+    module) with TRITON_INTERPRET=1 on a CPU, then restore the environment for the other test files."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        interpreted = isinstance(tl.zeros, InterpretedFunction)
+        if not interpreted:
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run this file on its own")
+        importlib.import_module("k3.kernels.glu.triton")
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+if not CUDA:
+    _import_for_the_interpreter()
+
+from k3.kernels.glu.naive import c2_glu
+from k3.kernels.glu.triton import c2_glu_split_triton, c2_glu_triton
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_close(name, ref, out, ratio):
+    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
+    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
+    if abs_err <= 1e-6:
+        return
+    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
+    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
+    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
+
+
+def ratio_for(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def reference(gu, dh, beta1, beta2):
+    """h and d gate_up through the naive twin, float64 autograd."""
+    x = gu.detach().double().cpu().requires_grad_(True)
+    m = x.shape[-1] // 2
+    h = c2_glu(x[..., :m], x[..., m:], beta1, beta2)
+    h.backward(dh.double().cpu())
+    return h.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,std", [((37, 200), 1.0), ((2, 5, 64), 3.0), ((1, 258), 10.0)])
+def test_c2_glu_matches_float64_twin(shape, std, dtype):
+    gu = (torch.randn(shape) * std).to(DEV, dtype).requires_grad_(True)
+    dh = torch.randn(*shape[:-1], shape[-1] // 2).to(DEV, dtype)
+    h = c2_glu_triton(gu, 4.0, 25.0)
+    assert h.dtype == dtype and h.shape == dh.shape
+    h.backward(dh)
+    h_ref, dgu_ref = reference(gu, dh, 4.0, 25.0)
+    assert_close("h", h_ref, h, ratio_for(dtype))
+    assert_close("d gate_up", dgu_ref, gu.grad, ratio_for(dtype))
+
+
+def test_split_halves_and_other_betas():
+    """Separate gate/up (views of one packed tensor, as GroupedExperts splits them) and non-default betas."""
+    gu = (torch.randn(9, 2 * 33) * 4).to(DEV).requires_grad_(True)
+    gate, up = gu.split(33, dim=-1)
+    dh = torch.randn(9, 33).to(DEV)
+    c2_glu_split_triton(gate, up, 2.0, 7.0).backward(dh)
+    h_ref, dgu_ref = reference(gu, dh, 2.0, 7.0)
+    assert_close("h", h_ref, c2_glu_split_triton(gate, up, 2.0, 7.0), 1e-5)
+    assert_close("d gate_up", dgu_ref, gu.grad, 1e-5)
+
+
+def test_non_contiguous_input():
+    """A transposed (column-major) packed input is copied to rows; the gradient still reaches it in its layout."""
+    base = (torch.randn(2 * 50, 7) * 2).to(DEV).requires_grad_(True)
+    gu = base.t()  # [7, 100], stride (1, 7)
+    dh = torch.randn(7, 50).to(DEV)
+    c2_glu_triton(gu).backward(dh)
+    h_ref, dgu_ref = reference(gu, dh, 4.0, 25.0)
+    assert_close("h", h_ref, c2_glu_triton(gu), 1e-5)
+    assert_close("d gate_up", dgu_ref.t(), base.grad, 1e-5)
+
+
+@pytest.mark.parametrize("std", [50.0, 200.0])
+def test_large_inputs_stay_bounded(std):
+    """architecture.md 8.2: with std 50 / 200 inputs max |h| approaches b1 b2 = 100 and never exceeds it."""
+    gu = (torch.randn(64, 256) * std).to(DEV).requires_grad_(True)
+    h = c2_glu_triton(gu)
+    assert torch.isfinite(h).all()
+    assert h.abs().max().item() <= 100.0
+    assert h.abs().max().item() > 99.0
+    h.sum().backward()
+    assert torch.isfinite(gu.grad).all()
+    h_ref, dgu_ref = reference(gu, torch.ones_like(h), 4.0, 25.0)
+    assert_close("h", h_ref, h, 1e-5)
+    assert_close("d gate_up", dgu_ref, gu.grad, 1e-5)
+
+
+def test_gradient_never_vanishes_at_large_inputs():
+    """8.2: in fp32 the gradient is non-zero at g = +-20 and u = +-100 (a hard clamp would give exactly 0)."""
+    g = torch.tensor([[20.0, -20.0, 20.0, -20.0]], device=DEV)
+    u = torch.tensor([[100.0, -100.0, 1.0, 1.0]], device=DEV)
+    gu = torch.cat([g, u], -1).requires_grad_(True)
+    c2_glu_triton(gu).sum().backward()
+    assert (gu.grad != 0).all(), gu.grad
+
+
+def test_small_gate_is_silu():
+    """8.2: for |g| <= 0.05, b1 tanh(g / b1) sigmoid(g) is within 2e-6 of SiLU(g) (here via u chosen so B(u) = 1)."""
+    g = torch.linspace(-0.05, 0.05, 41, device=DEV)[None]
+    u = torch.full_like(g, 25.0 * torch.atanh(torch.tensor(1 / 25.0)).item())  # b2 tanh(u / b2) = 1
+    h = c2_glu_triton(torch.cat([g, u], -1))
+    assert (h - torch.nn.functional.silu(g)).abs().max().item() < 2e-6
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="even last dim"):
+        c2_glu_triton(torch.randn(3, 5, device=DEV))
+    with pytest.raises(ValueError, match="float64"):
+        c2_glu_triton(torch.randn(3, 4, device=DEV, dtype=torch.float64))
+    with pytest.raises(ValueError, match="same shape"):
+        c2_glu_split_triton(torch.randn(3, 4, device=DEV), torch.randn(3, 5, device=DEV))
