@@ -71,6 +71,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     threads: int | None = None  # torch CPU threads (None = torch default)
     track_max_logit: bool = True  # compute MLA per-head max logits each step (needed for QK-Clip and logging)
+    peak_tflops: float | None = None  # device peak for the logged `mfu`; None: 989 (bf16 datasheet) on H100/H200, else no mfu
 
 
 @dataclass(kw_only=True, slots=True)

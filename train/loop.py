@@ -74,13 +74,15 @@ class Trainer:
     def __init__(self, model: K3Model, optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig,
                  train_cfg: TrainConfig, ckpt_cfg: CheckpointConfig, run_dir: Path, train_loader,
                  val_batches: Callable[[], list], *, bytes_per_token: float | None, device: torch.device,
-                 autocast_dtype: torch.dtype | None, on_log: Callable[[dict], None] | None = None,
+                 autocast_dtype: torch.dtype | None, flops_per_token: float | None = None,
+                 peak_flops: float | None = None, on_log: Callable[[dict], None] | None = None,
                  extra_ckpt_info: Callable[[], dict] | None = None):
         self.model, self.opt = model, optimizer
         self.ocfg, self.tcfg, self.ccfg = optim_cfg, train_cfg, ckpt_cfg
         self.run_dir = Path(run_dir)
         self.loader, self.val_batches = train_loader, val_batches
         self.bytes_per_token = bytes_per_token
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.device, self.autocast_dtype = device, autocast_dtype
         self.on_log = on_log or (lambda rec: None)
         self.ckpt = Checkpointer(ckpt_cfg, self.run_dir)
@@ -244,6 +246,8 @@ class Trainer:
                            "max_attn_logit": max((float(x.max()) for x in max_logits), default=0.0),
                            "qk_clipped_heads": int(clip_stats.get("qk_clipped_heads", 0)),
                            "elapsed_s": self.state.wall_time + now - t_seg}
+                    if self.flops_per_token and self.peak_flops:
+                        rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / self.peak_flops
                     self._log(rec)
                     t_last, tok_last = now, self.state.tokens
                 if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.max_steps:

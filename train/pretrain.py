@@ -61,6 +61,30 @@ def resolve_autocast(name: str, device: torch.device) -> torch.dtype | None:
     raise ConfigError(f"train.dtype must be auto, float32 or bfloat16, got {name!r}")
 
 
+def training_flops_per_token(cfg: ModelConfig, counts: dict[str, int], seq_len: int) -> float:
+    """Model FLOPs per trained token (fwd + bwd): 6 x matmul parameters touched per token + causal MLA attention.
+
+    Matmul parameters: active parameters without the embedding table (a lookup), plus the MTP module and its second
+    pass through the shared head. Attention: 6 x (qk + v head dims) x H x T / 2 per MLA layer (causal half); the
+    KDA recurrence is linear in T and left out, as the usual 6N convention does.
+    """
+    head = cfg.d_model * cfg.vocab_size
+    embed_table = 0 if cfg.tie_word_embeddings else head  # a tied matrix is the head's matmul too: keep it
+    params = counts["active"] - embed_table + counts["mtp"] + (head if counts["mtp"] else 0)
+    n_mla = cfg.layer_types.count("mla") + (1 if counts["mtp"] else 0)
+    attn = 6 * n_mla * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
+    return 6.0 * params + attn
+
+
+def peak_flops_for(device: torch.device, peak_tflops: float | None) -> float | None:
+    """The MFU denominator: the configured peak, else the bf16 dense datasheet peak of an H100/H200, else None."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
+        return 989e12
+    return None
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -147,7 +171,9 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
 
     trainer = Trainer(model, optimizer, ocfg, tcfg, ccfg, run_dir, train_loader, val_batches,
-                      bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast)
+                      bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast,
+                      flops_per_token=training_flops_per_token(mcfg, counts, dcfg.seq_len),
+                      peak_flops=peak_flops_for(device, tcfg.peak_tflops))
     if resume:
         latest = trainer.ckpt.latest()
         if latest is None:

@@ -155,3 +155,26 @@ def test_cli_help_lists_commands():
     assert r.exit_code == 0
     for cmd in ("pretrain", "generate", "scaling-fit"):
         assert cmd in r.output
+
+
+def test_flops_per_token_and_mfu_logging(tmp_path, cache_dir):
+    from k3.cli.config import load_model_config
+    from k3.model.transformer import K3Model, count_parameters
+    from k3.train.pretrain import training_flops_per_token
+
+    cfg = load_model_config("k3-small")
+    with torch.device("meta"):
+        counts = count_parameters(K3Model(cfg))
+    f = training_flops_per_token(cfg, counts, 4096)
+    # independent count: 6 x (non-embedding active + MTP + head twice) + causal attention of 4 MLA + 1 MTP layers
+    head = 768 * 32768
+    expected = 6 * (counts["active"] - head + counts["mtp"] + head) + 6 * 5 * 6 * (192 + 128) * 4096 / 2
+    assert f == pytest.approx(expected)
+    dbg = _cfg(cache_dir, "train.max_steps=2", "train.peak_tflops=0.1")
+    run(dbg, run_dir=tmp_path / "run")
+    _, lines = _losses(tmp_path / "run")
+    rec = [r for r in lines if "loss" in r][-1]
+    with torch.device("meta"):
+        dcounts = count_parameters(K3Model(dbg.model))
+    f_dbg = training_flops_per_token(dbg.model, dcounts, dbg.data.seq_len)
+    assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * f_dbg / 1e11)
