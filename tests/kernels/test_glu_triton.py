@@ -9,7 +9,6 @@ element), 1e-2 for bf16 (GPU only; interpreter tests run fp32).
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -20,28 +19,7 @@ if importlib.util.find_spec("triton") is None:
 CUDA = torch.cuda.is_available()
 
 
-def _import_for_the_interpreter():
-    """Triton decides at import time whether @triton.jit functions run interpreted, so import it (and the kernel
-    module) with TRITON_INTERPRET=1 on a CPU, then restore the environment for the other test files."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        interpreted = isinstance(tl.zeros, InterpretedFunction)
-        if not interpreted:
-            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run this file on its own")
-        importlib.import_module("k3.kernels.glu.triton")
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-if not CUDA:
-    _import_for_the_interpreter()
+# triton and the kernel modules were imported under the interpreter by tests/kernels/conftest.py
 
 from k3.kernels.glu.naive import c2_glu
 from k3.kernels.glu.triton import c2_glu_split_triton, c2_glu_triton

@@ -9,7 +9,6 @@ Metric (kda.md 6.1): pass if max |ref - out| <= 1e-6, else no NaN and rms(ref - 
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,32 +20,7 @@ if importlib.util.find_spec("triton") is None:
 CUDA = torch.cuda.is_available()
 
 
-def _import_kernels_for_the_interpreter():
-    """Triton decides at import time whether @triton.jit functions (its own tl.* helpers included) are interpreted,
-    so on a CPU import triton and the kernel modules with TRITON_INTERPRET=1 (during collection, before any test can
-    import triton), then restore the environment: the other test files see it unchanged."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        interpreted = isinstance(tl.zeros, InterpretedFunction)
-        if not interpreted:
-            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
-                               "the CPU; run tests/kernels/test_kda_triton.py on its own or set TRITON_INTERPRET=1")
-        importlib.import_module("k3.kernels.kda.triton_recurrent")
-        importlib.import_module("k3.kernels.kda.triton_chunk")
-        importlib.import_module("k3.kernels.kda.triton_chunk_bwd")
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-if not CUDA:
-    _import_kernels_for_the_interpreter()
+# triton and the kernel modules were imported under the interpreter by tests/kernels/conftest.py
 
 import itertools
 

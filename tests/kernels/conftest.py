@@ -1,0 +1,39 @@
+"""Triton kernels on a CPU: import triton and every Triton kernel module under the interpreter, once.
+
+Triton decides at import time whether @triton.jit functions (its own tl.* helpers included) are interpreted, so on a
+CPU this conftest (loaded while collecting tests/kernels, before its test modules) imports them with
+TRITON_INTERPRET=1 and then restores the environment; the autouse fixtures of the Triton test files set it again per
+test. Without triton installed nothing happens and those files skip themselves.
+"""
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+TRITON_MODULES = ("k3.kernels.kda.triton_recurrent", "k3.kernels.kda.triton_chunk", "k3.kernels.kda.triton_chunk_bwd",
+                  "k3.kernels.glu.triton", "k3.kernels.moe.triton_router")
+
+
+def _import_for_the_interpreter() -> None:
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
+                               "the CPU; run tests/kernels on their own or set TRITON_INTERPRET=1")
+        for name in TRITON_MODULES:
+            importlib.import_module(name)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    _import_for_the_interpreter()
