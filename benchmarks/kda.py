@@ -25,6 +25,7 @@ import sys
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 os.environ["K3_KERNELS"] = "triton"
+os.environ.setdefault("K3_KDA_BWD", "triton")  # the Triton backward (K3_KDA_BWD=torch times the PyTorch one)
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all", choices=["all", "small"])
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--fwd-only", action="store_true", help="skip fwd+bwd (the k3 backward is the PyTorch path)")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = ap.parse_args()
     fla_chunk = fla_rec = None
     if not args.no_fla:
@@ -140,11 +141,12 @@ def main():
             o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(fla_chunk(*xs, **KW)[0], o_k3) if fla_chunk else float("nan")
         k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-        print(f"# k3 timed {datetime.datetime.now():%H:%M:%S}", file=sys.stderr, flush=True)
+        print(f"# {datetime.datetime.now():%H:%M:%S} k3 ({B},{T},{H},{D}): fwd {k3_f:.3f} ms, fwd+bwd {k3_fb:.3f} ms, "
+              f"rel_rms vs fla {err:.2e}", flush=True)
         fla_f = fla_fb = float("nan")
         if fla_chunk:
             fla_f, fla_fb = time_chunk(fla_chunk, xs, do, args.fwd_only)
-            print(f"# fla timed {datetime.datetime.now():%H:%M:%S}", file=sys.stderr, flush=True)
+            print(f"# {datetime.datetime.now():%H:%M:%S} fla: fwd {fla_f:.3f} ms, fwd+bwd {fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         print(f"| ({B},{T},{H},{D}) | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | {fla_f / k3_f:.2f} | "

@@ -32,6 +32,7 @@ BACKENDS = ("torch", "triton")
 TRITON_OPS: dict[str, str] = {
     "fused_recurrent_kda": "k3.kernels.kda.triton_recurrent:fused_recurrent_kda_triton",
     "chunk_kda": "k3.kernels.kda.triton_chunk:chunk_kda_triton",
+    "c2_glu": "k3.kernels.glu.triton:c2_glu_dispatch",
 }
 
 log = logging.getLogger("k3.kernels")
@@ -95,3 +96,16 @@ def resolve(op: str, torch_impl: Callable) -> Callable:
         return torch_impl
     module, name = TRITON_OPS[op].split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def check_device(fn: str, *tensors) -> None:
+    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter; say so instead of crashing inside."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_cuda and triton_interpreter():
+            raise RuntimeError(f"{fn}: TRITON_INTERPRET=1 runs Triton kernels on the CPU, but got a CUDA tensor; "
+                               f"unset TRITON_INTERPRET or move the inputs to the CPU")
+        if not t.is_cuda and not triton_interpreter():
+            raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors, got a {t.device} tensor; move the inputs "
+                               f"to the GPU, set K3_KERNELS=torch, or TRITON_INTERPRET=1 to interpret them on the CPU")

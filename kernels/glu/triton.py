@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import check_device
+from .naive import c2_glu
+
 BLOCK_N = 16
 BLOCK_M = 128
 
@@ -190,3 +193,12 @@ def c2_glu_triton(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
     m = gate_up.shape[-1] // 2
     _check(gate_up[..., :m], gate_up[..., m:], beta1, beta2)
     return _C2GLUPacked.apply(gate_up, beta1, beta2)
+
+
+def c2_glu_dispatch(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """`c2_glu` on the "triton" backend: the fused kernel for same-shape, same-dtype fp32/bf16/fp16 halves on the
+    GPU (or the CPU interpreter); float64 and mixed-dtype calls stay on the PyTorch twin (same formula)."""
+    if gate.dtype == torch.float64 or gate.dtype != up.dtype or gate.shape != up.shape:
+        return c2_glu(gate, up, beta1, beta2)
+    check_device("c2_glu", gate, up)
+    return c2_glu_split_triton(gate, up, beta1, beta2)

@@ -23,10 +23,11 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py: recompute of Gamma, Aqk, Akk, M,
 w, u, v_new, h by `chunk_fwd_pipeline`, then reverse state scan, inter-chunk and intra-chunk gradient kernels).
-K3_KDA_BWD selects the backward: "torch" (default for now) recomputes the forward with the PyTorch implementation
-(chunk.py, hand-written blockwise backward) and returns its gradients, at PyTorch speed; "triton" runs
-triton_chunk_bwd.py, tested under the interpreter in fp32 but not yet on a GPU.
-The in-kernel steps (q/k L2 norm, gate, beta sigmoid) run as PyTorch ops around the core, so autograd covers them.
+K3_KDA_BWD selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the interpreter in fp32 and on
+an H200 in fp32 and bf16) or "torch", which recomputes the forward with the PyTorch implementation (chunk.py,
+hand-written blockwise backward) and returns its gradients, at PyTorch speed.
+The in-kernel steps run around the core under autograd: the q/k L2 norm as one Triton pass each way
+(triton_l2norm.py), the gate and the beta sigmoid as PyTorch ops.
 float64 inputs (the reference precision) run on the PyTorch implementation.
 """
 
@@ -39,11 +40,33 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .gate import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
-from .triton_recurrent import check_device
+from .gate import naive_kda_gate, naive_kda_lowerbound_gate
+from .triton_l2norm import l2norm_triton
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
+
+# Launch settings per forward kernel: Triton's num_warps / num_stages, and the V block "BV" (capped at
+# next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
+LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
+    "intra": {"num_warps": 4, "num_stages": 2},
+    "solve": {"num_warps": 4, "num_stages": 1},
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
+    "scan": {"num_warps": 4, "num_stages": 2, "BV": 64},
+    "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
+}
+
+
+def launch_opts(name: str) -> dict[str, int]:
+    """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
+    return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def v_block(name: str, V: int, BK: int) -> int:
+    """The V block of kernel `name`: LAUNCH's BV, at most next_pow2(V) (>= 16 for tl.dot), 32 when K > 128."""
+    bv = max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
+    return min(bv, 32) if BK > 128 else bv
 
 
 @triton.jit
@@ -370,21 +393,23 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     Akk = r["Akk"] if for_backward else Lkk
     _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
                                 H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None,
-                                STORE_AKK=for_backward, **common)
-    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common)
-    BVu = max(16, min(64, triton.next_power_of_2(V)))
+                                STORE_AKK=for_backward, **common, **launch_opts("intra"))
+    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
+                                **launch_opts("solve"))
+    BVu = v_block("wu", V, BK)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
-                             BV=BVu, BT=BT, **common)
-    BVs = 32 if BK > 128 else max(16, min(64, triton.next_power_of_2(V)))
+                             BV=BVu, BT=BT, **common, **launch_opts("wu"))
+    BVs = v_block("scan", V, BK)
     h0c = h0.contiguous() if h0 is not None else ht
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](k, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
                                                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
-                                               STORE_HT=True, **common)
+                                               STORE_HT=True, **common, **launch_opts("scan"))
     if for_backward:
         return r
-    BVo = 32 if BK > 128 else max(16, min(64, triton.next_power_of_2(V)))
+    BVo = v_block("output", V, BK)
     _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu, float(scale),
-                                                      T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVo, BT=BT, **common)
+                                                      T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVo, BT=BT, **common,
+                                                      **launch_opts("output"))
     return r
 
 
@@ -398,7 +423,7 @@ def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_
 
 
 class _ChunkKDATriton(torch.autograd.Function):
-    """Triton forward; backward chosen by K3_KDA_BWD (torch recompute by default, or Triton).
+    """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute).
 
     q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
@@ -441,10 +466,10 @@ class _ChunkKDATriton(torch.autograd.Function):
 
 
 def backward_impl() -> str:
-    """Which backward `_ChunkKDATriton` runs: K3_KDA_BWD=torch (default: recompute with the PyTorch path, the
-    backward validated on the H200) or K3_KDA_BWD=triton (triton_chunk_bwd.py: passes the interpreter tests on the
-    CPU in fp32 but has not run on a GPU yet; it becomes the default once the GPU suite and benchmark pass)."""
-    name = os.environ.get("K3_KDA_BWD", "torch").strip().lower() or "torch"
+    """Which backward `_ChunkKDATriton` runs: K3_KDA_BWD=triton (default: triton_chunk_bwd.py, which passes the
+    interpreter tests on the CPU and the fp32/bf16 suite on an H200) or K3_KDA_BWD=torch (recompute with the PyTorch
+    path and return its gradients; slower, kept as a cross-check)."""
+    name = os.environ.get("K3_KDA_BWD", "triton").strip().lower() or "triton"
     if name not in ("triton", "torch"):
         raise ValueError(f"K3_KDA_BWD must be 'triton' or 'torch', got {name!r}; unset it for the default backward")
     return name
@@ -470,9 +495,10 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     check_device("chunk_kda", q, k, v, g, beta, initial_state)
     B, _T, _, K = q.shape
     HV = v.shape[2]
-    # in-kernel steps as PyTorch ops (autograd-capable); q, k stay in their dtype, g and beta become fp32
+    # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
+    # in their dtype); the gate and beta sigmoid as PyTorch ops; g and beta become fp32
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_gate_in_kernel:
         g = (naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None
              else naive_kda_gate(g, A_log, dt_bias))
@@ -481,9 +507,13 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     safe_shift = None
     if safe_gate:
         floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound
-        if not use_gate_in_kernel and g.numel() and g.min().item() < floor:
-            raise ValueError(f"chunk_kda: safe_gate=True needs every g >= {floor} (lower_bound), got min(g)="
-                             f"{g.min().item():.4g}; clamp g to [lower_bound, 0] or pass safe_gate=False")
+        if not use_gate_in_kernel and g.numel():
+            msg = (f"chunk_kda: safe_gate=True needs every g >= {floor} (lower_bound); clamp g to [lower_bound, 0] "
+                   f"or pass safe_gate=False")
+            if g.is_cuda:  # checked on the device, no host sync (a violation fails at the next synchronisation)
+                torch._assert_async(g.amin() >= floor, msg)
+            elif g.min().item() < floor:
+                raise ValueError(f"{msg}; got min(g)={g.min().item():.4g}")
         s = -lower_bound if lower_bound is not None else 2.0
         safe_shift = (SUB_CHUNK - 1) * s / 2  # C = Gamma_0 - (BC - 1) s / 2 (kda.md 3.3), in nats
     h0 = None

@@ -46,6 +46,20 @@ from .triton_chunk import RCP_LN2, _chunk_bounds, chunk_fwd_pipeline, chunk_layo
 # local-memory spills of 2.2 / 3.4 / 1.6 KB (scan / inter / intra) at 4 warps and 0.26 / 1.7 / 0.6 KB at 8.
 # Not yet timed on a GPU: the next GPU session tunes warps, blocks and stages.
 NUM_WARPS = 8
+# Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py).
+LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
+    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
+    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 32},
+    "bwd_intra": {"num_warps": 8, "num_stages": 1},
+}
+
+
+def _opts(name: str) -> dict[str, int]:
+    return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def _bv(name: str, V: int) -> int:
+    return max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
 HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf16/fp16 inputs (kda.md 3.3)
 
 
@@ -147,7 +161,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
         b_dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
         b_dvb = tl.dot(tl.trans(b_M), b_dvn, input_precision=PREC)  # d(beta v)
         b_dkb -= tl.dot(b_dvb, tl.trans(b_h), input_precision=PREC)
-        tl.store(dv + p_tv, b_dvb * b_b[:, None], mask=m_tv)
+        tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_dL -= tl.dot(b_dvb, tl.trans(b_u), input_precision=PREC)
         b_db += tl.sum(b_dvb * b_v, axis=1)
         b_dlast += tl.sum(b_dh * b_h, axis=1)
@@ -249,7 +263,7 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
         # sub-chunks (b_dcol), added after the loop. Written to the outputs, read back below (fewer live tiles
         # than keeping [BT, BK] row accumulators in registers).
         b_dqr_s = tl.load(dqs + p_sk, mask=m_sk, other=0.0) + b_dqr
-        tl.store(dq_out + p_sk, b_dqr_s * scale, mask=m_sk)
+        tl.store(dq_out + p_sk, (b_dqr_s * scale).to(dq_out.dtype.element_ty), mask=m_sk)
         tl.store(dk_out + p_sk, tl.load(dkk + p_sk, mask=m_sk, other=0.0) + b_dkr + b_dcd, mask=m_sk)
         b_dG_s = tl.load(dG + p_sk, mask=m_sk, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dcd)
         tl.store(dg_out + p_sk, b_dG_s, mask=m_sk)
@@ -291,11 +305,14 @@ def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_
     dvn = torch.empty(T_all, HV, V, dtype=f32, device=dev)
     dhs = torch.empty(NT_all, HV, K, V, dtype=f32, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
-    dv = torch.empty(T_all, HV, V, dtype=f32, device=dev)
+    dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel
     dAq = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
     dAk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
     dqs, dkk, dG = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
-    dq, dk, dg = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
+    G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
+    # dq is written once per element (final without GVA: stored in q's dtype); dk and dg are read back: fp32
+    dq = torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev)
+    dk, dg = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(2))
     db = torch.empty(T_all, HV, dtype=f32, device=dev)
     if NT_all == 0 or HV == 0:
         dh0.copy_(dht)
@@ -303,21 +320,22 @@ def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_
             t.zero_()
     else:
         common = {"VARLEN": varlen, "PREC": prec}
-        BVs = max(16, min(32, triton.next_power_of_2(V)))
+        BVs = _bv("bwd_scan", V)
         _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, r["w"], r["Gam"], r["Aqk"], do, dht, dvn, dhs, dh0, cu,
                                                        chunk_offsets, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
-                                                       BK=BK, BV=BVs, BT=BT, num_warps=NUM_WARPS, **common)
-        BVi = max(16, min(32, triton.next_power_of_2(V)))
+                                                       BK=BK, BV=BVs, BT=BT, **_opts("bwd_scan"), **common)
+        BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, r["Gam"], r["Akk"], r["Mm"], r["w"], r["u"], r["vnew"],
                                         r["hbuf"], dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db, chunk_indices, cu,
                                         float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVi, BT=BT,
-                                        num_warps=NUM_WARPS, **common)
+                                        **_opts("bwd_inter"), **common)
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         _bwd_intra_kernel[(NT_all, HV)](q, k, r["Gam"], dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu,
                                         float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC,
-                                        NC=BT // BC, SAFE=safe_shift is not None, num_warps=NUM_WARPS, **common)
-    G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
-    dq = dq.view(B, T, H, G, K).sum(3).to(dt)
-    dk = dk.view(B, T, H, G, K).sum(3).to(dt)
+                                        NC=BT // BC, SAFE=safe_shift is not None, **_opts("bwd_intra"), **common)
+    if G == 1:
+        dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K).to(dt)
+    else:
+        dq, dk = dq.view(B, T, H, G, K).sum(3).to(dt), dk.view(B, T, H, G, K).sum(3).to(dt)
     return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),
             dh0 if h0 is not None else None)

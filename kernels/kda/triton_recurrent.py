@@ -27,23 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import triton_interpreter as interpreting
+from ..dispatch import check_device
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
-
-
-def check_device(fn: str, *tensors) -> None:
-    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter; say so instead of crashing inside."""
-    for t in tensors:
-        if t is None:
-            continue
-        if t.is_cuda and interpreting():
-            raise RuntimeError(f"{fn}: TRITON_INTERPRET=1 runs Triton kernels on the CPU, but got a CUDA tensor; "
-                               f"unset TRITON_INTERPRET or move the inputs to the CPU")
-        if not t.is_cuda and not interpreting():
-            raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors, got a {t.device} tensor; move the inputs "
-                               f"to the GPU, set K3_KERNELS=torch, or TRITON_INTERPRET=1 to interpret them on the CPU")
 
 
 @triton.jit

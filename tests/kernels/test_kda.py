@@ -454,11 +454,14 @@ def test_validation_errors_are_readable():
         fused_recurrent_kda(q, k, v, g, beta, head_first=True)
 
 
-def test_kernel_backend_dispatch():
-    assert dispatch.kernel_backend() == "torch"  # conftest sets K3_KERNELS=torch; no Triton kernels in this build
+def test_kernel_backend_dispatch(monkeypatch):
+    assert dispatch.kernel_backend() == "torch"  # conftest sets K3_KERNELS=torch
     assert dispatch.parse_backend("torch") == "torch"
-    assert dispatch.parse_backend(None) == "torch"
-    with pytest.raises(dispatch.KernelBackendError, match="Triton KDA kernels are not available.*K3_KERNELS=torch"):
-        dispatch.parse_backend("triton")
+    # unset: triton exactly when a CUDA GPU is present and triton imports
+    assert dispatch.parse_backend(None) == ("triton" if dispatch.triton_kernels_available() else "torch")
+    if not torch.cuda.is_available():  # without a GPU (and without the interpreter) asking for triton is an error
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(dispatch.KernelBackendError, match="Triton KDA kernels are not available.*K3_KERNELS=torch"):
+            dispatch.parse_backend("triton")
     with pytest.raises(dispatch.KernelBackendError, match="not a kernel backend"):
         dispatch.parse_backend("cuda")

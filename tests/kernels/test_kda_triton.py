@@ -322,6 +322,34 @@ def test_chunk_backward_switch(monkeypatch):
         grads_vs_naive(q, k, v, g, beta, h0)
 
 
+@pytest.mark.parametrize("D", [32, 60, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm_triton_matches_float64(D, dtype):
+    """triton_l2norm (one pass each way) vs the float64 formula and its autograd: output and input gradient."""
+    from k3.kernels.kda.triton_l2norm import l2norm_triton
+
+    x = (torch.randn(3, 7, 2, D) * 3).to(DEV, dtype).requires_grad_()
+    dy = torch.randn(3, 7, 2, D).to(DEV, dtype)
+    y = l2norm_triton(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = l2norm(x64)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    assert y.dtype == dtype and dx.dtype == dtype
+    ratio = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close("y", y64, y, ratio)
+    assert_close("dx", dx64, dx, ratio)
+
+
+def test_chunk_safe_gate_violation_is_a_clear_error():
+    """safe_gate with g below the lower bound: a ValueError naming the bound (CPU; on CUDA an async device check)."""
+    if CUDA:
+        pytest.skip("on CUDA the check is asynchronous (torch._assert_async) and would poison the CUDA context")
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"safe_gate=True needs every g >= -5.*min\(g\)=-6"):
+        chunk_kda(q, k, v, torch.full_like(g, -6.0), beta, safe_gate=True, lower_bound=-5.0)
+
+
 def test_chunk_in_kernel_flags_forward_and_gate_gradients():
     B, T, H, HV, D = 1, 20, 1, 1, 32
     q, k, v, _, _, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
@@ -414,7 +442,7 @@ def test_recurrent_decode_continues_chunk_prefill():
 
 def test_backend_selection(monkeypatch):
     assert dispatch.parse_backend("triton") == "triton"
-    assert set(dispatch.TRITON_OPS) == {"chunk_kda", "fused_recurrent_kda"}
+    assert set(dispatch.TRITON_OPS) == {"chunk_kda", "fused_recurrent_kda", "c2_glu"}
     if not CUDA:
         assert dispatch.parse_backend(None) == "torch"  # default: torch without a GPU, even when triton imports
         monkeypatch.delenv("TRITON_INTERPRET")

@@ -1,0 +1,142 @@
+"""Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
+
+Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
+[--stages 1,2,3] [--bv 32,64] [--iters 5]`. Every configuration (num_warps, num_stages, V block) is applied to all
+forward (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
+(bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
+table gives each kernel's mean device time per fwd+bwd in microseconds (forward kernels run twice per fwd+bwd: the
+forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts, reductions). The
+best configuration per kernel is starred, and its registers / spilled bytes per thread are printed, so the defaults
+in LAUNCH can be set from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import itertools
+import math
+import os
+
+os.environ["K3_KERNELS"] = "triton"
+os.environ["K3_KDA_BWD"] = "triton"
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from k3.kernels.kda import chunk_kda
+from k3.kernels.kda import triton_chunk as fwd_mod
+from k3.kernels.kda import triton_chunk_bwd as bwd_mod
+
+KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
+           "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
+           "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
+           "_bwd_intra_kernel": (bwd_mod, "bwd_intra")}
+KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def apply(nw: int, ns: int, bv: int) -> None:
+    for mod, name in KERNELS.values():
+        mod.LAUNCH[name]["num_warps"] = nw
+        mod.LAUNCH[name]["num_stages"] = ns
+        if "BV" in mod.LAUNCH[name]:
+            mod.LAUNCH[name]["BV"] = bv
+
+
+def device_us(evt) -> float:
+    t = getattr(evt, "device_time_total", None)
+    return t if t is not None else evt.cuda_time_total
+
+
+def profile_once(xs, do, iters: int) -> dict[str, float]:
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+    def step():
+        chunk_kda(*leaves, **KW)[0].backward(do)
+
+    step()  # compile + warm-up outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    per = collections.Counter()
+    for evt in prof.key_averages():
+        name = evt.key if evt.key in KERNELS else "torch ops"
+        per[name] += device_us(evt) / iters
+    per["total"] = sum(v for k, v in per.items())
+    return per
+
+
+def regs_spills(fn_name: str, nw: int, ns: int) -> str:
+    """Registers / spilled bytes per thread of the compiled variant with this num_warps / num_stages (best effort:
+    reads Triton's in-process compile cache)."""
+    mod = KERNELS[fn_name][0]
+    fn = getattr(mod, fn_name)
+    try:
+        for entry in fn.device_caches.values():
+            for k in entry[0].values():
+                if k.metadata.num_warps == nw and k.metadata.num_stages == ns:
+                    return f"{k.n_regs} regs, {k.n_spills} B spilled"
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return "n/a"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--bv", default="32,64")
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    B, T, H, D = ints(args.shape)
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    xs = [torch.randn(B, T, H, D, device=dev, dtype=bf) for _ in range(3)]
+    xs.append(-5.0 * torch.sigmoid(torch.randn(B, T, H, D, device=dev)))
+    xs.append(torch.rand(B, T, H, device=dev, dtype=bf))
+    do = torch.randn(B, T, H, D, device=dev, dtype=bf)
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd")
+    configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
+    results = {}
+    names = [*KERNELS, "torch ops", "total"]
+    print("# per configuration, as measured (us): " + ", ".join(n.strip("_").removesuffix("_kernel") for n in names))
+    for cfg in configs:
+        apply(*cfg)
+        try:
+            results[cfg] = profile_once(xs, do, args.iters)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is reported, not fatal
+            print(f"# config warps={cfg[0]} stages={cfg[1]} BV={cfg[2]} failed: {type(e).__name__}: {e}")
+            continue
+        row = " ".join(f"{results[cfg].get(n, float('nan')):.0f}" for n in names)
+        print(f"# w{cfg[0]} s{cfg[1]} bv{cfg[2]} at {datetime.datetime.now():%H:%M:%S}: {row}", flush=True)
+    ok = [c for c in configs if c in results]
+    print("| kernel | " + " | ".join(f"w{c[0]} s{c[1]} bv{c[2]}" for c in ok) + " |")
+    print("|---|" + "---:|" * len(ok))
+    best = {}
+    for n in names:
+        vals = [results[c].get(n, float("nan")) for c in ok]
+        finite = [(v, c) for v, c in zip(vals, ok, strict=True) if not math.isnan(v) and v > 0]
+        if finite:
+            best[n] = min(finite)[1]
+        cells = [f"{v:.0f}{'*' if n in best and c == best[n] else ''}" for v, c in zip(vals, ok, strict=True)]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print("\n# best per kernel (registers / spills of that variant):")
+    for n in KERNELS:
+        if n in best:
+            nw, ns, bv = best[n]
+            print(f"#   {n}: num_warps={nw} num_stages={ns} BV={bv}: {results[best[n]][n]:.0f} us; "
+                  f"{regs_spills(n, nw, ns)}")
+
+
+if __name__ == "__main__":
+    main()
