@@ -33,6 +33,7 @@ TRITON_OPS: dict[str, str] = {
     "fused_recurrent_kda": "k3.kernels.kda.triton_recurrent:fused_recurrent_kda_triton",
     "chunk_kda": "k3.kernels.kda.triton_chunk:chunk_kda_triton",
     "c2_glu": "k3.kernels.glu.triton:c2_glu_dispatch",
+    "paged_mla_decode": "k3.kernels.mla.triton_decode:paged_mla_decode_triton",
 }
 
 log = logging.getLogger("k3.kernels")

@@ -1,0 +1,105 @@
+"""Paged absorbed MLA decode as one Triton kernel (flash-decoding style online softmax over the page pool).
+
+Legend as in naive.py (N sequences, T queries each, H heads, C latent, R rope, X = C + R, PS page size); BM =
+next_pow2(max(16, T * H)) query rows per program (all heads and queries of one sequence share its keys, MQA-style,
+so one program per sequence reads each latent once), BS = 64 keys per block (a page is a whole number of blocks:
+PS % 64 == 0 in k3 serve), BC / BR = next_pow2 of C / R.
+
+Per sequence: rows m = t * H + h; key blocks j0 = 0, 64, ... up to max_t qpos + 1, each read from its page
+(block_table[n, j0 // PS], offset j0 % PS) without gathering the pages into a contiguous copy;
+  s = scale (q_lat c_kv^T + q_rope k_rope^T) [BM, BS] fp32, masked to min_key <= j <= qpos[row];
+  running max m, normaliser l and accumulator acc [BM, BC] fp32 (online softmax, Milakov & Gimelshein 2018);
+  o_lat = acc / l, stored in q's dtype.
+The twin is naive.paged_mla_decode_torch (gather + one fp32 softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import check_device
+from .naive import _check, paged_mla_decode_torch
+
+BLOCK_KEYS = 64
+
+
+@triton.jit
+def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, scale, min_key, G, T: tl.constexpr, H: tl.constexpr,
+                      C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                      BR: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    i_n = tl.program_id(0).to(tl.int64)
+    o_m = tl.arange(0, BM)
+    m_row = o_m < T * H
+    o_c = tl.arange(0, BC)
+    m_c = o_c < C
+    # q rows m = t * H + h are contiguous in [N, T, H, C]: row m of sequence n starts at (n * T * H + m) * C
+    b_q = tl.load(q_lat + (i_n * T * H + o_m[:, None]) * C + o_c[None, :], mask=m_row[:, None] & m_c[None, :],
+                  other=0.0)
+    b_pos = tl.load(qpos + i_n * T + o_m // H, mask=m_row, other=-1).to(tl.int64)  # padded rows see no key
+    n_keys = tl.max(b_pos, axis=0) + 1
+    if R > 0:
+        o_r = tl.arange(0, BR)
+        m_r = o_r < R
+        b_qr = tl.load(q_rope + (i_n * T * H + o_m[:, None]) * R + o_r[None, :],
+                       mask=m_row[:, None] & m_r[None, :], other=0.0)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BC], dtype=tl.float32)
+    o_s = tl.arange(0, BS)
+    j0 = 0
+    while j0 < n_keys:  # while, not range(): Triton's interpreter cannot range() over a runtime scalar
+        page = tl.load(bt + i_n * G + j0 // PS).to(tl.int64)
+        key = j0 + o_s  # [BS] absolute key positions
+        m_key = key < n_keys
+        p_kv = (page * PS + (j0 % PS) + o_s[:, None]) * (C + R)
+        b_ckv = tl.load(kv + p_kv + o_c[None, :], mask=m_key[:, None] & m_c[None, :], other=0.0)  # [BS, BC]
+        b_s = tl.dot(b_q, tl.trans(b_ckv.to(b_q.dtype)), input_precision=PREC)
+        if R > 0:
+            b_kr = tl.load(kv + p_kv + C + o_r[None, :], mask=m_key[:, None] & m_r[None, :], other=0.0)
+            b_s += tl.dot(b_qr, tl.trans(b_kr.to(b_qr.dtype)), input_precision=PREC)
+        ok = (key[None, :] <= b_pos[:, None]) & (key[None, :] >= min_key)
+        b_s = tl.where(ok, b_s * scale, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: keep everything at 0
+        b_p = tl.exp(b_s - m_safe[:, None])
+        alpha = tl.exp(b_m - m_safe)
+        b_l = b_l * alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_ckv.dtype), b_ckv, input_precision=PREC).to(tl.float32)
+        b_m = m_new
+        j0 += BS
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    tl.store(o + (i_n * T * H + o_m[:, None]) * C + o_c[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_row[:, None] & m_c[None, :])
+
+
+def paged_mla_decode_triton(q_lat_NTHC: torch.Tensor, q_rope_NTHR: torch.Tensor, kv_pool_PSX: torch.Tensor,
+                            block_table_NG: torch.Tensor, qpos_NT: torch.Tensor, *, scale: float,
+                            min_key: int = 0) -> torch.Tensor:
+    """Triton implementation behind `paged_mla_decode` (same arguments and result as paged_mla_decode_torch).
+
+    float64 (reference precision), pages that are not a multiple of 64 tokens, or more than 64 query rows per
+    sequence (T * H > 64: long verification windows) run on the twin."""
+    _check(q_lat_NTHC, q_rope_NTHR, kv_pool_PSX, block_table_NG, qpos_NT)
+    N, T, H, C = q_lat_NTHC.shape
+    R = q_rope_NTHR.shape[-1]
+    PS = kv_pool_PSX.shape[1]
+    if q_lat_NTHC.dtype == torch.float64 or PS % BLOCK_KEYS or T * H > 64:
+        return paged_mla_decode_torch(q_lat_NTHC, q_rope_NTHR, kv_pool_PSX, block_table_NG, qpos_NT, scale=scale,
+                                      min_key=min_key)
+    check_device("paged_mla_decode", q_lat_NTHC, q_rope_NTHR, kv_pool_PSX, block_table_NG, qpos_NT)
+    q = q_lat_NTHC.contiguous()
+    qr = q_rope_NTHR.to(q.dtype).contiguous()
+    kv = kv_pool_PSX.contiguous()
+    bt = block_table_NG.to(torch.int32).contiguous()
+    pos = qpos_NT.to(torch.int32).contiguous()
+    o = torch.empty_like(q)
+    if N == 0 or T == 0:
+        return o
+    BM = max(16, triton.next_power_of_2(T * H))
+    _paged_mla_kernel[(N,)](q, qr, kv, bt, pos, o, float(scale), int(min_key), bt.shape[1], T=T, H=H, C=C, R=R, PS=PS,
+                            BM=BM, BC=max(16, triton.next_power_of_2(C)), BR=max(16, triton.next_power_of_2(max(R, 1))),
+                            BS=BLOCK_KEYS, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                            num_warps=4 if C <= 256 else 8)
+    return o
