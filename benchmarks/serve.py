@@ -6,6 +6,7 @@ concurrencies, plus TTFT of a repeated long prompt with and without a prefix-cac
     python benchmarks/serve.py --model k3-tiny          # random weights, a small BPE trained here (CPU smoke run)
     python benchmarks/serve.py --ckpt runs/x/final --speculative-tokens 2   # + the speculative row (trained MTP)
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --served-model NAME   # any OpenAI server
+    python benchmarks/serve.py --model k3-small --device cuda --hf-anchor   # + HF transformers anchors (issue 5)
 
 Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py): TTFT = request sent -> first streamed token;
 TPOT = (E2EL - TTFT) / (output tokens - 1) per request; ITL = every gap between consecutive streamed chunks,
@@ -14,6 +15,12 @@ random token ids (no prefix sharing), `ignore_eos` with a fixed output length, t
 include_usage. Warmup requests run first and are excluded. The client side (`bench_openai_server`) speaks plain
 OpenAI HTTP, so anchor rows (another server, e.g. a transformers-based one on the GPU machine) are measured by
 pointing it at their URL and adding a row to the same table.
+
+`--hf-anchor` adds, in the same run, Hugging Face `transformers` generate anchors (a dense Llama and the Qwen3-Next
+hybrid, random weights at `--hf-preset`'s size, see hf_anchor.py) at `--hf-batch` x `--hf-prompt-len` ->
+`--hf-new-tokens`, and k3 at that workload through the same server path (concurrency = batch, one request per slot
+so a wave matches HF's single generate batch; 2 requests at batch 1), printed in one table with k3/anchor ratios.
+The anchors run after the k3 server is stopped, in this process, on `--device`.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -86,11 +95,27 @@ def _stats(xs: list[float]) -> tuple[float, float, float]:
     return 1e3 * statistics.fmean(s), 1e3 * statistics.median(s), 1e3 * p99
 
 
-def bench_openai_server(base_url: str, model: str, *, concurrency: int, num_prompts: int, input_len: int,
-                        output_len: int, vocab: int, seed: int = 0) -> dict:
-    """Run `num_prompts` random-token requests at `concurrency` against an OpenAI-compatible server -> metrics."""
+def text_prompts(n: int, chars: int, seed: int = 0) -> list[str]:
+    """`n` slices of `chars` characters of the running interpreter's standard library sources (the domain of the
+    default pretraining corpus): prompts a trained model continues the way it learned, for speculative decoding's
+    acceptance (random token ids make the drafter's job artificially hard)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+    files = [f for f in sorted(Path(os.__file__).parent.glob("*.py")) if f.stat().st_size > 2 * chars]
+    out = []
+    while len(out) < n:
+        t = rng.choice(files).read_text(errors="replace")
+        i = rng.randrange(0, len(t) - chars)
+        out.append(t[i:i + chars])
+    return out
+
+
+def bench_openai_server(base_url: str, model: str, *, concurrency: int, num_prompts: int, input_len: int,
+                        output_len: int, vocab: int, seed: int = 0, prompts: list | None = None) -> dict:
+    """Run `num_prompts` random-token requests (or the given `prompts`, strings or id lists) at `concurrency`
+    against an OpenAI-compatible server -> metrics."""
+    rng = random.Random(seed)
+    if prompts is None:
+        prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
     res, wall = asyncio.run(_batch(base_url, model, prompts, output_len, concurrency))
     tpot = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in res)
@@ -161,12 +186,12 @@ def spec_counters(base_url: str) -> dict[str, float]:
 
 
 def bench_speculative(plain_url: str, spec_url: str, model: str, *, k: int, num_prompts: int, input_len: int,
-                      output_len: int, vocab: int) -> dict:
+                      output_len: int, vocab: int, text: bool = True) -> dict:
     """Concurrency-1 greedy decoding on a plain server and on one with k MTP drafts: tokens/s, speedup and the
     acceptance the spec server counted (acceptance rate = accepted / draft tokens; mean acceptance length =
     1 + accepted / drafts, vLLM's convention, serving.md 2.4)."""
     kw = {"concurrency": 1, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-          "vocab": vocab}
+          "vocab": vocab, "prompts": text_prompts(num_prompts, 4 * input_len) if text else None}
     bench_openai_server(spec_url, model, concurrency=1, num_prompts=1, input_len=input_len, output_len=4,
                         vocab=vocab)  # warmup of the speculative path, excluded
     plain = bench_openai_server(plain_url, model, **kw)
@@ -184,6 +209,13 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
     """Load `ckpt`, start uvicorn on a free loopback port in this process; returns (base URL, stop function, vocab size)."""
     import socket
 
+    # the --hf-anchor workload needs its batch as concurrent slots and its prompt + output within the context
+    conc = list(args.concurrency) + (list(args.hf_batch) if args.hf_anchor else [])
+    lens = [args.input_len + args.output_len, args.prefix_len + 8]
+    # text prompts of 4 * input_len characters: up to ~4x the tokens with a small tokenizer
+    lens += [4 * args.input_len + args.output_len] if args.speculative_tokens and args.spec_prompts == "text" else []
+    lens += [args.hf_prompt_len + args.hf_new_tokens] if args.hf_anchor else []
+
     import uvicorn
 
     from k3.serve.config import ServeConfig
@@ -192,9 +224,8 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ServeConfig(ckpt=str(ckpt), port=port, served_model_name="k3-bench", device=args.device,
-                      max_num_seqs=max(args.concurrency), max_model_len=max(args.input_len + args.output_len,
-                                                                           args.prefix_len + 8) + 64,
+    cfg = ServeConfig(ckpt=str(ckpt), port=port, served_model_name="k3-bench", device=args.device, dtype=args.dtype,
+                      max_num_seqs=max(conc), max_model_len=max(lens) + 64,
                       max_num_batched_tokens=args.max_num_batched_tokens, log_level="error",
                       num_speculative_tokens=speculative_tokens)
     state = make_state(cfg)
@@ -213,6 +244,68 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
     return f"http://127.0.0.1:{port}", stop, state.engine.tok.vocab_size
 
 
+# ------------------------------------------------------------------------------------------- HF anchors (issue 5)
+
+
+def _hf_anchor_module():
+    """benchmarks/hf_anchor.py, importable however this script was started."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import hf_anchor
+
+    return hf_anchor
+
+
+def bench_k3_at_anchor_workload(url: str, model: str, args, vocab: int) -> list[dict]:
+    """k3 rows at the anchors' workload: concurrency = batch, max(batch, 2) requests of --hf-prompt-len random
+    tokens -> --hf-new-tokens, after a short excluded warm-up at the largest batch."""
+    top = max(args.hf_batch)
+    bench_openai_server(url, model, concurrency=top, num_prompts=top, input_len=args.hf_prompt_len, output_len=4,
+                        vocab=vocab)  # warmup at the new shapes, excluded
+    return [bench_openai_server(url, model, concurrency=b, num_prompts=max(b, 2), input_len=args.hf_prompt_len,
+                                output_len=args.hf_new_tokens, vocab=vocab, seed=7) for b in args.hf_batch]
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+
+def print_anchor_table(k3_label: str, k3_rows: list[dict], hf_rows: list[dict], args) -> None:
+    """One table: k3 rows (median TPOT, median TTFT) and HF rows (ms per decode step, prefill), with
+    k3/anchor speed ratios at the same batch: decode = anchor ms per token / k3 ms per token, tok/s = k3 / anchor."""
+    print(f"\nk3 vs Hugging Face transformers anchors: prompt {args.hf_prompt_len}, {args.hf_new_tokens} new tokens, "
+          f"greedy ({args.device}). k3: server path, concurrency = batch, ms/token = median TPOT, first = median "
+          f"TTFT. HF: model.generate of one batch, ms/token = (generate - prefill) / (new tokens - 1), first = "
+          f"prefill + first token.")
+    hdr = (f"{'system':<36} {'batch':>5} {'out tok/s':>10} {'ms/token':>9} {'first ms':>9} "
+           f"{'k3/anchor: decode':>17} {'tok/s':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    k3_by_batch = {r["concurrency"]: r for r in k3_rows}
+    for r in k3_rows:
+        print(f"{k3_label:<36} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} {r['tpot'][1]:>9.2f} "
+              f"{r['ttft'][1]:>9.1f}")
+    for r in hf_rows:
+        k = k3_by_batch.get(r["batch"])
+        ratios = f"{_x(r['ms_per_step'] / k['tpot'][1]):>17} {_x(k['output_tok_s'] / r['out_tok_s']):>7}" if k else ""
+        print(f"{r['label']:<36} {r['batch']:>5} {r['out_tok_s']:>10.1f} {r['ms_per_step']:>9.2f} "
+              f"{r['prefill_ms']:>9.1f} {ratios}")
+    llama = {r["batch"]: r for r in hf_rows if r["label"].startswith("HF Llama")}
+    if args.hf_tiny or not llama:
+        return
+    goals = []
+    if 1 in llama and 1 in k3_by_batch:  # issue 5: >= 20x the HF Llama at batch 1 (k3 <= about 3.3 ms per token)
+        x = llama[1]["ms_per_step"] / k3_by_batch[1]["tpot"][1]
+        goals.append(f"batch-1 decode >= 20x: {x:.1f}x, k3 {k3_by_batch[1]['tpot'][1]:.2f} ms/token "
+                     f"({'met' if x >= 20 else 'NOT met'})")
+    if 32 in llama and 32 in k3_by_batch:  # issue 5: >= 10x the HF Llama's batch-32 throughput
+        x = k3_by_batch[32]["output_tok_s"] / llama[32]["out_tok_s"]
+        goals.append(f"batch-32 throughput >= 10x: {x:.1f}x ({'met' if x >= 10 else 'NOT met'})")
+    if goals:
+        print("issue 5 goals vs HF Llama: " + "; ".join(goals))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -222,6 +315,8 @@ def main() -> None:
     ap.add_argument("--served-model", default="k3-bench", help="model name for --base-url")
     ap.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below this with --base-url")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = the "
+                    "checkpoint's dtype on a GPU, float32 on the CPU)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency level (default 2 x concurrency)")
     ap.add_argument("--input-len", type=int, default=128)
@@ -231,7 +326,27 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--speculative-tokens", type=int, default=0, help="also measure concurrency 1 on a second "
                     "in-process server with this many MTP drafts per step (0 = skip; not with --base-url)")
+    ap.add_argument("--spec-prompts", choices=["text", "random"], default="text", help="prompts of the speculative "
+                    "row: standard-library source text (~4 characters per token; default) or random token ids")
+    ap.add_argument("--hf-warmup-new-tokens", type=int, default=16, help="new tokens of each anchor's warm-up run "
+                    "(0 = the timed length)")
+    ap.add_argument("--hf-anchor", action="store_true", help="also time Hugging Face transformers generate anchors "
+                    "(Llama, Qwen3-Next; random weights) and k3 at their workload; one table with ratios (issue 5)")
+    ap.add_argument("--hf-batch", type=int, nargs="+", default=[1, 32], help="anchor batch sizes = k3 concurrency")
+    ap.add_argument("--hf-new-tokens", type=int, default=256, help="generated tokens per sequence (anchor and k3)")
+    ap.add_argument("--hf-prompt-len", type=int, default=128, help="random prompt tokens (anchor and k3)")
+    ap.add_argument("--hf-preset", default="k3-small", help="k3 preset whose sizes the anchors take")
+    ap.add_argument("--hf-tiny", action="store_true", help="tiny anchors (2 layers, hidden 64) for a CPU smoke run")
+    ap.add_argument("--hf-models", nargs="+", choices=["llama", "qwen3next"], default=["llama", "qwen3next"],
+                    help="which anchors to time")
     args = ap.parse_args()
+    if args.hf_anchor:  # fail before the k3 run, not after it
+        if min(args.hf_batch) < 1 or args.hf_prompt_len < 1 or args.hf_new_tokens < 2:
+            ap.error("--hf-batch and --hf-prompt-len must be >= 1 and --hf-new-tokens >= 2")
+        try:
+            _hf_anchor_module().require_transformers()
+        except ImportError as e:
+            ap.error(str(e))
 
     stop = spec_stop = None
     if args.base_url:
@@ -258,15 +373,25 @@ def main() -> None:
                   f"{r['ttft_hit_ms']:.1f} ms ({r['ttft_miss_ms'] / max(r['ttft_hit_ms'], 1e-9):.1f}x)")
         if spec_stop is not None:
             r = bench_speculative(url, spec_url, model, k=args.speculative_tokens, num_prompts=args.num_prompts or 4,
-                                  input_len=args.input_len, output_len=args.output_len, vocab=vocab)
-            print(f"\nspeculative (MTP, k={r['k']}, concurrency 1): {r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} "
+                                  input_len=args.input_len, output_len=args.output_len, vocab=vocab,
+                                  text=args.spec_prompts == "text")
+            print(f"\nspeculative (MTP, k={r['k']}, concurrency 1, {args.spec_prompts} prompts): {r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} "
                   f"out tok/s ({r['speedup']:.2f}x), median TPOT {r['tpot_plain']:.2f} -> {r['tpot_spec']:.2f} ms, "
                   f"acceptance rate {r['acceptance_rate']:.2f}, mean acceptance length "
                   f"{r['mean_acceptance_length']:.2f}")
+        if args.hf_anchor:
+            k3_rows = bench_k3_at_anchor_workload(url, model, args, vocab)
     finally:
         for f in (stop, spec_stop):
             if f is not None:
                 f()
+    if args.hf_anchor:  # after the k3 server stopped: the anchors get the device to themselves
+        hf = _hf_anchor_module()
+        print(f"\nHF anchors: transformers {hf.require_transformers().__version__}, torch {hf.torch.__version__}")
+        hf_rows = hf.run_anchors(args.hf_models, preset=args.hf_preset, tiny=args.hf_tiny, device=args.device,
+                                 batches=args.hf_batch, prompt_len=args.hf_prompt_len, new_tokens=args.hf_new_tokens,
+                                 warmup_new_tokens=args.hf_warmup_new_tokens or None)
+        print_anchor_table(f"k3 serve {args.ckpt or args.model or url}", k3_rows, hf_rows, args)
 
 
 if __name__ == "__main__":
