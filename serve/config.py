@@ -34,4 +34,5 @@ class ServeConfig:
     sse_ping_interval_s: float = 15.0  # SSE comment keep-alive while a request waits or prefills
     shutdown_timeout_s: float = 30.0  # on SIGTERM: 503 "draining" for new requests, in-flight ones get this long
     warmup: bool = True  # run every step shape once before /health reports ready
+    cuda_graphs: bool = True  # on CUDA, replay steps of plain decodes from CUDA graphs (k3.serve.graphs)
     log_level: str = "warning"  # uvicorn log level

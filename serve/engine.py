@@ -89,7 +89,7 @@ class Engine:
         self.snaps = (SnapshotStore(n_kda, cfg.num_state_snapshots, mc.kda_num_heads, mc.kda_head_dim,
                                     mc.kda_conv_kernel, dev, hidden_dim=mc.d_model if k else 0)
                       if cfg.enable_prefix_caching else None)
-        self.runner = ModelRunner(model, self.pages, self.states, self.snaps)
+        self.runner = ModelRunner(model, self.pages, self.states, self.snaps, cfg, pages_per_seq)
         self.drafter = MTPDrafter(self.runner, k) if k else None
         self._spec: dict[int, SpecState] = {}  # id(seq) -> drafting state (speculation on)
         self.d_model, self.dtype = mc.d_model, dtype
@@ -200,6 +200,7 @@ class Engine:
             bos = self.tok.bos_id
             for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
                 self.generate(prompt, p, n=2)
+            self.runner.capture_decode_graphs()  # decode buckets 1, 8, 32 (CUDA graphs on) before /health is 200
             self.reset_prefix_cache()
         finally:
             self.record_metrics = True

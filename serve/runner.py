@@ -16,7 +16,10 @@ the token mixers need per-sequence context:
   are overwritten later. `mtp_step` runs the MTP module over the same paged pools (its latent cache is one more
   page layer, see k3.serve.speculative for the slot convention).
 
-The layer weights are the model's own modules; this file re-implements only the mixers' cache plumbing.
+The layer weights are the model's own modules; this file re-implements only the mixers' cache plumbing. The
+module-level helpers (`backbone_forward`, `final_logits`, `mla_project`, `mla_output`, `kda_output`) are shared with
+the fixed-shape decode path of k3.serve.graphs, which serves steps of plain decodes when enabled
+(`enable_decode_graphs`; on CUDA captured in CUDA graphs).
 Legend: N sequences, T packed tokens, Tn tokens of sequence n, S keys, D width, H heads, C kv_lora, R rope dim,
 X = C + R, K = V KDA head dim, W conv kernel, G pages per sequence, V_ vocab.
 """
@@ -35,6 +38,7 @@ from k3.model.mla import GatedMLA, apply_rope, rope_cos_sin
 from k3.model.transformer import K3Model
 
 from .cache import PagePool, SnapshotStore, StatePool
+from .config import ServeConfig
 
 
 @dataclass
@@ -61,7 +65,10 @@ class StepOutput:
 class ModelRunner:
     """Binds a K3Model to its pools. `step(seqs)` -> StepOutput."""
 
-    def __init__(self, model: K3Model, pages: PagePool, states: StatePool, snaps: SnapshotStore | None):
+    def __init__(self, model: K3Model, pages: PagePool, states: StatePool, snaps: SnapshotStore | None,
+                 serve_cfg: ServeConfig | None = None, max_pages: int = 0):
+        """serve_cfg.cuda_graphs on a CUDA model: plain-decode steps replay CUDA graphs (k3.serve.graphs);
+        max_pages: latent pages of one sequence at max_model_len (the largest page bucket)."""
         self.model, self.cfg = model, model.config
         self.pages, self.states, self.snaps = pages, states, snaps
         self.kda_index, self.mla_index = {}, {}  # layer index -> index into the pool lists
@@ -71,12 +78,33 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.mtp_layer = len(self.mla_index)  # the MTP's latents: the page layer after the main MLA layers
         self._last: tuple | None = None  # (ctx, hidden, per-KDA-layer pre-conv inputs) of the last verify step
+        self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
+        if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
+            self.enable_decode_graphs(max_pages, capture=True)
+
+    def enable_decode_graphs(self, max_pages: int, capture: bool) -> None:
+        """Serve steps whose sequences are all plain decodes through the static-buffer decode path of
+        k3.serve.graphs (batch buckets up to the state pool's slots, page buckets up to `max_pages`); `capture`
+        records CUDA graphs (CUDA only), else the same function runs eagerly (CPU tests)."""
+        from .graphs import DecodeGraphs  # graphs imports this module's helpers
+
+        self.graphs = DecodeGraphs(self, max_pages, capture=capture)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the common decode buckets now (engine warmup, before /health turns 200); no-op when off."""
+        if self.graphs is not None:
+            self.graphs.capture_common()
 
     # ---------------------------------------------------------------------------------------------------- step
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> StepOutput:
         """Run all sequences' new tokens through the model; update pools; return the requested logits."""
+        if self.graphs is not None and self.graphs.accepts(seqs):
+            out = self.graphs.step(seqs)  # None: this shape falls back to the eager path below
+            if out is not None:
+                self._last = None
+                return out
         dev = self.device
         lens = [len(s.tokens) for s in seqs]
         tokens = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
@@ -95,7 +123,7 @@ class ModelRunner:
         if want:
             rows = torch.cat([torch.arange(ctx.cu[i], ctx.cu[i + 1], device=dev) if seqs[i].logits == "all"
                               else ends[i:i + 1] for i in want])
-            out = self.model.lm_head(self.model.model.norm(hidden[rows])).float()
+            out = final_logits(self.model, hidden[rows])
             off = 0
             for i in want:
                 n = lens[i] if seqs[i].logits == "all" else 1
@@ -123,28 +151,7 @@ class ModelRunner:
 
     def _backbone(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         """K3Backbone.forward with the mixers below; x [1, T, D] embedded tokens -> final hidden [1, T, D]."""
-        bb = self.model.model
-        if self.cfg.residual == "preln":
-            for i, layer in enumerate(bb.layers):
-                x = x + self._mixer(i, layer, layer.input_layernorm(x), ctx)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            return x
-        eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size  # Block AttnRes, architecture.md 4.2
-        blocks: list[AttnResSource] = []
-        partial = x
-        for i, layer in enumerate(bb.layers):
-            h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
-                             layer.attn_res_proj.weight) if blocks else partial
-            if i % bsz == 0:
-                blocks.append(AttnResSource(partial, eps))
-                partial = None
-            a = self._mixer(i, layer, layer.input_layernorm(h), ctx)
-            partial = a if partial is None else partial + a
-            h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
-                             layer.mlp_res_proj.weight)
-            partial = partial + layer.mlp(layer.post_attention_layernorm(h))
-        return attn_res_mix(blocks + [AttnResSource(partial, eps)], bb.output_attn_res_norm.weight,
-                            bb.output_attn_res_proj.weight)
+        return backbone_forward(self.model, x, lambda i, layer, h: self._mixer(i, layer, h, ctx))
 
     def _mixer(self, i: int, layer, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         if i in self.kda_index:
@@ -180,8 +187,7 @@ class ModelRunner:
             o[:, ctx.rows(verify)] = self._kda_verify(li, attn, (q, k, v, z, b), ctx, verify)
             if plain:
                 o[:, ctx.rows(plain)] = self._kda_plain(li, attn, (q, k, v, z, b), ctx, plain, pre)
-        o = attn.o_norm(o, attn.g_proj(x).unflatten(-1, (H, K)))
-        return attn.o_proj(o.flatten(-2))
+        return kda_output(attn, x, o)
 
     @staticmethod
     def _kda_kwargs(attn: KimiDeltaAttention, cu_t: torch.Tensor) -> dict:
@@ -289,21 +295,11 @@ class ModelRunner:
     def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, ctx: _StepContext, min_key: int = 0) -> torch.Tensor:
         """Absorbed MLA over packed tokens x [1, T, D]; new latents go to the pages first. Keys at positions below
         `min_key` are masked (the MTP's slot 0 holds no pair)."""
-        T = x.shape[1]
-        H, N, R, V, C = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, T, H, N + R)
-        q_nope, q_rope = q.split([N, R], dim=-1)
-        c_kv, k_rope = attn.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
-        c_kv = attn.kv_a_layernorm(c_kv)
-        if attn.position == "rope" and R > 0:
-            cos, sin = rope_cos_sin(ctx.positions, R, attn.rope_theta)
-            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+        H, R, C = attn.num_heads, attn.rope_dim, attn.kv_lora_rank
+        q_lat, q_rope, latent = mla_project(attn, x, ctx.positions)
         kv_pool = self.pages.kv[li]  # [P, page, X]
         flat = kv_pool.view(-1, C + R)
-        flat[ctx.slot_mapping] = torch.cat([c_kv, k_rope], dim=-1)[0].to(flat.dtype)
-        w_uk, w_uv = attn.kv_b_proj.weight.view(H, N + V, C).split([N, V], dim=1)
-        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)[0]  # [T, H, C]
-        q_rope = q_rope[0].to(q_lat.dtype)
+        flat[ctx.slot_mapping] = latent.to(flat.dtype)
         o_lat = torch.empty_like(q_lat)
         for rows, seq_ids, t_max in ctx.groups:  # equal short lengths batched together; long chunks on their own
             G = max(len(ctx.seqs[n].block_table) for n in seq_ids)
@@ -314,10 +310,80 @@ class ModelRunner:
             qr = q_rope[rows].view(len(seq_ids), t_max, H, R)
             qpos = ctx.positions[rows].view(len(seq_ids), t_max)
             o_lat[rows] = _masked_absorbed(ql, qr, kv, C, attn.softmax_scale, qpos, min_key).flatten(0, 1)
-        o = torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(1, T, H * V)
-        if attn.g_proj is not None:
-            o = o * torch.sigmoid(attn.g_proj(x))
-        return attn.o_proj(o)
+        return mla_output(attn, x, o_lat)
+
+
+# -------------------------------------------------------------------------------------------------------- shared
+# The pieces of one forward that do not touch the caches, shared with the decode graphs (k3.serve.graphs) so both
+# paths run the model's modules in the same order with the same arithmetic.
+
+
+def backbone_forward(model: K3Model, x: torch.Tensor, mixer) -> torch.Tensor:
+    """K3Backbone.forward with the token mixers replaced by `mixer(i, layer, h [1, T, D]) -> [1, T, D]` (the
+    engine's cache plumbing). x [1, T, D] embedded tokens -> final hidden [1, T, D] (before the final norm)."""
+    bb, cfg = model.model, model.config
+    if cfg.residual == "preln":
+        for i, layer in enumerate(bb.layers):
+            x = x + mixer(i, layer, layer.input_layernorm(x))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+    eps, bsz = cfg.rms_norm_eps, cfg.attn_res_block_size  # Block AttnRes, architecture.md 4.2
+    blocks: list[AttnResSource] = []
+    partial = x
+    for i, layer in enumerate(bb.layers):
+        h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
+                         layer.attn_res_proj.weight) if blocks else partial
+        if i % bsz == 0:
+            blocks.append(AttnResSource(partial, eps))
+            partial = None
+        a = mixer(i, layer, layer.input_layernorm(h))
+        partial = a if partial is None else partial + a
+        h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
+                         layer.mlp_res_proj.weight)
+        partial = partial + layer.mlp(layer.post_attention_layernorm(h))
+    return attn_res_mix(blocks + [AttnResSource(partial, eps)], bb.output_attn_res_norm.weight,
+                        bb.output_attn_res_proj.weight)
+
+
+def final_logits(model: K3Model, hidden_ND: torch.Tensor) -> torch.Tensor:
+    """LM head over the final norm: hidden [N, D] (pre-norm) -> fp32 logits [N, V_]."""
+    return model.lm_head(model.model.norm(hidden_ND)).float()
+
+
+def kda_output(attn: KimiDeltaAttention, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """KDA output stage: gated per-head RMSNorm of o [1, T, H, V] with the gate of x [1, T, D], then W_o."""
+    H, K = attn.num_heads, attn.head_k_dim
+    o = attn.o_norm(o, attn.g_proj(x).unflatten(-1, (H, K)))
+    return attn.o_proj(o.flatten(-2))
+
+
+def mla_project(attn: GatedMLA, x: torch.Tensor, positions_T: torch.Tensor):
+    """MLA projections of packed tokens x [1, T, D] at positions [T] (architecture.md 6.2, absorbed form).
+    Returns (q_lat [T, H, C] = q_nope absorbed through W_uk, q_rope [T, H, R] in q_lat's dtype, the new latents
+    [T, X] = [c_kv ; k_rope] to write into the pages)."""
+    T = x.shape[1]
+    H, N, R, V, C = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, T, H, N + R)
+    q_nope, q_rope = q.split([N, R], dim=-1)
+    c_kv, k_rope = attn.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
+    c_kv = attn.kv_a_layernorm(c_kv)
+    if attn.position == "rope" and R > 0:
+        cos, sin = rope_cos_sin(positions_T, R, attn.rope_theta)
+        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+    w_uk = attn.kv_b_proj.weight.view(H, N + V, C)[:, :N]
+    q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)[0]  # [T, H, C]
+    return q_lat, q_rope[0].to(q_lat.dtype), torch.cat([c_kv, k_rope], dim=-1)[0]
+
+
+def mla_output(attn: GatedMLA, x: torch.Tensor, o_lat_THC: torch.Tensor) -> torch.Tensor:
+    """MLA output stage: latent outputs [T, H, C] through W_uv, the optional sigmoid gate of x [1, T, D], W_o."""
+    T = o_lat_THC.shape[0]
+    H, N, V, C = attn.num_heads, attn.nope_dim, attn.v_dim, attn.kv_lora_rank
+    w_uv = attn.kv_b_proj.weight.view(H, N + V, C)[:, N:]
+    o = torch.einsum("thc,hvc->thv", o_lat_THC, w_uv).reshape(1, T, H * V)
+    if attn.g_proj is not None:
+        o = o * torch.sigmoid(attn.g_proj(x))
+    return attn.o_proj(o)
 
 
 def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT, min_key: int = 0) -> torch.Tensor:

@@ -174,3 +174,81 @@ def fused_recurrent_kda(
                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
+
+
+def fused_recurrent_kda_pool_trusted(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    pool: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> torch.Tensor:
+    """Trusted engine entry (k3.serve.graphs): `fused_recurrent_kda` on a state pool WITHOUT argument validation.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] (no cu_seqlens: B sequences of T
+    tokens); pool: [P, HV, K, V] fp32, updated in place; ssm_state_indices: [B] int64, negative = start from zeros
+    and write nothing. Returns o [B, T, HV, V] in v.dtype. Same semantics and arithmetic as
+    `fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx, ...)`.
+
+    The public function's checks read tensor values on the host (bool(...all()), unique(), int(max)), which a CUDA
+    graph cannot capture. Here the caller must guarantee what they check, once, outside the graph: the shapes and
+    dtypes above, every index in [-1, P), named (>= 0) indices distinct. The PyTorch path then does no host sync and
+    allocates nothing whose size depends on data; the Triton path skips its own checks while a graph is being
+    captured (triton_recurrent.py) and keeps them on eager calls.
+    """
+    kw = {"A_log": A_log, "dt_bias": dt_bias, "scale": scale, "lower_bound": lower_bound,
+          "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
+          "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel}
+    impl = resolve("fused_recurrent_kda", _pool_trusted_torch)
+    if impl is _pool_trusted_torch:
+        return _pool_trusted_torch(q, k, v, g, beta, pool=pool, idx=ssm_state_indices, **kw)
+    o, _ = impl(q, k, v, g, beta, initial_state=pool, output_final_state=False, cu_seqlens=None, state_v_first=False,
+                ssm_state_indices=ssm_state_indices, num_accepted_tokens=None, **kw)
+    return o
+
+
+def _pool_trusted_torch(q, k, v, g, beta, *, pool, idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel, use_beta_sigmoid_in_kernel):
+    """PyTorch body of `fused_recurrent_kda_pool_trusted`: the loop of `fused_recurrent_kda_torch` for equal-length
+    rows, with the pool read and written by tensor ops only."""
+    B, T, _, K = q.shape
+    HV = v.shape[2]
+    out_dtype = v.dtype
+    q, k, g, beta = prepare_kda_inputs(
+        q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    dt = q.dtype
+    scale = K**-0.5 if scale is None else scale
+    q, k = _expand_heads(q * scale, k, HV)
+    v = v.to(dt)
+    named = idx >= 0  # [B]
+    safe = idx.clamp(min=0)
+    S = pool.index_select(0, safe).to(dt) * named.to(dt).view(B, 1, 1, 1)  # [B, HV, K, V]
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp().unsqueeze(-1)  # decay first
+        k_t = k[:, t].unsqueeze(-2)  # [B, HV, 1, K]
+        err = v[:, t] - (k_t @ S).squeeze(-2)  # v_t - S'^T k_t   [B, HV, V]
+        S = S + (beta[:, t, :, None, None] * k_t.transpose(-1, -2)) * err.unsqueeze(-2)
+        outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))  # [B, HV, V]
+    o = (torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, HV, v.shape[-1])).to(out_dtype)
+    # Write back without a boolean mask (its size would depend on data): an unnamed row targets the first named
+    # row's slot with that row's own new state, so an index written twice receives the same value twice; with no
+    # named row at all, slot 0 gets its own value back.
+    first = named.to(torch.int32).argmax().view(1)  # the first named row (argmax returns the first maximum)
+    tgt = torch.where(named, safe, safe.index_select(0, first))
+    src = torch.where(named.view(B, 1, 1, 1), S, S.index_select(0, first))
+    src = torch.where(named.index_select(0, first).view(1, 1, 1, 1), src, pool.index_select(0, tgt).to(dt))
+    with torch.no_grad():
+        pool.index_copy_(0, tgt, src.detach().to(pool.dtype))
+    return o

@@ -1,0 +1,271 @@
+"""Decode fast path: one engine step of plain decodes as a fixed-shape function of static buffers, replayed from
+CUDA graphs (serving.md 2.5, "Decode runs as whole-step CUDA graphs per batch-size bucket"; issue 5).
+
+A step qualifies when every scheduled sequence decodes exactly one token with "last" logits, no speculative verify
+and no snapshot to write (`DecodeGraphs.accepts`); every other step runs ModelRunner's eager path.
+
+Shapes. Batch buckets Bb = 1, 2, 4, 8, ... capped at max_num_seqs (the state pool's slots); page buckets Gb = 1, 2,
+4, ... capped at the pages of one sequence at max_model_len. A step of B sequences whose longest block table has G
+pages runs shape (bucket(B), bucket(G)); its MLA attends over Gb * page_size keys masked to key <= position (the
+arithmetic of runner._masked_absorbed), so short contexts do not pay for max_model_len. On CUDA a shape's graph is
+captured on first use (the common ones by `capture_common` in Engine.warmup), at most `max_graphs` of them; beyond
+the cap, or for a shape whose capture raised (one warning naming the reason), the step runs the eager path.
+
+Padding needs no scratch slot or page. Padded rows b >= B copy real row 0's inputs (token, position, slots, block
+table), and every cache write of a padded row puts row 0's value at row 0's location, so an index written twice
+receives the same value twice (deterministic with duplicate indices on any device) and no other slot or page is
+touched:
+- KDA recurrence: padded rows pass slot -1 (start from zeros, write nothing; a duplicate slot would race inside the
+  kernel) to `fused_recurrent_kda_pool_trusted`, which skips the host-side validation (done here on host ints);
+- conv tails and latents: row b writes the value of row `src_rows[b]` (0 for padded rows) to its target.
+With `live` = 0 every cache write puts back the value it just read: warm-up runs before a capture use such inert
+inputs, so they leave every slot and page bit-identical while the real step's inputs are not yet in the buffers.
+
+A graph holds the whole step: embedding, every layer (norms, AttnRes mixes, KDA with conv tails and the in-place
+recurrent pool update, MLA with the latent write and paged absorbed attention, dense MLP or MoE through
+torch._grouped_mm), the final norm and the LM head. Inputs: one int64 buffer [7 * Bb + Bb * Gb]; outputs: logits
+[Bb, V_] fp32 and the final hidden [Bb, D]. A replay is one host-to-device copy plus one graph launch.
+
+Legend: B sequences, Bb batch bucket, Gb page bucket, D width, V_ vocab, H heads, K head dim, C channels (KDA) or
+kv_lora (MLA), R rope dim, X = C + R latent width, W conv kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from k3.kernels.conv import causal_conv1d
+from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+
+from .runner import (
+    ModelRunner,
+    StepOutput,
+    StepSeq,
+    _masked_absorbed,
+    backbone_forward,
+    final_logits,
+    kda_output,
+    mla_output,
+    mla_project,
+)
+
+log = logging.getLogger("k3.serve")
+
+MAX_GRAPHS = 64  # captured graphs at most (each holds its own activations in the shared pool); beyond: eager
+COMMON_BATCHES = (1, 8, 32)  # batch buckets captured by Engine.warmup (those <= max_num_seqs), smallest page bucket
+WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, Triton compilation, MoE probe)
+_FIELDS = ("tokens", "kda_slots", "tail_slots", "src_rows", "live", "positions", "slot_mapping")
+
+
+def bucket(n: int, cap: int) -> int:
+    """Smallest power of two >= n, capped at `cap` (n <= cap). Example: bucket(5, 64) -> 8; bucket(5, 6) -> 6."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, cap)
+
+
+class DecodeBuffers:
+    """Static inputs of one (Bb, Gb) shape, all views of one int64 buffer `ints` [7 * Bb + Bb * Gb]:
+    tokens [Bb]; kda_slots [Bb] (recurrent state slot, -1 for padded rows); tail_slots [Bb] (conv-tail row read and
+    written); src_rows [Bb] (the row whose tails/latents are written at row b's targets); live [Bb] (0 = write back
+    what was read); positions [Bb]; slot_mapping [Bb] (flat latent row of the new token); block_table [Bb, Gb]."""
+
+    def __init__(self, Bb: int, Gb: int, device: torch.device):
+        self.Bb, self.Gb = Bb, Gb
+        self.ints = torch.zeros(len(_FIELDS) * Bb + Bb * Gb, dtype=torch.long, device=device)
+        for i, name in enumerate(_FIELDS):
+            setattr(self, name, self.ints[i * Bb:(i + 1) * Bb])
+        self.block_table = self.ints[len(_FIELDS) * Bb:].view(Bb, Gb)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed = False  # capture raised: this shape runs the eager path for good
+        self.logits: torch.Tensor | None = None  # static outputs of the captured graph
+        self.hidden: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    """The decode fast path of a ModelRunner: `accepts(seqs)`, then `step(seqs)` -> StepOutput or None (eager)."""
+
+    def __init__(self, runner: ModelRunner, max_pages: int, capture: bool, max_graphs: int = MAX_GRAPHS):
+        """max_pages: latent pages of one sequence at max_model_len (0 = the whole page pool); capture: record CUDA
+        graphs (needs a CUDA model), else run the same static-buffer function eagerly (CPU tests)."""
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, got {runner.device}; set "
+                             f"ServeConfig.cuda_graphs=False or pass capture=False")
+        self.runner, self.model = runner, runner.model
+        self.page_size = runner.pages.page_size
+        self.max_seqs = runner.states.num_slots
+        self.max_pages = max(1, min(max_pages or runner.pages.num_pages, runner.pages.num_pages))
+        self.capture, self.max_graphs = capture, max_graphs
+        self.vocab = runner.cfg.vocab_size
+        self.shapes: dict[tuple[int, int], DecodeBuffers] = {}
+        self.num_graphs = 0
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool shared by all graphs
+        self._cap_logged = False
+
+    # ------------------------------------------------------------------------------------------------ engine side
+
+    def accepts(self, seqs: list[StepSeq]) -> bool:
+        """True when every sequence is a plain decode: 1 new token, "last" logits, no verify, no snapshots."""
+        return 0 < len(seqs) <= self.max_seqs and all(
+            len(s.tokens) == 1 and s.logits == "last" and not s.spec and not s.snapshots for s in seqs)
+
+    @torch.no_grad()
+    def step(self, seqs: list[StepSeq]) -> StepOutput | None:
+        """Run one plain-decode step (caches updated in place, as ModelRunner.step). Returns None when this shape
+        must run the eager path (over the graph cap, capture failed, or more pages than the largest bucket)."""
+        B = len(seqs)
+        G = max(len(s.block_table) for s in seqs)
+        if G > self.max_pages:
+            return None
+        buf = self._buffers(bucket(B, self.max_seqs), bucket(G, self.max_pages))
+        if buf is None:
+            return None
+        host = self._host_inputs(seqs, buf.Bb, buf.Gb)
+        if self.capture:
+            buf.ints.copy_(host.pin_memory(), non_blocking=True)  # stream-ordered before the replay
+            buf.graph.replay()
+            logits, hidden = buf.logits[:B].clone(), buf.hidden[:B].clone()  # the static outputs get overwritten
+        else:
+            buf.ints.copy_(host)
+            logits, hidden = (t[:B] for t in self.decode_forward(buf))
+        return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden, hidden=hidden,
+                          cu=list(range(B + 1)))
+
+    def capture_common(self) -> None:
+        """Capture the COMMON_BATCHES buckets (those <= max_num_seqs) for the smallest page bucket (warmup)."""
+        if not self.capture:
+            return
+        for Bb in COMMON_BATCHES:
+            if Bb <= self.max_seqs:
+                self._buffers(bucket(Bb, self.max_seqs), 1)
+
+    def _buffers(self, Bb: int, Gb: int) -> DecodeBuffers | None:
+        """The static buffers of shape (Bb, Gb), captured first when graphs are on; None = run eagerly."""
+        buf = self.shapes.get((Bb, Gb))
+        if buf is None:
+            if self.capture and self.num_graphs >= self.max_graphs:
+                if not self._cap_logged:
+                    log.warning("decode CUDA graphs: %d graphs captured (the cap); other shapes run eagerly",
+                                self.num_graphs)
+                    self._cap_logged = True
+                return None
+            buf = self.shapes[(Bb, Gb)] = DecodeBuffers(Bb, Gb, self.runner.device)
+            if self.capture:
+                self._capture(buf)
+        return None if buf.failed else buf
+
+    def _capture(self, buf: DecodeBuffers) -> None:
+        """Warm the shape up eagerly on a side stream with inert inputs, then capture it (PyTorch's CUDA-graph
+        recipe: docs.pytorch.org/docs/stable/notes/cuda.html#cuda-graphs). A failure marks the shape eager."""
+        self._fill_inert(buf)
+        dev = self.runner.device
+        try:
+            with torch.cuda.device(dev), torch.no_grad():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        self.decode_forward(buf)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (the HTTP side) do not invalidate the engine's capture
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    buf.logits, buf.hidden = self.decode_forward(buf)
+            buf.graph = graph
+            self.num_graphs += 1
+        except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
+            buf.failed, buf.graph, buf.logits, buf.hidden = True, None, None, None
+            log.warning("decode CUDA graph capture failed for batch bucket %d x %d pages (%s: %s); that shape "
+                        "runs eagerly from now on", buf.Bb, buf.Gb, type(e).__name__, e)
+
+    @staticmethod
+    def _fill_inert(buf: DecodeBuffers) -> None:
+        """Inputs whose run changes nothing: no recurrent slot named, every write puts back what it read (slot 0's
+        tails, page 0's first latent row)."""
+        buf.ints.zero_()
+        buf.kda_slots.fill_(-1)
+
+    def _host_inputs(self, seqs: list[StepSeq], Bb: int, Gb: int) -> torch.Tensor:
+        """The step's inputs as one CPU int64 tensor in DecodeBuffers' layout, padded to Bb rows (copies of row 0)
+        and Gb pages. Validates what the trusted kernels no longer check on the device (slots in range and
+        distinct, tokens in the vocabulary, each position inside its block table)."""
+        B, ps = len(seqs), self.page_size
+        slots = [s.slot for s in seqs]
+        if len(set(slots)) != B or not all(0 <= x < self.max_seqs for x in slots):
+            raise ValueError(f"decode step: KDA slots must be distinct and in [0, {self.max_seqs}), got {slots}")
+        tokens, pos, smap, table = [], [], [], []
+        for s in seqs:
+            t, p, bt = s.tokens[0], s.start, s.block_table
+            if not 0 <= t < self.vocab or not 0 <= p < len(bt) * ps:
+                raise ValueError(f"decode step: token {t} outside the vocabulary ({self.vocab}) or position {p} "
+                                 f"outside its {len(bt)} pages of {ps}")
+            tokens.append(t)
+            pos.append(p)
+            smap.append(bt[p // ps] * ps + p % ps)
+            table += bt + [0] * (Gb - len(bt))  # pages past the sequence are masked (key > position)
+        pad = Bb - B
+        rows = [tokens + tokens[:1] * pad, slots + [-1] * pad, slots + slots[:1] * pad,
+                list(range(B)) + [0] * pad, [1] * Bb, pos + pos[:1] * pad, smap + smap[:1] * pad]
+        flat = [x for r in rows for x in r] + table + table[:Gb] * pad
+        return torch.tensor(flat, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def decode_forward(self, buf: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token per row from the static buffers: returns (logits [Bb, V_] fp32, final hidden [Bb, D]
+        before the final norm) and updates the KDA slots, conv tails and latent pages in place.
+
+        Only tensor ops on the buffers: no .item()/.tolist()/bool(tensor), no branch on data, no allocation whose
+        size depends on data, so CUDA can capture it. Same modules and arithmetic as ModelRunner.step (the shared
+        helpers of k3.serve.runner), up to the summation order of the conv and of masked keys."""
+        live = buf.live != 0  # [Bb]
+        x = self.model.model.embed_tokens(buf.tokens)[None]  # [1, Bb, D]
+        hidden = backbone_forward(self.model, x, lambda i, layer, h: self._mixer(i, layer, h, buf, live))[0]
+        return final_logits(self.model, hidden), hidden
+
+    def _mixer(self, i: int, layer, x: torch.Tensor, buf: DecodeBuffers, live: torch.Tensor) -> torch.Tensor:
+        r = self.runner
+        if i in r.kda_index:
+            return self._kda(r.kda_index[i], layer.self_attn, x, buf, live)
+        return self._mla(r.mla_index[i], layer.self_attn, x, buf, live)
+
+    def _kda(self, li: int, attn: KimiDeltaAttention, x: torch.Tensor, buf: DecodeBuffers,
+             live: torch.Tensor) -> torch.Tensor:
+        """KDA of one token per row, x [1, Bb, D] -> [1, Bb, D]; conv tails and recurrent state updated in place."""
+        H, K = attn.num_heads, attn.head_k_dim
+        qkv = []
+        for proj, conv, tail_pool in zip((attn.q_proj, attn.k_proj, attn.v_proj),
+                                         (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d), self.runner.states.tails[li]):
+            p = proj(x).transpose(0, 1)  # [Bb, 1, C] pre-conv inputs, one token per row
+            tail0 = tail_pool[buf.tail_slots]  # [Bb, W-1, C]
+            y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
+                                     output_final_tail=True)
+            tail_pool[buf.tail_slots] = torch.where(live[:, None, None], tail1[buf.src_rows].to(tail_pool.dtype),
+                                                    tail0)
+            qkv.append(y.unflatten(-1, (H, K)))  # [Bb, 1, H, K]
+        q, k, v = qkv
+        z, b = attn.gate_input(x).transpose(0, 1), attn.b_proj(x).transpose(0, 1)  # [Bb, 1, H, K], [Bb, 1, H]
+        o = fused_recurrent_kda_pool_trusted(
+            q, k, v, z, b, pool=self.runner.states.state[li], ssm_state_indices=buf.kda_slots, A_log=attn.A_log,
+            dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)  # [Bb, 1, H, V]
+        return kda_output(attn, x, o.transpose(0, 1))
+
+    def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, buf: DecodeBuffers, live: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA of one token per row over its Gb gathered pages, x [1, Bb, D] -> [1, Bb, D]; the new
+        latents are written into the pages first (the token attends to itself)."""
+        C = attn.kv_lora_rank
+        q_lat, q_rope, latent = mla_project(attn, x, buf.positions)  # [Bb, H, C], [Bb, H, R], [Bb, X]
+        kv_pool = self.runner.pages.kv[li]  # [P, page, X]
+        flat = kv_pool.view(-1, kv_pool.shape[-1])
+        old = flat[buf.slot_mapping]
+        flat[buf.slot_mapping] = torch.where(live[:, None], latent[buf.src_rows].to(flat.dtype), old)
+        kv = kv_pool[buf.block_table].flatten(1, 2)  # [Bb, Gb * page, X]
+        o_lat = _masked_absorbed(q_lat[:, None], q_rope[:, None], kv, C, attn.softmax_scale, buf.positions[:, None])
+        return mla_output(attn, x, o_lat[:, 0])
