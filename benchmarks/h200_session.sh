@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5): `bash
+# benchmarks/h200_session.sh serve` (steps 1-3) and `... kernels` (step 4), each one call, run from the repo root on the
+# GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...; see
+# benchmarks/hf_anchor.py). Each step has its own time limit so one slow step cannot take the others' figures;
+# every log lands in $OUT.
+#   1. GPU tests (background, 2 workers): Triton kernels in fp32/bf16 and the CUDA-graph serving path
+#   2. k3 pretrain --preset small, STEPS steps of 16k tokens (bf16 autocast, Triton KDA forward + backward)
+#   3. benchmarks/serve.py on the trained checkpoint (bf16): concurrency 1/8/64, prefix hit, MTP speculative,
+#      Hugging Face anchors at batch 1 and 32
+#   4. benchmarks/kda.py --no-fla --intra 1 2 and benchmarks/mla_decode.py
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/k3out}
+STEPS=${STEPS:-150}
+MODE=${1:-serve}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [ "$MODE" = kernels ]; then
+  timeout 200 python3 benchmarks/kda.py --no-fla --intra 1 2 > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; cat "$OUT/kda.log"
+  timeout 40 python3 benchmarks/mla_decode.py > "$OUT/mla.log" 2>&1
+  echo "mla rc=$?"; cat "$OUT/mla.log"
+  exit 0
+fi
+
+(
+  timeout 200 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_mla_decode.py \
+    tests/kernels/test_glu_triton.py -q -p no:cacheprovider -n 2 -k "intra2 or l2norm or mla or dispatch or safe_gate"
+  echo "kernel tests rc=$?"
+  K3_KERNELS=triton timeout 120 python3 -m pytest tests/serve/test_decode_graphs.py -q -p no:cacheprovider -rs
+  echo "graph tests rc=$?"
+) > "$OUT/gpu_tests.log" 2>&1 &
+tests_pid=$!
+
+timeout 225 python3 -m k3.cli.main pretrain --preset small --out /tmp/small --set train.max_steps="$STEPS" \
+  --set train.grad_accum=1 --set train.eval_every=0 --set ckpt.every=0 --set train.log_every=20 \
+  --set data.tokenizer_sample_bytes=5000000 > "$OUT/pretrain.log" 2>&1
+echo "pretrain rc=$?"; tail -4 "$OUT/pretrain.log"
+cp /tmp/small/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+wait "$tests_pid"; tail -4 "$OUT/gpu_tests.log"
+
+if [ -f /tmp/small/final/config.json ]; then SRC="--ckpt /tmp/small/final --speculative-tokens 2"; else SRC="--model k3-small"; fi
+timeout 270 python3 benchmarks/serve.py $SRC --device cuda --dtype bfloat16 --concurrency 1 8 64 --input-len 128 \
+  --output-len 128 --prefix-len 2048 --hf-anchor --hf-batch 1 32 > "$OUT/serve.log" 2>&1
+echo "serve rc=$?"; cat "$OUT/serve.log" | grep -v Warning | tail -40
+
