@@ -71,6 +71,16 @@ def _grouped_mm_loop(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Te
     return torch.cat([xc @ w_EOI[e].t() for e, xc in enumerate(chunks)], dim=0)
 
 
+def _grouped_mm_gather(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Sync-free path for CUDA-graph capture where torch._grouped_mm is unavailable (e.g. fp32): each row's expert
+    from the counts (searchsorted on their cumsum), its weight gathered, one batched matvec. Costs M x O x I weight
+    reads, so it is only for the few rows of a decode step (the engine captures decode steps only)."""
+    ends_E = torch.cumsum(counts_E, 0)
+    eid_M = torch.searchsorted(ends_E, torch.arange(x_MI.shape[0], device=x_MI.device), right=True)
+    eid_M = eid_M.clamp(max=w_EOI.shape[0] - 1)
+    return torch.bmm(w_EOI[eid_M], x_MI.unsqueeze(-1)).squeeze(-1)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -146,7 +156,14 @@ def moe_grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     if x_MI.dim() != 2 or w_EOI.dim() != 3 or x_MI.shape[1] != w_EOI.shape[2] or counts_E.numel() != w_EOI.shape[0]:
         raise ValueError(f"moe_grouped_mm expects x [M, I], w [E, O, I], counts [E]; got {tuple(x_MI.shape)}, "
                          f"{tuple(w_EOI.shape)}, {tuple(counts_E.shape)}")
+    if x_MI.dtype != w_EOI.dtype and x_MI.dtype.itemsize < w_EOI.dtype.itemsize:
+        # autocast: x comes from an autocast linear in bf16/fp16 while the expert weights stay fp32 parameters; cast
+        # them the way autocast casts a linear's weight (differentiable, the gradient reaches the fp32 params), so
+        # the grouped kernel runs instead of a per-expert loop with a host sync
+        w_EOI = w_EOI.to(x_MI.dtype)
     if impl == "loop" or (impl == "auto" and not grouped_mm_available(x_MI, w_EOI)):
+        if x_MI.is_cuda and torch.cuda.is_current_stream_capturing():
+            return _grouped_mm_gather(x_MI, w_EOI, counts_E)
         return _grouped_mm_loop(x_MI, w_EOI, counts_E)
     if impl not in ("auto", "grouped"):
         raise ValueError(f"moe_grouped_mm impl must be 'auto', 'loop' or 'grouped', got {impl!r}")

@@ -310,3 +310,28 @@ def test_record_router_stores_detached_stats():
     assert not moe.last_scores.requires_grad
     s, idx, _ = moe.gate(x.reshape(-1, DEBUG.d_model))
     assert torch.equal(moe.last_scores, s.detach()) and torch.equal(moe.last_topk_idx, idx)
+
+
+def test_capture_safe_gather_path_matches_loop():
+    """The sync-free expert matmul used inside CUDA-graph capture (one gathered weight per row) == the loop,
+    empty groups included."""
+    from k3.kernels.moe.naive import _grouped_mm_gather
+
+    counts = torch.tensor([3, 0, 5, 0, 4])
+    x = torch.randn(12, 16, dtype=torch.float64)
+    W = torch.randn(5, 8, 16, dtype=torch.float64)
+    ref = torch.cat([x[a:b] @ W[e].t() for e, (a, b) in enumerate(zip([0, 3, 3, 8, 8], [3, 3, 8, 8, 12]))])
+    torch.testing.assert_close(_grouped_mm_gather(x, W, counts), ref, atol=1e-12, rtol=1e-12)
+
+
+def test_autocast_style_mixed_dtypes_cast_the_weights():
+    """x in bf16 (an autocast linear's output) with fp32 expert weights: the weights are cast like autocast casts a
+    linear's, the result equals the all-bf16 computation, and the gradient reaches the fp32 parameter in fp32."""
+    counts = torch.tensor([2, 3, 1])
+    x = torch.randn(6, 16).bfloat16()
+    W = torch.randn(3, 8, 16, requires_grad=True)
+    y = moe_grouped_mm(x, W, counts)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, moe_grouped_mm(x, W.detach().bfloat16(), counts, impl="loop"))
+    (gW,) = torch.autograd.grad(y.float().sum(), W)
+    assert gW.dtype == torch.float32 and gW.abs().sum() > 0

@@ -1,0 +1,94 @@
+"""Engine decode-step time without HTTP: k3's serving engine stepped in-process, CUDA-graph decode on vs off.
+
+Run on a CUDA machine (never in tests): `python benchmarks/serve_step.py [--model k3-small] [--batch 1 8 32 64]`.
+A release with random weights at the preset's sizes (a small BPE trained here, as benchmarks/serve.py does) is served
+in bf16 by `k3.serve.engine.Engine`; B greedy requests of `--prompt-len` random tokens are submitted, the engine is
+stepped until every sequence has its first token, then the remaining `--new-tokens` - 1 decode steps are timed
+(wall clock, synchronised): ms per step = what a streaming client sees as inter-token latency at concurrency B,
+minus the HTTP layer. `graphs` = ServeConfig.cuda_graphs (k3.serve.graphs), the rest of the engine identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from k3.model.checkpoint import load_model
+from k3.model.tokenizer import K3Tokenizer
+from k3.serve.config import ServeConfig
+from k3.serve.engine import Engine
+from k3.serve.request import SamplingParams
+
+
+def _random_release(preset: str, out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("k3_bench_serve", Path(__file__).with_name("serve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod._random_release(preset, out, "cuda")
+
+
+def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    got = [0] * batch
+    for b in range(batch):
+        def sink(ev, b=b):
+            got[b] += len(ev.token_ids)
+        engine.submit([rng.randrange(4, vocab) for _ in range(prompt_len)], params, sink)
+    while min(got) == 0:  # prefill, first tokens
+        engine.step()
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / max(steps, 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="k3-small")
+    ap.add_argument("--ckpt", type=Path, help="a release checkpoint instead of random weights")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("serve_step.py needs a CUDA GPU (it times CUDA-graph decode)")
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}; {args.ckpt or args.model}, bf16, prompt {args.prompt_len}, {args.new_tokens} tokens")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = args.ckpt or _random_release(args.model, Path(tmp))
+        model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
+        tok = K3Tokenizer.from_file(ckpt)
+    rows = {}
+    for graphs in (False, True):
+        cfg = ServeConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch),
+                          max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=2048,
+                          enable_prefix_caching=False, cuda_graphs=graphs)
+        engine = Engine(model, tok, cfg)
+        engine.warmup()
+        for b in args.batch:
+            rows[(graphs, b)] = decode_ms(engine, b, args.prompt_len, args.new_tokens, tok.vocab_size)
+            print(f"# graphs={graphs} batch={b}: {rows[(graphs, b)]:.2f} ms/step", flush=True)
+        n = getattr(engine.runner, "graphs", None)
+        print(f"# graphs={graphs}: captured {getattr(n, 'num_graphs', 0)} decode graphs", flush=True)
+    print("| batch | eager ms/step | graphs ms/step | eager / graphs | graphs tok/s |")
+    print("|---|---|---|---|---|")
+    for b in args.batch:
+        e, g = rows[(False, b)], rows[(True, b)]
+        print(f"| {b} | {e:.2f} | {g:.2f} | {e / g:.2f} | {b * 1e3 / g:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
