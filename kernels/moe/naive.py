@@ -161,9 +161,12 @@ def moe_grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
         # them the way autocast casts a linear's weight (differentiable, the gradient reaches the fp32 params), so
         # the grouped kernel runs instead of a per-expert loop with a host sync
         w_EOI = w_EOI.to(x_MI.dtype)
+    if x_MI.is_cuda and torch.cuda.is_current_stream_capturing() and (impl == "loop" or x_MI.dtype != torch.bfloat16):
+        # inside CUDA-graph capture only bf16 torch._grouped_mm is known to be sync-free (its CUTLASS kernel; seen
+        # capturing on the H200). fp32 capture failed with a CPU<->CUDA copy on the H200 (torch 2.11), which we read
+        # as its non-bf16 fallback taking the group offsets to the host; the loop needs counts.tolist() too
+        return _grouped_mm_gather(x_MI, w_EOI, counts_E)
     if impl == "loop" or (impl == "auto" and not grouped_mm_available(x_MI, w_EOI)):
-        if x_MI.is_cuda and torch.cuda.is_current_stream_capturing():
-            return _grouped_mm_gather(x_MI, w_EOI, counts_E)
         return _grouped_mm_loop(x_MI, w_EOI, counts_E)
     if impl not in ("auto", "grouped"):
         raise ValueError(f"moe_grouped_mm impl must be 'auto', 'loop' or 'grouped', got {impl!r}")
