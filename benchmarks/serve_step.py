@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--compile-decode", action="store_true", help="also time CUDA graphs of the torch.compile'd "
+                    "decode step (ServeConfig.compile_decode)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("serve_step.py needs a CUDA GPU (it times CUDA-graph decode)")
@@ -72,10 +74,11 @@ def main() -> None:
         model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
         tok = K3Tokenizer.from_file(ckpt)
     rows = {}
-    for graphs in (False, True):
+    modes = [False, True] + (["compiled"] if args.compile_decode else [])
+    for graphs in modes:
         cfg = ServeConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch),
                           max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=2048,
-                          enable_prefix_caching=False, cuda_graphs=graphs)
+                          enable_prefix_caching=False, cuda_graphs=bool(graphs), compile_decode=graphs == "compiled")
         engine = Engine(model, tok, cfg)
         engine.warmup()
         for b in args.batch:
@@ -83,11 +86,14 @@ def main() -> None:
             print(f"# graphs={graphs} batch={b}: {rows[(graphs, b)]:.2f} ms/step", flush=True)
         n = getattr(engine.runner, "graphs", None)
         print(f"# graphs={graphs}: captured {getattr(n, 'num_graphs', 0)} decode graphs", flush=True)
-    print("| batch | eager ms/step | graphs ms/step | eager / graphs | graphs tok/s |")
-    print("|---|---|---|---|---|")
+    comp = "compiled" in modes
+    print("| batch | eager ms/step | graphs ms/step | eager / graphs | graphs tok/s |"
+          + (" compiled graphs ms/step | compiled tok/s |" if comp else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if comp else ""))
     for b in args.batch:
         e, g = rows[(False, b)], rows[(True, b)]
-        print(f"| {b} | {e:.2f} | {g:.2f} | {e / g:.2f} | {b * 1e3 / g:.0f} |")
+        extra = f" {rows[('compiled', b)]:.2f} | {b * 1e3 / rows[('compiled', b)]:.0f} |" if comp else ""
+        print(f"| {b} | {e:.2f} | {g:.2f} | {e / g:.2f} | {b * 1e3 / g:.0f} |" + extra)
 
 
 if __name__ == "__main__":

@@ -90,13 +90,19 @@ class DecodeBuffers:
 class DecodeGraphs:
     """The decode fast path of a ModelRunner: `accepts(seqs)`, then `step(seqs)` -> StepOutput or None (eager)."""
 
-    def __init__(self, runner: ModelRunner, max_pages: int, capture: bool, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, runner: ModelRunner, max_pages: int, capture: bool, max_graphs: int = MAX_GRAPHS,
+                 compile: bool = False):
         """max_pages: latent pages of one sequence at max_model_len (0 = the whole page pool); capture: record CUDA
-        graphs (needs a CUDA model), else run the same static-buffer function eagerly (CPU tests)."""
+        graphs (needs a CUDA model), else run the same static-buffer function eagerly (CPU tests); compile: run
+        decode_forward through torch.compile (inductor fuses the norms, AttnRes mixes and gates, which dominate a
+        decode step's ~2,500 small kernels), compiled once per shape bucket before its capture."""
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, got {runner.device}; set "
                              f"ServeConfig.cuda_graphs=False or pass capture=False")
         self.runner, self.model = runner, runner.model
+        # static shapes: every bucket is its own compiled graph, as it is its own CUDA graph
+        self.forward = self._compiled if compile else self.decode_forward
+        self._compiled_fn = torch.compile(self.decode_forward, dynamic=False) if compile else None
         self.page_size = runner.pages.page_size
         self.max_seqs = runner.states.num_slots
         self.max_pages = max(1, min(max_pages or runner.pages.num_pages, runner.pages.num_pages))
@@ -132,7 +138,7 @@ class DecodeGraphs:
             logits, hidden = buf.logits[:B].clone(), buf.hidden[:B].clone()  # the static outputs get overwritten
         else:
             buf.ints.copy_(host)
-            logits, hidden = (t[:B] for t in self.decode_forward(buf))
+            logits, hidden = (t[:B] for t in self.forward(buf))
         return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden, hidden=hidden,
                           cu=list(range(B + 1)))
 
@@ -170,12 +176,12 @@ class DecodeGraphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
-                        self.decode_forward(buf)
+                        self.forward(buf)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: CUDA calls of other threads (the HTTP side) do not invalidate the engine's capture
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    buf.logits, buf.hidden = self.decode_forward(buf)
+                    buf.logits, buf.hidden = self.forward(buf)
             buf.graph = graph
             self.num_graphs += 1
         except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
@@ -217,6 +223,12 @@ class DecodeGraphs:
     # ------------------------------------------------------------------------------------------------ the step
 
     @torch.no_grad()
+    def _compiled(self, buf: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_forward through torch.compile; one compiled graph per bucket, so the recompile limit (8 by
+        default, per code object) is raised to the graph cap for these calls only."""
+        with torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
+            return self._compiled_fn(buf)
+
     def decode_forward(self, buf: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode token per row from the static buffers: returns (logits [Bb, V_] fp32, final hidden [Bb, D]
         before the final norm) and updates the KDA slots, conv tails and latent pages in place.

@@ -80,15 +80,16 @@ class ModelRunner:
         self._last: tuple | None = None  # (ctx, hidden, per-KDA-layer pre-conv inputs) of the last verify step
         self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
         if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
-            self.enable_decode_graphs(max_pages, capture=True)
+            self.enable_decode_graphs(max_pages, capture=True, compile=serve_cfg.compile_decode)
 
-    def enable_decode_graphs(self, max_pages: int, capture: bool) -> None:
+    def enable_decode_graphs(self, max_pages: int, capture: bool, compile: bool = False) -> None:
         """Serve steps whose sequences are all plain decodes through the static-buffer decode path of
         k3.serve.graphs (batch buckets up to the state pool's slots, page buckets up to `max_pages`); `capture`
-        records CUDA graphs (CUDA only), else the same function runs eagerly (CPU tests)."""
+        records CUDA graphs (CUDA only), else the same function runs eagerly (CPU tests); `compile` runs it through
+        torch.compile first."""
         from .graphs import DecodeGraphs  # graphs imports this module's helpers
 
-        self.graphs = DecodeGraphs(self, max_pages, capture=capture)
+        self.graphs = DecodeGraphs(self, max_pages, capture=capture, compile=compile)
 
     def capture_decode_graphs(self) -> None:
         """Capture the common decode buckets now (engine warmup, before /health turns 200); no-op when off."""

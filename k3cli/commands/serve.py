@@ -28,6 +28,10 @@ def serve(
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens", min=0, max=16,
                                            help="MTP draft tokens per step for greedy requests (0 = off)"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                                     help="on CUDA, replay decode steps from CUDA graphs (captured per batch bucket)"),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="torch.compile the decode step before "
+                                        "capturing it (fewer, fused kernels; ~30 s of compilation per bucket)"),
 ) -> None:
     """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from k3.serve.config import ServeConfig
@@ -40,4 +44,5 @@ def serve(
                            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=max_queue, served_model_name=served_model_name,
                            enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
-                           num_speculative_tokens=speculative_tokens))
+                           num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
+                           compile_decode=compile_decode))
