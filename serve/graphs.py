@@ -6,8 +6,8 @@ and no snapshot to write (`DecodeGraphs.accepts`); every other step runs ModelRu
 
 Shapes. Batch buckets Bb = 1, 2, 4, 8, ... capped at max_num_seqs (the state pool's slots); page buckets Gb = 1, 2,
 4, ... capped at the pages of one sequence at max_model_len. A step of B sequences whose longest block table has G
-pages runs shape (bucket(B), bucket(G)); its MLA attends over Gb * page_size keys masked to key <= position (the
-arithmetic of runner._masked_absorbed), so short contexts do not pay for max_model_len. On CUDA a shape's graph is
+pages runs shape (bucket(B), bucket(G)); its MLA attends over the Gb pages' keys masked to key <= position
+(k3.kernels.mla.paged_mla_decode, as the runner), so short contexts do not pay for max_model_len. On CUDA a shape's graph is
 captured on first use (the common ones by `capture_common` in Engine.warmup), at most `max_graphs` of them; beyond
 the cap, or for a shape whose capture raised (one warning naming the reason), the step runs the eager path.
 
@@ -38,6 +38,7 @@ import torch
 
 from k3.kernels.conv import causal_conv1d
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
+from k3.kernels.mla import paged_mla_decode
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 
@@ -45,7 +46,6 @@ from .runner import (
     ModelRunner,
     StepOutput,
     StepSeq,
-    _masked_absorbed,
     backbone_forward,
     final_logits,
     kda_output,
@@ -270,14 +270,13 @@ class DecodeGraphs:
         return kda_output(attn, x, o.transpose(0, 1))
 
     def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, buf: DecodeBuffers, live: torch.Tensor) -> torch.Tensor:
-        """Absorbed MLA of one token per row over its Gb gathered pages, x [1, Bb, D] -> [1, Bb, D]; the new
+        """Absorbed MLA of one token per row over its Gb pages, x [1, Bb, D] -> [1, Bb, D]; the new
         latents are written into the pages first (the token attends to itself)."""
-        C = attn.kv_lora_rank
         q_lat, q_rope, latent = mla_project(attn, x, buf.positions)  # [Bb, H, C], [Bb, H, R], [Bb, X]
         kv_pool = self.runner.pages.kv[li]  # [P, page, X]
         flat = kv_pool.view(-1, kv_pool.shape[-1])
         old = flat[buf.slot_mapping]
         flat[buf.slot_mapping] = torch.where(live[:, None], latent[buf.src_rows].to(flat.dtype), old)
-        kv = kv_pool[buf.block_table].flatten(1, 2)  # [Bb, Gb * page, X]
-        o_lat = _masked_absorbed(q_lat[:, None], q_rope[:, None], kv, C, attn.softmax_scale, buf.positions[:, None])
+        o_lat = paged_mla_decode(q_lat[:, None], q_rope[:, None], kv_pool, buf.block_table, buf.positions[:, None],
+                                 scale=attn.softmax_scale)  # [Bb, 1, H, C]
         return mla_output(attn, x, o_lat[:, 0])

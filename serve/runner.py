@@ -32,6 +32,7 @@ import torch
 
 from k3.kernels.conv import causal_conv1d
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3.kernels.mla import paged_mla_decode
 from k3.model.attnres import AttnResSource, attn_res_mix
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 from k3.model.mla import GatedMLA, apply_rope, rope_cos_sin
@@ -306,11 +307,12 @@ class ModelRunner:
             G = max(len(ctx.seqs[n].block_table) for n in seq_ids)
             bt = torch.tensor([ctx.seqs[n].block_table + [0] * (G - len(ctx.seqs[n].block_table)) for n in seq_ids],
                               device=x.device)
-            kv = kv_pool[bt].flatten(1, 2)  # [n, G*page, X]
             ql = q_lat[rows].view(len(seq_ids), t_max, H, C)
             qr = q_rope[rows].view(len(seq_ids), t_max, H, R)
             qpos = ctx.positions[rows].view(len(seq_ids), t_max)
-            o_lat[rows] = _masked_absorbed(ql, qr, kv, C, attn.softmax_scale, qpos, min_key).flatten(0, 1)
+            # paged kernel (k3.kernels.mla): reads the pages in place on the triton backend, gathers on torch
+            o_lat[rows] = paged_mla_decode(ql, qr, kv_pool, bt, qpos, scale=attn.softmax_scale,
+                                           min_key=min_key).flatten(0, 1)
         return mla_output(attn, x, o_lat)
 
 
@@ -385,25 +387,6 @@ def mla_output(attn: GatedMLA, x: torch.Tensor, o_lat_THC: torch.Tensor) -> torc
     if attn.g_proj is not None:
         o = o * torch.sigmoid(attn.g_proj(x))
     return attn.o_proj(o)
-
-
-def _masked_absorbed(q_lat_NTHC, q_rope_NTHR, kv_NSX, C, scale, qpos_NT, min_key: int = 0) -> torch.Tensor:
-    """Absorbed attention with per-row causal masks: query (n, t) at position qpos[n, t] sees keys
-    min_key..qpos[n, t].
-
-    Same arithmetic as k3.model.mla.mla_absorbed_attention (logits in q's dtype, softmax in >= fp32). -> [N, T, H, C]
-    """
-    c_kv, k_rope = kv_NSX.split([C, kv_NSX.shape[-1] - C], dim=-1)
-    logits = torch.einsum("nthc,nsc->nhts", q_lat_NTHC, c_kv.to(q_lat_NTHC.dtype))
-    if k_rope.shape[-1] > 0:
-        logits = logits + torch.einsum("nthr,nsr->nhts", q_rope_NTHR, k_rope.to(q_lat_NTHC.dtype))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scale
-    S = kv_NSX.shape[1]
-    key = torch.arange(S, device=kv_NSX.device)[None, None, :]
-    valid = (key <= qpos_NT[:, :, None]) & (key >= min_key)  # [N, T, S]
-    logits = logits.masked_fill(~valid[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(q_lat_NTHC.dtype)
-    return torch.einsum("nhts,nsc->nthc", probs, c_kv.to(q_lat_NTHC.dtype))
 
 
 class _StepContext:
