@@ -16,6 +16,8 @@ ops without an entry use their PyTorch implementation on either backend.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
@@ -110,3 +112,23 @@ def check_device(fn: str, *tensors) -> None:
         if not t.is_cuda and not triton_interpreter():
             raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors, got a {t.device} tensor; move the inputs "
                                f"to the GPU, set K3_KERNELS=torch, or TRITON_INTERPRET=1 to interpret them on the CPU")
+
+
+_TRUSTED = contextvars.ContextVar("k3_kernels_trusted_inputs", default=False)
+
+
+@contextlib.contextmanager
+def trusted_inputs():
+    """Within this block the Triton wrappers skip the argument checks that read tensor VALUES on the host (slot
+    ranges, distinct slots, sequence lengths): each such read waits for the GPU queue. For callers that validated
+    those values on the host already (the serving engine); shapes and dtypes are still checked."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def inputs_trusted() -> bool:
+    """True inside `trusted_inputs()`."""
+    return _TRUSTED.get()

@@ -32,6 +32,7 @@ import torch
 
 from k3.kernels.conv import causal_conv1d
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.kernels.mla import paged_mla_decode
 from k3.model.attnres import AttnResSource, attn_res_mix
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
@@ -109,12 +110,11 @@ class ModelRunner:
                 return out
         dev = self.device
         lens = [len(s.tokens) for s in seqs]
-        tokens = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
         ctx = _StepContext(seqs, lens, dev, self.pages.page_size)
-        x = self.model.model.embed_tokens(tokens)[None]  # [1, T, D]
+        x = self.model.model.embed_tokens(ctx.tokens)[None]  # [1, T, D]
         self._pre: dict[int, list] = {}
         hidden = self._backbone(x, ctx)[0]  # [T, D]
-        ends = torch.tensor(ctx.cu[1:], device=dev) - 1
+        ends = ctx.cu_t[1:] - 1
         if self.snaps is not None and self.snaps.hidden is not None:
             for n, s in enumerate(seqs):  # the hidden of the token before each boundary, for the MTP drafter
                 for p, entry in s.snapshots:
@@ -144,11 +144,11 @@ class ModelRunner:
         mtp = self.model.mtp
         lens = [len(s.tokens) for s in seqs]
         ctx = _StepContext(seqs, lens, self.device, self.pages.page_size)
-        emb = self.model.model.embed_tokens(torch.tensor([t for s in seqs for t in s.tokens], device=self.device))
+        emb = self.model.model.embed_tokens(ctx.tokens)
         x = mtp.eh_proj(torch.cat([mtp.hnorm(hidden_TD), mtp.enorm(emb)], dim=-1))[None]  # [1, T, D]
         x = x + self._mla(self.mtp_layer, mtp.self_attn, mtp.input_layernorm(x), ctx, min_key=1)
         x = x + mtp.mlp(mtp.post_attention_layernorm(x))
-        last = x[0, torch.tensor(ctx.cu[1:], device=self.device) - 1]  # [N, D]
+        last = x[0, ctx.cu_t[1:] - 1]  # [N, D]
         return last, self.model.lm_head(mtp.norm(last)).float()
 
     def _backbone(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
@@ -215,7 +215,15 @@ class ModelRunner:
         slots = ctx.slots if group is None else ctx.slots[idx]
         kw = self._kda_kwargs(attn, cu_t)
         interior = any(p < ctx.seqs[n].start + lens[i] for i, n in enumerate(idx) for p, _ in ctx.seqs[n].snapshots)
-        if max(lens) <= RECURRENT_MAX_TOKENS and not interior:
+        if max(lens) == 1 and not interior:
+            # one token per sequence: the trusted pool entry (slots checked on the host by _StepContext), no host
+            # reads; [1, N, ...] packed rows are N sequences of one token
+            o = fused_recurrent_kda_pool_trusted(
+                *(t.transpose(0, 1) for t in (q, k, v, z, b)), pool=pool_state, ssm_state_indices=slots,
+                A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True).transpose(0, 1)
+            hs = None
+        elif max(lens) <= RECURRENT_MAX_TOKENS and not interior:
             # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot)
             o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
             hs = None
@@ -303,10 +311,7 @@ class ModelRunner:
         flat = kv_pool.view(-1, C + R)
         flat[ctx.slot_mapping] = latent.to(flat.dtype)
         o_lat = torch.empty_like(q_lat)
-        for rows, seq_ids, t_max in ctx.groups:  # equal short lengths batched together; long chunks on their own
-            G = max(len(ctx.seqs[n].block_table) for n in seq_ids)
-            bt = torch.tensor([ctx.seqs[n].block_table + [0] * (G - len(ctx.seqs[n].block_table)) for n in seq_ids],
-                              device=x.device)
+        for rows, seq_ids, t_max, bt in ctx.groups:  # equal short lengths batched together; long chunks alone
             ql = q_lat[rows].view(len(seq_ids), t_max, H, C)
             qr = q_rope[rows].view(len(seq_ids), t_max, H, R)
             qpos = ctx.positions[rows].view(len(seq_ids), t_max)
@@ -390,27 +395,54 @@ def mla_output(attn: GatedMLA, x: torch.Tensor, o_lat_THC: torch.Tensor) -> torc
 
 
 class _StepContext:
-    """Index tensors shared by all layers of one step."""
+    """Index tensors shared by all layers of one step, built on the host and sent to the device in ONE copy.
+
+    A `torch.tensor(list, device="cuda")` is a blocking copy that waits for the queued GPU work; a step used to make
+    several per layer. Here every index of the step (cu, slots, positions, latent slot mapping, each attention
+    group's block table and packed rows) goes into one int64 host buffer, pinned on CUDA and copied without
+    blocking, and the per-layer code slices it."""
 
     def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int):
         self.seqs, self.max_len = seqs, max(lens)
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        self.cu, self.cu_t = cu, torch.tensor(cu, device=dev)
-        self.slots = torch.tensor([s.slot for s in seqs], device=dev)
+        self.cu = cu
+        slots = [s.slot for s in seqs]
+        named = [x for x in slots if x >= 0]  # -1: no KDA slot (the MTP's steps)
+        if len(set(named)) != len(named):  # the trusted recurrent kernels rely on it (no device-side check)
+            raise ValueError(f"step: two sequences share a KDA slot: {slots}")
         pos, slot_map = [], []
         for s in seqs:
             for j in range(len(s.tokens)):
                 p = s.start + j
                 pos.append(p)
                 slot_map.append(s.block_table[p // page_size] * page_size + p % page_size)
-        self.positions = torch.tensor(pos, device=dev)
-        self.slot_mapping = torch.tensor(slot_map, device=dev)
         by_len: dict = {}  # decodes (L = 1) and verify steps (L = 1 + drafts) of equal length attend together
         for n, L in enumerate(lens):
             by_len.setdefault(L if L <= _BATCHED_MAX_LEN else ("solo", n), []).append(n)
-        self.groups = [(self.rows(ns), ns, lens[ns[0]]) for ns in by_len.values()]
+        parts = {"tokens": [t for s in seqs for t in s.tokens], "cu": cu, "slots": slots, "positions": pos,
+                 "slot_mapping": slot_map}
+        group_meta = []
+        for gi, ns in enumerate(by_len.values()):
+            G = max(len(seqs[n].block_table) for n in ns)
+            parts[f"bt{gi}"] = [b for n in ns for b in seqs[n].block_table + [0] * (G - len(seqs[n].block_table))]
+            parts[f"rows{gi}"] = [r for n in ns for r in range(cu[n], cu[n + 1])]
+            group_meta.append((ns, lens[ns[0]], G))
+        flat, spans = [], {}
+        for name, vals in parts.items():
+            spans[name] = (len(flat), len(flat) + len(vals))
+            flat += vals
+        host = torch.tensor(flat, dtype=torch.long)
+        if torch.device(dev).type == "cuda":
+            host = host.pin_memory()
+        dev_t = host.to(dev, non_blocking=True)
+        get = {name: dev_t[a:b] for name, (a, b) in spans.items()}
+        self.tokens, self.cu_t, self.slots = get["tokens"], get["cu"], get["slots"]
+        self.positions, self.slot_mapping = get["positions"], get["slot_mapping"]
+        # (packed rows [sum Tn], sequence ids, tokens per sequence, block table [n, G]) per attention group
+        self.groups = [(get[f"rows{gi}"], ns, t_max, get[f"bt{gi}"].view(len(ns), G))
+                       for gi, (ns, t_max, G) in enumerate(group_meta)]
 
     def rows(self, group: list[int]) -> torch.Tensor:
         """Packed row indices of the sequences `group`, in order."""

@@ -34,10 +34,13 @@ def _check(x, weight, activation, initial_tail, cu_seqlens) -> int:
     N = B
     if cu_seqlens is not None:
         need(B == 1, f"cu_seqlens requires B == 1 (sequences packed along T), got B={B}")
-        cu = cu_seqlens.tolist()
-        need(len(cu) >= 2 and cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in itertools.pairwise(cu)),
-             f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu}")
-        N = len(cu) - 1
+        need(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, f"cu_seqlens must be [N+1] with N >= 1, got "
+             f"{tuple(cu_seqlens.shape)}")
+        N = cu_seqlens.numel() - 1
+        if not cu_seqlens.is_cuda:  # value checks read the tensor on the host: free on the CPU; a GPU caller
+            cu = cu_seqlens.tolist()  # (the serving engine) builds the offsets itself, as fla/vLLM expect
+            need(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in itertools.pairwise(cu)),
+                 f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu}")
     W = weight.shape[1]
     if initial_tail is not None:
         need(tuple(initial_tail.shape) == (N, W - 1, C),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import resolve
+from ..dispatch import resolve, trusted_inputs
 from .chunk import _reject_unsupported, check_kda_args, from_padded, make_layout, to_padded
 from .gate import compute_dtype, prepare_kda_inputs
 from .naive import _expand_heads
@@ -203,8 +203,7 @@ def fused_recurrent_kda_pool_trusted(
     The public function's checks read tensor values on the host (bool(...all()), unique(), int(max)), which a CUDA
     graph cannot capture. Here the caller must guarantee what they check, once, outside the graph: the shapes and
     dtypes above, every index in [-1, P), named (>= 0) indices distinct. The PyTorch path then does no host sync and
-    allocates nothing whose size depends on data; the Triton path skips its own checks while a graph is being
-    captured (triton_recurrent.py) and keeps them on eager calls.
+    allocates nothing whose size depends on data; the Triton path skips its value checks (dispatch.trusted_inputs).
     """
     kw = {"A_log": A_log, "dt_bias": dt_bias, "scale": scale, "lower_bound": lower_bound,
           "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
@@ -212,8 +211,9 @@ def fused_recurrent_kda_pool_trusted(
     impl = resolve("fused_recurrent_kda", _pool_trusted_torch)
     if impl is _pool_trusted_torch:
         return _pool_trusted_torch(q, k, v, g, beta, pool=pool, idx=ssm_state_indices, **kw)
-    o, _ = impl(q, k, v, g, beta, initial_state=pool, output_final_state=False, cu_seqlens=None, state_v_first=False,
-                ssm_state_indices=ssm_state_indices, num_accepted_tokens=None, **kw)
+    with trusted_inputs():  # the Triton wrapper skips its host-side value checks (the caller made them)
+        o, _ = impl(q, k, v, g, beta, initial_state=pool, output_final_state=False, cu_seqlens=None,
+                    state_v_first=False, ssm_state_indices=ssm_state_indices, num_accepted_tokens=None, **kw)
     return o
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_device
+from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
@@ -142,8 +142,10 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
     pooled = ssm_state_indices is not None
     slots = per_token = None
     if pooled:
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing:  # CUDA-graph capture: the value checks need a host sync; shapes were checked outside the graph
+        # CUDA-graph capture or a trusted caller (dispatch.trusted_inputs): the value checks need host reads, which
+        # a graph cannot capture and which stall the GPU queue; the caller checked the values on the host
+        skip = q.is_cuda and (torch.cuda.is_current_stream_capturing() or inputs_trusted())
+        if skip:
             if num_accepted_tokens is None:
                 slots = ssm_state_indices
             else:
