@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 
 import torch
 import triton
@@ -347,12 +348,29 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
     tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+_LAYOUT_CACHE: list = []  # [(weakref to cu_seqlens, its _version, chunk_size, device, layout)], the latest few
+
+
 def chunk_layout(B, T, chunk_size, cu_seqlens, device):
     """Chunk bookkeeping shared by forward and backward: (N, NT, NT_all, chunk_indices [NT_all, 2] int32,
-    chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen."""
+    chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen.
+
+    The varlen layout needs the sequence lengths on the host (one read of cu_seqlens, which waits for the GPU queue,
+    and two copies back); a model calls this with the same cu_seqlens tensor in every layer, forward and backward,
+    so the result is reused while that very tensor object is alive and unmodified (identity + _version)."""
     if cu_seqlens is None:
         NT = triton.cdiv(T, chunk_size)
         return B, NT, B * NT, None, None, None
+    for ref, version, bt, dev, layout in _LAYOUT_CACHE:
+        if ref() is cu_seqlens and version == cu_seqlens._version and bt == chunk_size and dev == str(device):
+            return layout
+    layout = _chunk_layout_varlen(chunk_size, cu_seqlens, device)
+    _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, chunk_size, str(device), layout))
+    del _LAYOUT_CACHE[4:]
+    return layout
+
+
+def _chunk_layout_varlen(chunk_size, cu_seqlens, device):
     lens = [b - a for a, b in itertools.pairwise(cu_seqlens.tolist())]
     per = [triton.cdiv(n, chunk_size) for n in lens]
     chunk_indices = torch.tensor([[n, c] for n, m in enumerate(per) for c in range(m)], dtype=torch.int32,

@@ -25,8 +25,9 @@ def _import_for_the_interpreter() -> None:
         from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(tl.zeros, InterpretedFunction):
-            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
-                               "the CPU; run tests/kernels on their own or set TRITON_INTERPRET=1")
+            raise RuntimeError(  # noqa: TRY004 - a setup-order problem, not a bad argument type
+                "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
+                "the CPU; run tests/kernels on their own or set TRITON_INTERPRET=1")
         for name in TRITON_MODULES:
             importlib.import_module(name)
     finally:

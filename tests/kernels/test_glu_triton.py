@@ -141,8 +141,7 @@ def test_bad_input_raises():
 def test_public_c2_glu_dispatches_to_the_fused_kernel(monkeypatch):
     """k3.kernels.glu.c2_glu on K3_KERNELS=triton runs the fused kernel (gradients from its backward, equal to the
     float64 twin), keeps float64 on the PyTorch twin, and on the torch backend is the twin itself."""
-    from k3.kernels import dispatch
-    from k3.kernels import glu
+    from k3.kernels import dispatch, glu
     from k3.kernels.glu import triton as glu_triton
 
     monkeypatch.setenv("K3_KERNELS", "triton")

@@ -130,7 +130,7 @@ CHUNK_CASES = [  # (B, T, H, HV, D, BT, normalizer)
     (1, 64, 2, 2, 32, 64, 10.0),
 ]
 
-FP32_RATIOS = dict(o=0.005, ht=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, db=0.02, dh0=0.008)
+FP32_RATIOS = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "db": 0.02, "dh0": 0.008}
 _REFERENCE_CACHE: dict = {}
 
 
@@ -263,7 +263,7 @@ def test_in_kernel_steps_equal_explicit_pipeline(gate):
     inputs = [q, k, v, z, b_logit, A_log, dt_bias]
     names = ["o", "ht", "dq", "dk", "dv", "dz", "db_logit", "dA_log", "ddt_bias"]
     ref = grads_of(explicit, inputs, do, dht)
-    for fn, extra in ((chunk_kda, dict(safe_gate=lb is not None)), (chunk_kda, {}), (fused_recurrent_kda, {})):
+    for fn, extra in ((chunk_kda, {"safe_gate": lb is not None}), (chunk_kda, {}), (fused_recurrent_kda, {})):
         out = grads_of(fused(fn, **extra), inputs, do, dht)
         for name, r, o in zip(names, ref, out):
             if r is None:
@@ -335,8 +335,8 @@ def test_no_dependence_on_later_tokens(safe_gate):
     """Changing or appending tokens after t leaves outputs and chunk-boundary states at <= t bit-identical."""
     T, t, BT = 80, 37, 16
     q, k, v, g, beta, h0 = make_inputs(1, T, 1, 1, 32, 16, F32)
-    kw = dict(initial_state=h0, chunk_size=BT, return_intermediate_states=True, safe_gate=safe_gate,
-              lower_bound=-5.0 if safe_gate else None)
+    kw = {"initial_state": h0, "chunk_size": BT, "return_intermediate_states": True, "safe_gate": safe_gate,
+              "lower_bound": -5.0 if safe_gate else None}
     if safe_gate:
         g = g.clamp(min=-5.0)
     o, _, h = chunk_kda(q, k, v, g, beta, **kw)

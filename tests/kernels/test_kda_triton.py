@@ -459,3 +459,20 @@ def test_backend_selection(monkeypatch):
             dispatch.parse_backend("triton")
     else:
         assert dispatch.parse_backend(None) == "triton"
+
+
+def test_varlen_chunk_layout_is_reused_only_for_the_same_unmodified_tensor():
+    """chunk_layout reads cu_seqlens on the host once per tensor object (every layer of a step passes the same
+    one); an in-place change or another tensor with other values recomputes it."""
+    from k3.kernels.kda.triton_chunk import chunk_layout
+
+    cu = torch.tensor([0, 5, 70, 70, 130])
+    first = chunk_layout(1, 130, 64, cu, "cpu")
+    assert chunk_layout(1, 130, 64, cu, "cpu") is first
+    assert first[:3] == (4, 0, 1 + 2 + 0 + 1)
+    cu[1] = 40  # in place: a new _version
+    again = chunk_layout(1, 130, 64, cu, "cpu")
+    assert again is not first and again[2] == 1 + 1 + 0 + 1
+    other = torch.tensor([0, 64, 70, 70, 130])
+    assert chunk_layout(1, 130, 64, other, "cpu")[2] == 1 + 1 + 0 + 1
+    assert chunk_layout(1, 130, 32, cu, "cpu")[2] == 2 + 1 + 0 + 2  # another chunk size
