@@ -8,12 +8,15 @@
 #   2. k3 pretrain --preset small, STEPS steps of 16k tokens (bf16 autocast, Triton KDA forward + backward)
 #   3. benchmarks/serve.py on the trained checkpoint (bf16): concurrency 1/8/64, prefix hit, MTP speculative,
 #      Hugging Face anchors at batch 1 and 32
-#   4. (`kernels`) benchmarks/serve_step.py (engine decode, CUDA graphs on/off), benchmarks/kda.py --no-fla --intra 1 2,
-#      benchmarks/model.py (k3-small training step), the CUDA-graph tests, benchmarks/mla_decode.py
+#   4. (`kernels`) benchmarks/serve_step.py (engine decode: eager, CUDA graphs, compiled + graphs), benchmarks/kda.py
+#      --no-fla --intra 1 2, benchmarks/model_breakdown.py --profile-step (k3-small training step by kernel
+#      category), the CUDA-graph tests, benchmarks/mla_decode.py
+# The 2026-11-29 calls ran earlier versions of these steps (benchmarks/model.py in place of the breakdown; no
+# --compile-decode); the next session should first re-run `kernels` and take the figures from there.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/k3out}
-STEPS=${STEPS:-120}
+STEPS=${STEPS:-100}  # 150 steps + the 274M-parameter release export did not fit the 225 s step on 2026-11-29
 MODE=${1:-serve}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,14 +26,15 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-if [ "$MODE" = kernels ]; then  # second call: engine step with/without CUDA graphs, kernels, a training step
-  timeout 90 python3 benchmarks/serve_step.py --batch 1 8 32 64 --new-tokens 48 > "$OUT/serve_step.log" 2>&1
+if [ "$MODE" = kernels ]; then  # second call: engine step (graphs, compiled), kernels, a profiled training step
+  timeout 150 python3 benchmarks/serve_step.py --batch 1 8 32 64 --new-tokens 48 --compile-decode \
+    > "$OUT/serve_step.log" 2>&1
   echo "serve_step rc=$?"; grep -v Warn "$OUT/serve_step.log" | tail -12
   timeout 100 python3 benchmarks/kda.py --no-fla --intra 1 2 > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
-  timeout 50 python3 benchmarks/model.py --model k3-small --device cuda --batch 4 --seq 4096 --steps 4 --warmup 2 \
-    > "$OUT/model.log" 2>&1
-  echo "model rc=$?"; tail -8 "$OUT/model.log"
+  timeout 60 python3 benchmarks/model_breakdown.py --model k3-small --device cuda --batch 4 --seq 4096 \
+    --profile-step > "$OUT/breakdown.log" 2>&1
+  echo "breakdown rc=$?"; tail -22 "$OUT/breakdown.log"
   K3_KERNELS=triton timeout 60 python3 -m pytest tests/serve/test_decode_graphs.py -q -p no:cacheprovider -k cuda \
     > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; tail -5 "$OUT/graph_tests.log"
