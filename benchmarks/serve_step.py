@@ -4,7 +4,7 @@ Run on a CUDA machine (never in tests): `python benchmarks/serve_step.py [--mode
 A release with random weights at the preset's sizes (a small BPE trained here, as benchmarks/serve.py does) is served
 in bf16 by `k3.serve.engine.Engine`; B greedy requests of `--prompt-len` random tokens are submitted, the engine is
 stepped until every sequence has its first token, then the remaining `--new-tokens` - 1 decode steps are timed
-(wall clock, synchronised): ms per step = what a streaming client sees as inter-token latency at concurrency B,
+(wall clock, synchronised; after an untimed pass at the same batch size, so JIT compilation is excluded): ms per step = what a streaming client sees as inter-token latency at concurrency B,
 minus the HTTP layer. `graphs` = ServeConfig.cuda_graphs (k3.serve.graphs), the rest of the engine identical.
 """
 
@@ -82,6 +82,9 @@ def main() -> None:
         engine = Engine(model, tok, cfg)
         engine.warmup()
         for b in args.batch:
+            # a first pass per batch size compiles whatever is new for it (Triton specialises on sizes, graphs are
+            # captured on first use); the second is timed
+            decode_ms(engine, b, args.prompt_len, min(args.new_tokens, 8), tok.vocab_size)
             rows[(graphs, b)] = decode_ms(engine, b, args.prompt_len, args.new_tokens, tok.vocab_size)
             print(f"# graphs={graphs} batch={b}: {rows[(graphs, b)]:.2f} ms/step", flush=True)
         n = getattr(engine.runner, "graphs", None)
