@@ -14,6 +14,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # bind address; loopback by default, exposing needs an explicit 0.0.0.0
     port: int = 8000  # TCP port
     api_keys: list[str] = field(default_factory=list)  # accepted Bearer keys; empty = no auth
+    max_concurrent_per_key: int = 0  # in-flight generation requests per API key (0 = no limit); beyond it 429
     served_model_name: str = ""  # model id in /v1/models and requests; "" = the checkpoint directory's name
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (checkpoint dtype on GPU, float32 on CPU) | float32 | bfloat16 | float16

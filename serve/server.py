@@ -59,14 +59,19 @@ class ServerState:
     created: int = field(default_factory=now)
     load_error: str | None = None
     draining: bool = False  # shutting down: new requests get 503 "draining"
+    in_flight: dict = field(default_factory=dict)  # API key ("" without keys) -> generation requests in flight
 
 
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")  # the routes max_concurrent_per_key counts
+
+
 class GuardMiddleware:
-    """API key (401) and body size (413) checks at the ASGI level, before routing and JSON parsing."""
+    """API key (401), per-key concurrency (429) and body size (413) checks at the ASGI level, before routing and
+    JSON parsing. A request counts against its key's limit until its response (streams included) has been sent."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -76,15 +81,31 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         cfg = self.state.cfg
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if cfg.api_keys and scope.get("path") != "/health":
-            auth = headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            ok = any(hmac.compare_digest(given.encode(), k.encode()) for k in cfg.api_keys)
-            if not ok:
-                self.state.metrics.inc("k3:requests_rejected", reason="unauthorized")
-                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip() if cfg.api_keys and auth[:7].lower() == "bearer " else ""  # "" = the shared bucket
+        known = any(hmac.compare_digest(key.encode(), k.encode()) for k in cfg.api_keys)
+        if cfg.api_keys and scope.get("path") != "/health" and not known:
+            self.state.metrics.inc("k3:requests_rejected", reason="unauthorized")
+            err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+            return await _error_response(err)(scope, receive, send)
+        limited = cfg.max_concurrent_per_key > 0 and scope.get("path") in GENERATION_ROUTES
+        if limited:
+            if self.state.in_flight.get(key, 0) >= cfg.max_concurrent_per_key:
+                self.state.metrics.inc("k3:requests_rejected", reason="rate_limited")
+                err = APIError(429, f"this API key already has {cfg.max_concurrent_per_key} requests in flight "
+                                    f"(max_concurrent_per_key); retry when one finishes", type_="rate_limit_error",
+                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
                 return await _error_response(err)(scope, receive, send)
+            self.state.in_flight[key] = self.state.in_flight.get(key, 0) + 1  # one event loop: no lock needed
+        try:
+            return await self._guarded(scope, receive, send, headers)
+        finally:
+            if limited:
+                self.state.in_flight[key] -= 1
+
+    async def _guarded(self, scope, receive, send, headers):
+        cfg = self.state.cfg
         limit = cfg.max_body_bytes
         too_large = APIError(413, f"request body exceeds the {limit}-byte limit (max_body_bytes)",
                              code="request_too_large")

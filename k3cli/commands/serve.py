@@ -22,6 +22,9 @@ def serve(
     max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=64,
                                                help="tokens per engine step (prefill chunk budget)"),
     max_queue: int = typer.Option(512, "--max-queue", min=1, help="waiting requests before 503 queue_full"),
+    max_concurrent_per_key: int = typer.Option(0, "--max-concurrent-per-key", min=0,
+                                               help="generation requests in flight per API key before 429 (0 = no "
+                                                    "limit)"),
     served_model_name: str = typer.Option("", "--served-model-name", help="model id (default: directory name)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="disable prefix caching"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
@@ -42,7 +45,8 @@ def serve(
         keys = [os.environ["K3_API_KEY"]]
     run_server(ServeConfig(ckpt=str(ckpt), host=host, port=port, api_keys=keys, max_num_seqs=max_batch,
                            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                           max_queue=max_queue, served_model_name=served_model_name,
+                           max_queue=max_queue, max_concurrent_per_key=max_concurrent_per_key,
+                           served_model_name=served_model_name,
                            enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
                            num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
                            compile_decode=compile_decode))

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -220,5 +221,43 @@ def test_api_key_and_queue_full(server_factory):
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and "retry-after" in r.headers
+    finally:
+        live.stop()
+
+
+def test_per_key_concurrency_limit_answers_429(server_factory):
+    """max_concurrent_per_key=1: a key with a stream in flight gets 429 rate_limit_error with Retry-After (OpenAI's
+    client raises RateLimitError); another key is unaffected; the slot frees when the stream ends."""
+    live = server_factory(api_keys=["k1", "k2"], max_concurrent_per_key=1, warmup=False)
+    try:
+        from openai import OpenAI
+
+        # 4 choices x 400 tokens: seconds of engine work, so the stream is still in flight during the checks below
+        # (half the 8 slots, so the other key's request is scheduled at once)
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}
+        h1, h2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=h1, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")  # the stream is running
+            r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                           headers=h1)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            with pytest.raises(openai.RateLimitError):
+                OpenAI(base_url=live.url + "/v1", api_key="k1", max_retries=0).chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+            ok = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                            headers=h2)
+            assert ok.status_code == 200
+            assert httpx.get(live.url + "/v1/models", headers=h1).status_code == 200  # not a generation route
+            for _ in lines:
+                pass
+        r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                       headers=h1)
+        assert r.status_code == 200
+        text = httpx.get(live.url + "/metrics", headers=h1).text
+        assert re.search(r'k3:requests_rejected_total\{[^}]*reason="rate_limited"[^}]*\} 2\b', text), text
     finally:
         live.stop()
