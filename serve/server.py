@@ -259,8 +259,6 @@ def build_app(state: ServerState) -> FastAPI:
         eng = engine()
         req = parse(ChatRequest, await body(request))
         check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported for chat completions", param="echo")
         if not req.logprobs and req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         ids = state.chat.render([m.model_dump() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
@@ -410,14 +408,27 @@ class _Job:
         rest = self.fmt.completion((first.prompt_logprobs or [])[1:], len(lp["tokens"][0]))
         return merge_completion_logprobs(lp, rest)
 
+    @staticmethod
+    def _echo_prefix(req: ChatRequest) -> str:
+        """vLLM's chat `echo`: the reply is prefixed with the last message when that message is the assistant's
+        (the turn being continued, e.g. with continue_final_message); otherwise nothing."""
+        if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+            return ""
+        content = req.messages[-1].content
+        if isinstance(content, list):  # content parts: their text, in order
+            return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        return content or ""
+
     async def collect_chat(self, req: ChatRequest) -> dict:
         by_index = await self._collect()
         choices = []
+        echo = self._echo_prefix(req)
         for i, evs in sorted(by_index.items()):
             lp = None
             if req.logprobs:
                 lp = {"content": self.fmt.chat([x for e in evs for x in (e.logprobs or [])])}
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                    "content": echo + "".join(e.text for e in evs)},
                             "logprobs": lp, "finish_reason": _reason(evs[-1])})
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
                 "choices": choices, "usage": self._usage(by_index, 1)}
@@ -482,8 +493,10 @@ class _Job:
         return self._stream(req, chunks)
 
     def stream_chat(self, req: ChatRequest):
+        echo = self._echo_prefix(req)
+
         def first():
-            return [{**self._chunk_head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+            return [{**self._chunk_head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": echo},
                                                         "logprobs": None, "finish_reason": None}]}
                     for i in range(req.n)]
 

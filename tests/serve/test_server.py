@@ -261,3 +261,23 @@ def test_per_key_concurrency_limit_answers_429(server_factory):
         assert re.search(r'k3:requests_rejected_total\{[^}]*reason="rate_limited"[^}]*\} 2\b', text), text
     finally:
         live.stop()
+
+
+def test_chat_echo_prefixes_the_continued_assistant_turn(server, client):
+    """echo=true (vLLM's chat semantics): with the last message from the assistant (continued via
+    continue_final_message) the reply starts with that message, streamed or not; a user-final conversation is
+    unchanged by echo."""
+    msgs = [{"role": "user", "content": "Write a function."}, {"role": "assistant", "content": "def add(a, b):"}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    echoed = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=extra)
+    assert echoed.choices[0].message.content == "def add(a, b):" + plain.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                            extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == echoed.choices[0].message.content
+    user_final = [{"role": "user", "content": "hi"}]
+    a = client.chat.completions.create(model=MODEL, messages=user_final, max_tokens=4, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=user_final, max_tokens=4, temperature=0,
+                                       extra_body={"echo": True})
+    assert a.choices[0].message.content == b.choices[0].message.content
