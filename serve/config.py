@@ -20,7 +20,8 @@ class ServeConfig:
     dtype: str = "auto"  # auto (checkpoint dtype on GPU, float32 on CPU) | float32 | bfloat16 | float16
     max_model_len: int = 0  # context limit (prompt + output); 0 = 2048
     max_num_seqs: int = 16  # running sequences at once (KDA state slots)
-    max_num_batched_tokens: int = 256  # token budget per engine step (decodes + prefill chunks)
+    max_num_batched_tokens: int = 0  # token budget per engine step (decodes + prefill chunks); 0 = 256 on a CPU, 2048
+    #                                  on a GPU (fewer, larger prefill steps where a step's cost is mostly launches)
     max_queue: int = 512  # waiting requests beyond which new ones get 503 queue_full
     kv_block_size: int = 64  # MLA latent tokens per page; a multiple of the KDA chunk (64)
     num_kv_blocks: int = 0  # latent pages in the pool; 0 = enough for max_num_seqs full contexts + prefix reuse

@@ -12,9 +12,8 @@ Every `step()`:
 With `num_speculative_tokens` = k > 0 (k3.serve.speculative), a decode step verifies the sequence's k MTP drafts
 in the same forward, keeps the accepted prefix plus the bonus/resampled token (greedy match, or speculative
 sampling for temperature > 0), rolling the KDA state back to it, and the MTP then catches up on the committed
-tokens and drafts the next k.
-Sequences join and leave between any two steps. `start()` runs steps on a background thread; without it, call
-`step()` yourself (tests, `k3 generate`).
+tokens and drafts the next k. Sequences join and leave between any two steps. `start()` runs steps on a background
+thread; without it, call `step()` yourself (tests, `k3 generate`).
 """
 
 from __future__ import annotations
@@ -61,7 +60,9 @@ class Engine:
         if bs % mc.kda_chunk_size or bs < 16:
             raise ValueError(f"kv_block_size={bs} must be a multiple of the KDA chunk size {mc.kda_chunk_size} so "
                              "snapshots land on chunk boundaries (kda.md 8); use 64")
-        if cfg.max_num_batched_tokens < bs:
+        dev = next(model.parameters()).device
+        self.token_budget = cfg.max_num_batched_tokens or (2048 if dev.type == "cuda" else 256)
+        if self.token_budget < bs:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= kv_block_size={bs} "
                              "(prefill chunks are whole blocks)")
         if cfg.max_num_seqs < 1:
@@ -71,7 +72,6 @@ class Engine:
         if num_pages < pages_per_seq:
             raise ValueError(f"num_kv_blocks={num_pages} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len} ({pages_per_seq} pages of {bs}); raise it or lower max_model_len")
-        dev = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         k = cfg.num_speculative_tokens
         if k < 0 or k > 16:
@@ -415,7 +415,7 @@ class Engine:
         return seq.hashes[block]
 
     def _schedule(self) -> list[tuple[Sequence, StepSeq, list]]:
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.token_budget
         bs = self.block_size
         batch = []
         decodes = [s for s in self.running if not s.prefilling]

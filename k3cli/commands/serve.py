@@ -19,8 +19,9 @@ def serve(
                                                 "K3_API_KEY)"),
     max_batch: int = typer.Option(16, "--max-batch", min=1, help="running sequences at once"),
     max_model_len: int = typer.Option(2048, "--max-model-len", min=2, help="context limit (prompt + output)"),
-    max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=64,
-                                               help="tokens per engine step (prefill chunk budget)"),
+    max_num_batched_tokens: int = typer.Option(0, "--max-num-batched-tokens", min=0,
+                                               help="tokens per engine step (prefill chunk budget); 0 = 256 on a "
+                                                    "CPU, 2048 on a GPU"),
     max_queue: int = typer.Option(512, "--max-queue", min=1, help="waiting requests before 503 queue_full"),
     max_concurrent_per_key: int = typer.Option(0, "--max-concurrent-per-key", min=0,
                                                help="generation requests in flight per API key before 429 (0 = no "

@@ -176,3 +176,13 @@ def test_context_limit_finishes_with_length(model_tok):
     assert evs[-1].finish_reason == "length" and evs[-1].num_output_tokens == 8
     with pytest.raises(ValueError, match="max_model_len"):
         eng.submit(list(range(4, 124)), SamplingParams(max_tokens=9), lambda ev: None)
+
+
+def test_token_budget_default_depends_on_the_device(model_tok):
+    """max_num_batched_tokens 0 (the default) = 256 tokens per step on a CPU (2048 on a GPU); an explicit value wins;
+    a budget below one 64-token block is a clear error."""
+    model, tok = model_tok
+    assert Engine(model, tok, ServeConfig(max_model_len=256, warmup=False)).token_budget == 256
+    assert Engine(model, tok, ServeConfig(max_model_len=256, max_num_batched_tokens=128)).token_budget == 128
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= kv_block_size=64"):
+        Engine(model, tok, ServeConfig(max_model_len=256, max_num_batched_tokens=32))
