@@ -25,7 +25,7 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 class AttnResSource:
     """A source tensor v [B, T, D] with its cached rms [B, T] (fp32)."""
 
-    __slots__ = ("v", "rms_inv")
+    __slots__ = ("rms_inv", "v")
 
     def __init__(self, v: torch.Tensor, eps: float):
         self.v = v

@@ -25,8 +25,8 @@ class KDACache:
     conv_k: torch.Tensor | None = None  # [B, W-1, H*K]
     conv_v: torch.Tensor | None = None  # [B, W-1, H*V]
 
-    def clone(self) -> "KDACache":
-        c = lambda t: None if t is None else t.clone()  # noqa: E731
+    def clone(self) -> KDACache:
+        c = lambda t: None if t is None else t.clone()
         return KDACache(c(self.state), c(self.conv_q), c(self.conv_k), c(self.conv_v))
 
 
@@ -40,7 +40,7 @@ class MLACache:
     def length(self) -> int:
         return 0 if self.kv is None else self.kv.shape[1]
 
-    def clone(self) -> "MLACache":
+    def clone(self) -> MLACache:
         return MLACache(None if self.kv is None else self.kv.clone())
 
 
@@ -52,6 +52,6 @@ class InferenceState:
     mtp: MLACache | None = None
     seq_len: int = 0  # tokens consumed so far (positions of the next tokens start here)
 
-    def clone(self) -> "InferenceState":
+    def clone(self) -> InferenceState:
         return InferenceState([c.clone() for c in self.layers], None if self.mtp is None else self.mtp.clone(),
                               self.seq_len)

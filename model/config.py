@@ -240,7 +240,7 @@ class ModelConfig:
         """Sources seen by the output AttnRes: completed blocks (incl. embedding) + the running partial."""
         return len(range(0, self.n_layers, self.attn_res_block_size)) + 1
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Check cross-field constraints; raise ConfigError naming the field and the fix."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -279,5 +279,5 @@ class ModelConfig:
         return config_to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         return config_from_dict(cls, data, prefix="model.").validate()

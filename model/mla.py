@@ -41,10 +41,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from k3.model.cache import MLACache
 from k3.model.config import ModelConfig
 from k3.model.layers import RMSNorm
-from torch import nn
 
 # Query rows per chunk when materializing logits for the max-logit statistic: bounds the chunk at ~2^24 fp32 values.
 _MAX_LOGIT_CHUNK_ELEMS = 1 << 24

@@ -33,6 +33,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+
 from k3.model.checkpoint import CheckpointError, fsync_dir, fsync_file, prepare_state_dict, replace_dir, write_text
 
 from .config import CheckpointConfig

@@ -15,10 +15,10 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ class Trainer:
         self.state = LoopState()
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._stop_signal: int | None = None
-        self.extra_ckpt_info = extra_ckpt_info or (lambda: {})
+        self.extra_ckpt_info = extra_ckpt_info or (dict)
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:

@@ -32,9 +32,10 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
+
 from k3.model.config import ConfigError
 from k3.train.config import OptimConfig
-from torch import nn
 
 NS5_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c): KellerJordan/Muon; tuned so the slope at 0 is large (a = 3.4445)
 MOONLIGHT_SCALE = 0.2  # arXiv 2502.16982 eq. 4: matches AdamW's update RMS

@@ -42,8 +42,7 @@ import torch
 import yaml
 
 from k3.train.config import ScalingConfig
-from k3.train.lbfgs import STATUS, LBFGSResult, lbfgs_batched  # noqa: F401  (re-exported)
-
+from k3.train.lbfgs import STATUS, LBFGSResult, lbfgs_batched
 
 
 class ScalingFitError(ValueError):
