@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import math
 import random
 import sys
 import tempfile
@@ -28,12 +29,12 @@ from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
 
 
-def _random_release(preset: str, out: Path) -> Path:
+def _random_release(preset: str, out: Path, device: str = "cuda") -> Path:
     spec = importlib.util.spec_from_file_location("k3_bench_serve", Path(__file__).with_name("serve.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
-    return mod._random_release(preset, out, "cuda")
+    return mod._random_release(preset, out, device)
 
 
 def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
@@ -46,12 +47,13 @@ def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, voca
         engine.submit([rng.randrange(4, vocab) for _ in range(prompt_len)], params, sink)
     while min(got) == 0:  # prefill, first tokens
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t0, steps = time.perf_counter(), 0
     while engine.has_work():
         engine.step()
         steps += 1
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / max(steps, 1) * 1e3
 
 
@@ -64,22 +66,29 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--compile-decode", action="store_true", help="also time CUDA graphs of the torch.compile'd "
                     "decode step (ServeConfig.compile_decode)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the static-buffer decode step "
+                    "runs eagerly in place of the graphs (no capture on a CPU), compiled with --compile-decode")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("serve_step.py needs a CUDA GPU (it times CUDA-graph decode)")
-    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("serve_step.py --device cuda needs a CUDA GPU; use --device cpu for the eager static-buffer path")
+    name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {name}, torch "
           f"{torch.__version__}; {args.ckpt or args.model}, bf16, prompt {args.prompt_len}, {args.new_tokens} tokens")
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.ckpt or _random_release(args.model, Path(tmp))
-        model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
+        ckpt = args.ckpt or _random_release(args.model, Path(tmp), args.device)
+        model, _ = load_model(ckpt, device=args.device, dtype="bfloat16")
         tok = K3Tokenizer.from_file(ckpt)
     rows = {}
     modes = [False, True] + (["compiled"] if args.compile_decode else [])
     for graphs in modes:
-        cfg = ServeConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch),
+        cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=max(args.batch),
                           max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=2048,
                           enable_prefix_caching=False, cuda_graphs=bool(graphs), compile_decode=graphs == "compiled")
         engine = Engine(model, tok, cfg)
+        if graphs and not cuda:  # the same static-buffer step, run eagerly (compiled with --compile-decode)
+            engine.runner.enable_decode_graphs(math.ceil(cfg.max_model_len / cfg.kv_block_size), capture=False,
+                                               compile=graphs == "compiled")
         engine.warmup()
         for b in args.batch:
             # a first pass per batch size compiles whatever is new for it (Triton specialises on sizes, graphs are
@@ -90,8 +99,9 @@ def main() -> None:
         n = getattr(engine.runner, "graphs", None)
         print(f"# graphs={graphs}: captured {getattr(n, 'num_graphs', 0)} decode graphs", flush=True)
     comp = "compiled" in modes
-    print("| batch | eager ms/step | graphs ms/step | eager / graphs | graphs tok/s |"
-          + (" compiled graphs ms/step | compiled tok/s |" if comp else ""))
+    g_name = "graphs" if cuda else "static step"
+    print(f"| batch | eager ms/step | {g_name} ms/step | eager / {g_name} | {g_name} tok/s |"
+          + (f" compiled {g_name} ms/step | compiled tok/s |" if comp else ""))
     print("|---|---|---|---|---|" + ("---|---|" if comp else ""))
     for b in args.batch:
         e, g = rows[(False, b)], rows[(True, b)]
