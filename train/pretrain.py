@@ -218,7 +218,6 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
 
     ev = trainer.evaluate()
     trainer._record_eval(ev)
-    trainer.save_checkpoint()
     rc["stats"]["tokens"] = state.tokens
     rc["stats"]["steps"] = state.step
     rc["stats"]["final_val_loss"] = ev["val_loss"]
@@ -231,6 +230,10 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     final = save_release(run_dir / "final", {k: v.detach().cpu() for k, v in model.state_dict().items()}, mcfg,
                          tokenizer_dir=run_dir / "tokenizer", run_info=rc, generation_config=gen_cfg,
                          dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16)
+    # the resumable checkpoint (weights + optimizer state, ~4x the release) after the release, so a run stopped while
+    # writing it still has its final/ (on the H200, 2026-11-29, a k3-small run's time limit struck after the final
+    # evaluation, most likely inside this write when it came first, and left no final/)
+    trainer.save_checkpoint()
     bpb = ev.get("val_bpb")
     console.print(f"[bold green]done[/] step {state.step}: val_loss {ev['val_loss']:.4f}"
                   + (f", val_bpb {bpb:.4f}" if bpb is not None else "")
