@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import sys
 
@@ -100,6 +101,48 @@ def time_sdpa(xs, do, fwd_only=False):
     return t_fwd, t_fb
 
 
+def time_decode(fn, B, H, D, name="k3"):
+    """µs per decode step of `fn` (fused_recurrent_kda API) at batch B, T = 1, all in-kernel flags, the state pool
+    updated in place by slot, one step captured in a CUDA graph; nan when fn is None or fails (fla's API may differ)."""
+    if fn is None:
+        return float("nan")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, 1, H, D, device=DEV, dtype=BF16) for _ in range(3))
+    z = torch.randn(B, 1, H, D, device=DEV)
+    b = torch.randn(B, 1, H, device=DEV, dtype=BF16)
+    A_log, dt_bias = torch.zeros(H, device=DEV), torch.randn(H * D, device=DEV)
+    idx = torch.arange(B, device=DEV, dtype=torch.int32)
+    kw = {"A_log": A_log, "dt_bias": dt_bias, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
+          "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx}
+    pool = torch.randn(B, H, D, D, device=DEV)
+    try:
+        fn(q, k, v, z, b, initial_state=pool, **kw)  # warm-up: compile, and validate outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(q, k, v, z, b, initial_state=pool, **kw)
+        return bench(graph.replay) * 1e3
+    except (RuntimeError, TypeError, ValueError) as e:  # report and go on
+        print(f"decode {name} B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return float("nan")
+
+
+def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
+    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH)."""
+    from k3.kernels.kda import triton_recurrent
+
+    saved = dict(triton_recurrent.LAUNCH)
+    print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
+    print("| B | BV | num_warps | us | fraction |")
+    print("|---|---|---|---|---|")
+    for B in (64, 256):
+        for bv, nw in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
+            t = time_decode(fused_recurrent_kda, B, H, D)
+            print(f"| {B} | {bv} | {nw} | {t:.1f} | {2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} |", flush=True)
+    triton_recurrent.LAUNCH.update(saved)
+
+
 def floor_ms(B, T, H, D, bw, mm, bwd):
     K = V = D
     tok = B * T * H
@@ -116,6 +159,7 @@ def main():
     ap.add_argument("--shapes", default="all", choices=["all", "small"])
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
     ap.add_argument("--intra", type=int, nargs="+", choices=[1, 2], default=None,
                     help="intra-chunk kernel versions to time side by side (default: the library default)")
     args = ap.parse_args()
@@ -166,30 +210,7 @@ def main():
     dec = []
     H, D = 16, 128
     for B in DECODE_BATCHES:
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(B, 1, H, D, device=DEV, dtype=BF16) for _ in range(3))
-        z = torch.randn(B, 1, H, D, device=DEV)
-        b = torch.randn(B, 1, H, device=DEV, dtype=BF16)
-        A_log, dt_bias = torch.zeros(H, device=DEV), torch.randn(H * D, device=DEV)
-        idx = torch.arange(B, device=DEV, dtype=torch.int32)
-        kw = {"A_log": A_log, "dt_bias": dt_bias, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
-              "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx}
-        res = []
-        for name, fn in (("k3", fused_recurrent_kda), ("fla", fla_rec)):
-            if fn is None:
-                res.append(float("nan"))
-                continue
-            pool = torch.randn(B, H, D, D, device=DEV)
-            try:
-                fn(q, k, v, z, b, initial_state=pool, **kw)  # warm-up: compile, and validate outside the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn(q, k, v, z, b, initial_state=pool, **kw)
-                res.append(bench(graph.replay) * 1e3)
-            except (RuntimeError, TypeError, ValueError) as e:  # report and go on: fla's API may differ
-                print(f"decode {name} B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
-                res.append(float("nan"))
+        res = [time_decode(fn, B, H, D, name) for name, fn in (("k3", fused_recurrent_kda), ("fla", fla_rec))]
         state_bytes = 2 * B * H * D * D * 4
         dec.append((B, res[0], res[1], state_bytes / (res[0] * 1e-6) / 1e12))
 
@@ -198,6 +219,8 @@ def main():
     print("|---|---|---|---|---|")
     for B, t_k3, t_fla, tbs in dec:
         print(f"| {B} | {t_k3:.1f} | {t_fla:.1f} | {tbs * 1e3:.0f} | {tbs * 1e12 / bw:.2f} |")
+    if args.decode_sweep:
+        decode_sweep(bw)
 
 
 if __name__ == "__main__":

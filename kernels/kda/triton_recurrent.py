@@ -31,6 +31,9 @@ from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
+# Launch settings (module-level so benchmarks/kda.py --decode-sweep can try others on a GPU): the V block, and
+# num_warps (None: 4 when the [BK, BV] state tile has >= 4096 elements, else 2).
+LAUNCH: dict[str, int | None] = {"BV": BV_DEFAULT, "num_warps": None}
 
 
 @triton.jit
@@ -171,7 +174,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
         return (x.stride(0), x.stride(1), x.stride(3), x.stride(2)) if state_v_first else tuple(x.stride())
 
     BK = triton.next_power_of_2(K)
-    BV = min(BV_DEFAULT, triton.next_power_of_2(V))
+    BV = min(LAUNCH["BV"], triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), N, HV)
     if N and HV:
         _recurrent_kda_kernel[grid](
@@ -187,6 +190,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
             VARLEN=cu_seqlens is not None,
-            num_warps=4 if BK * BV >= 4096 else 2,
+            num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
         )
     return o, ht
