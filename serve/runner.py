@@ -26,6 +26,7 @@ X = C + R, K = V KDA head dim, W conv kernel, G pages per sequence, V_ vocab.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,10 @@ class ModelRunner:
         self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
         if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
             self.enable_decode_graphs(max_pages, capture=True, compile=serve_cfg.compile_decode)
+        elif serve_cfg is not None and serve_cfg.compile_decode:
+            logging.getLogger("k3.serve").warning(
+                "compile_decode compiles the CUDA-graph decode step: it needs a CUDA device and cuda_graphs on "
+                "(device %s, cuda_graphs %s); ignored", self.device.type, serve_cfg.cuda_graphs)
 
     def enable_decode_graphs(self, max_pages: int, capture: bool, compile: bool = False) -> None:
         """Serve steps whose sequences are all plain decodes through the static-buffer decode path of
