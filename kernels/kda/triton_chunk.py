@@ -96,6 +96,35 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 
 @triton.jit
+def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
+    b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units) and the anchor row b_Gn [BK]. With SAFE the fixed anchor
+    C = Gamma_n - shift keeps exp2(Gamma_i - C) and exp2(C - Gamma_j) finite in fp32 (kda.md 3.3); otherwise exact
+    pairwise exponents, one key column j at a time (any g, including -1000)."""
+    o_c = tl.arange(0, BC)
+    if SAFE:
+        b_C = b_Gn - shift
+        e_r = tl.exp2(b_Gs - b_C[None, :])
+        b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
+        b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
+        b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
+    else:
+        b_Ad = tl.zeros([BC, BC], dtype=tl.float32)
+        b_Ld = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in tl.static_range(BC):
+            sel = o_c[:, None] == j
+            b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
+            b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)  # [BK]
+            e = tl.exp2(tl.where(o_c[:, None] >= j, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
+            ke = b_kj[None, :] * e
+            b_Ad += tl.where(o_c[None, :] == j, tl.sum(b_q * ke, axis=1)[:, None], 0.0)
+            b_Ld += tl.where(o_c[None, :] == j, tl.sum(b_k * ke, axis=1)[:, None], 0.0)
+    b_Ad = tl.where(o_c[:, None] >= o_c[None, :], b_Ad, 0.0)
+    b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld, 0.0)
+    return b_Ad, b_Ld
+
+
+@triton.jit
 def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, scale, shift, T, NT,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                   BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
@@ -144,26 +173,7 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, 
         if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
             tl.store(Akk + p_A, b_Loff, mask=m_store)
         tl.store(Lkk + p_A, b_Loff * b_b[:, None], mask=m_store)
-        # diagonal 16 x 16 block
-        if SAFE:  # fixed anchor C = Gamma_n - shift: exp2(Gamma_i - C) and exp2(C - Gamma_j) both finite in fp32
-            b_C = b_Gn - shift
-            e_r = tl.exp2(b_Gs - b_C[None, :])
-            b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
-            b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
-            b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
-        else:  # exact pairwise exponents, one key column j at a time
-            b_Ad = tl.zeros([BC, BC], dtype=tl.float32)
-            b_Ld = tl.zeros([BC, BC], dtype=tl.float32)
-            for j in tl.static_range(BC):
-                sel = o_c[:, None] == j
-                b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
-                b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)  # [BK]
-                e = tl.exp2(tl.where(o_c[:, None] >= j, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
-                ke = b_kj[None, :] * e
-                b_Ad += tl.where(o_c[None, :] == j, tl.sum(b_q * ke, axis=1)[:, None], 0.0)
-                b_Ld += tl.where(o_c[None, :] == j, tl.sum(b_k * ke, axis=1)[:, None], 0.0)
-        b_Ad = tl.where(o_c[:, None] >= o_c[None, :], b_Ad, 0.0)
-        b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld, 0.0)
+        b_Ad, b_Ld = _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC, SAFE, PREC)  # diagonal 16 x 16 block
         p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
         tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
         if STORE_AKK:

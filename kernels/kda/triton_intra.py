@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_chunk import _chunk_bounds
+from .triton_chunk import _chunk_bounds, _diag_block
 
 
 @triton.jit
@@ -71,26 +71,7 @@ def _intra2_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens,
                 if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
                     tl.store(Akk + p_blk, b_L, mask=m_s[:, None])
                 tl.store(Lkk + p_blk, b_L * b_b[:, None], mask=m_s[:, None])
-        # 3. diagonal 16 x 16 block (as triton_chunk._intra_kernel)
-        if SAFE:  # fixed anchor C = Gamma_n - shift: exp2(Gamma_i - C) and exp2(C - Gamma_j) both finite in fp32
-            b_C = b_Gn - shift
-            e_r = tl.exp2(b_Gs - b_C[None, :])
-            b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
-            b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
-            b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
-        else:  # exact pairwise exponents, one key column j at a time
-            b_Ad = tl.zeros([BC, BC], dtype=tl.float32)
-            b_Ld = tl.zeros([BC, BC], dtype=tl.float32)
-            for j in tl.static_range(BC):
-                sel = o_c[:, None] == j
-                b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
-                b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)  # [BK]
-                e = tl.exp2(tl.where(o_c[:, None] >= j, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
-                ke = b_kj[None, :] * e
-                b_Ad += tl.where(o_c[None, :] == j, tl.sum(b_q * ke, axis=1)[:, None], 0.0)
-                b_Ld += tl.where(o_c[None, :] == j, tl.sum(b_k * ke, axis=1)[:, None], 0.0)
-        b_Ad = tl.where(o_c[:, None] >= o_c[None, :], b_Ad, 0.0)
-        b_Ld = tl.where(o_c[:, None] > o_c[None, :], b_Ld, 0.0)
+        b_Ad, b_Ld = _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC, SAFE, PREC)  # 3. diagonal 16 x 16 block
         p_D = p_row + s * BC + o_c[None, :]
         tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
         if STORE_AKK:
