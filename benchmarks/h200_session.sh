@@ -63,7 +63,7 @@ cp /tmp/small/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
 wait "$tests_pid"; tail -4 "$OUT/gpu_tests.log"
 
 if [ -f /tmp/small/final/config.json ]; then SRC="--ckpt /tmp/small/final --speculative-tokens 2"; else SRC="--model k3-small"; fi
-timeout 270 python3 benchmarks/serve.py $SRC --device cuda --dtype bfloat16 --concurrency 1 8 64 --input-len 128 \
+timeout 270 python3 benchmarks/serve.py $SRC --subprocess --device cuda --dtype bfloat16 --concurrency 1 8 64 --input-len 128 \
   --output-len 128 --prefix-len 2048 --hf-anchor --hf-batch 1 32 > "$OUT/serve.log" 2>&1
 echo "serve rc=$?"; cat "$OUT/serve.log" | grep -v Warning | tail -40
 

@@ -6,6 +6,7 @@ concurrencies, plus TTFT of a repeated long prompt with and without a prefix-cac
     python benchmarks/serve.py --model k3-tiny          # random weights, a small BPE trained here (CPU smoke run)
     python benchmarks/serve.py --ckpt runs/x/final --speculative-tokens 2   # + the speculative row (trained MTP)
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --served-model NAME   # any OpenAI server
+    python benchmarks/serve.py --ckpt runs/x/final --subprocess   # `k3 serve` in its own process, as deployed
     python benchmarks/serve.py --model k3-small --device cuda --hf-anchor   # + HF transformers anchors (issue 5)
 
 Definitions follow `vllm bench serve` (vllm/benchmarks/serve.py): TTFT = request sent -> first streamed token;
@@ -216,14 +217,17 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
     lens += [4 * args.input_len + args.output_len] if args.speculative_tokens and args.spec_prompts == "text" else []
     lens += [args.hf_prompt_len + args.hf_new_tokens] if args.hf_anchor else []
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args.subprocess:
+        return _start_subprocess(ckpt, args, port, max(conc), max(lens) + 64, speculative_tokens)
+
     import uvicorn
 
     from k3.serve.config import ServeConfig
     from k3.serve.server import GuardMiddleware, build_app, load_state, make_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = ServeConfig(ckpt=str(ckpt), port=port, served_model_name="k3-bench", device=args.device, dtype=args.dtype,
                       max_num_seqs=max(conc), max_model_len=max(lens) + 64,
                       max_num_batched_tokens=args.max_num_batched_tokens, log_level="error",
@@ -242,6 +246,45 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
         th.join(timeout=10)
         state.engine.stop()
     return f"http://127.0.0.1:{port}", stop, state.engine.tok.vocab_size
+
+
+def _start_subprocess(ckpt: Path, args, port: int, max_batch: int, max_model_len: int,
+                      speculative_tokens: int) -> tuple[str, object, int]:
+    """`k3 serve` as its own process (as a user runs it; no GIL shared with this client); ready once /health is 200
+    (model loaded and warmed). Returns (base URL, stop function, vocab size)."""
+    import subprocess
+
+    from k3.model.tokenizer import K3Tokenizer
+
+    cmd = [sys.executable, "-m", "k3.cli.main", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "k3-bench", "--device", args.device, "--dtype", args.dtype,
+           "--max-batch", str(max_batch), "--max-model-len", str(max_model_len),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--speculative-tokens", str(speculative_tokens)]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".k3serve.log", delete=False)  # noqa: SIM115 - lives with proc
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)  # a file: a pipe could fill
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"k3 serve exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("k3 serve did not report healthy within 15 minutes")
+        time.sleep(0.5)
+
+    def stop():
+        proc.terminate()  # SIGTERM: drain, then exit
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return url, stop, K3Tokenizer.from_file(ckpt).vocab_size
 
 
 # ------------------------------------------------------------------------------------------- HF anchors (issue 5)
@@ -315,6 +358,8 @@ def main() -> None:
     ap.add_argument("--served-model", default="k3-bench", help="model name for --base-url")
     ap.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below this with --base-url")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--subprocess", action="store_true", help="run `k3 serve` as its own process (as deployed) "
+                    "instead of in this process")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = the "
                     "checkpoint's dtype on a GPU, float32 on the CPU)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
