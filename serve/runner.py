@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.kernels.conv import causal_conv1d
+from k3.kernels.dispatch import trusted_inputs
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.kernels.mla import paged_mla_decode
@@ -216,7 +217,13 @@ class ModelRunner:
         cu = [0]
         for L in lens:
             cu.append(cu[-1] + L)
-        cu_t = ctx.cu_t if group is None else torch.tensor(cu, device=q.device)
+        if group is None:
+            cu_t = ctx.cu_t
+        else:  # built once per step, shared by every KDA layer
+            key = ("cu", tuple(idx))
+            if key not in ctx.memo:
+                ctx.memo[key] = torch.tensor(cu, device=q.device)
+            cu_t = ctx.memo[key]
         slots = ctx.slots if group is None else ctx.slots[idx]
         kw = self._kda_kwargs(attn, cu_t)
         interior = any(p < ctx.seqs[n].start + lens[i] for i, n in enumerate(idx) for p, _ in ctx.seqs[n].snapshots)
@@ -229,13 +236,16 @@ class ModelRunner:
                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True).transpose(0, 1)
             hs = None
         elif max(lens) <= RECURRENT_MAX_TOKENS and not interior:
-            # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot)
-            o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
+            # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot);
+            # trusted: offsets and slots were built and checked on the host (_StepContext), no device reads
+            with trusted_inputs():
+                o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
             hs = None
         else:
-            o, final, hs = chunk_kda(q, k, v, z, b, initial_state=pool_state[slots], output_final_state=True,
-                                     chunk_size=attn.chunk_size, safe_gate=attn.lower_bound is not None,
-                                     return_intermediate_states=True, **kw)
+            with trusted_inputs():
+                o, final, hs = chunk_kda(q, k, v, z, b, initial_state=pool_state[slots], output_final_state=True,
+                                         chunk_size=attn.chunk_size, safe_gate=attn.lower_bound is not None,
+                                         return_intermediate_states=True, **kw)
             pool_state[slots] = final
         if self.snaps is not None:
             self._write_snapshots(li, attn, ctx, idx, pool_state, hs, pre)
@@ -246,17 +256,22 @@ class ModelRunner:
         token_slot(slot_n, t) (vLLM's ssm_state_indices [N, S_max] convention, starting from the working slot)."""
         rows = ctx.rows(group)
         q, k, v, z, b = (t[:, rows] for t in inputs)
-        lens = [len(ctx.seqs[n].tokens) for n in group]
-        S_max = max(lens)
-        idx = torch.tensor([[self.states.token_slot(ctx.seqs[n].slot, t) if t < L else -1 for t in range(S_max)]
-                            for n, L in zip(group, lens)], device=q.device)
-        cu = [0]
-        for L in lens:
-            cu.append(cu[-1] + L)
-        kw = self._kda_kwargs(attn, torch.tensor(cu, device=q.device))
-        ones = torch.ones(len(group), dtype=torch.long, device=q.device)
-        o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=self.states.state[li], ssm_state_indices=idx,
-                                   num_accepted_tokens=ones, **kw)
+        key = ("verify", tuple(group))
+        if key not in ctx.memo:  # built once per step, shared by every KDA layer
+            lens = [len(ctx.seqs[n].tokens) for n in group]
+            S_max = max(lens)
+            idx = [[self.states.token_slot(ctx.seqs[n].slot, t) if t < L else -1 for t in range(S_max)]
+                   for n, L in zip(group, lens)]
+            cu = [0]
+            for L in lens:
+                cu.append(cu[-1] + L)
+            ctx.memo[key] = (torch.tensor(idx, device=q.device), torch.tensor(cu, device=q.device),
+                             torch.ones(len(group), dtype=torch.long, device=q.device))
+        idx, cu_t, ones = ctx.memo[key]
+        kw = self._kda_kwargs(attn, cu_t)
+        with trusted_inputs():  # per-token slots are distinct by construction (StatePool.token_slot)
+            o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=self.states.state[li], ssm_state_indices=idx,
+                                       num_accepted_tokens=ones, **kw)
         return o
 
     def commit_spec(self, n: int, kept: int, snapshots: list[tuple[int, int]]) -> None:
@@ -409,6 +424,7 @@ class _StepContext:
 
     def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int):
         self.seqs, self.max_len = seqs, max(lens)
+        self.memo: dict = {}  # per-step tensors the layers share (verify slot tables, group offsets)
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
