@@ -1,8 +1,9 @@
-"""In-process generation for `k3 generate`: one prefill, then one recurrent decode step per token.
+"""In-process generation for `k3 generate`.
 
-The prompt is consumed once (chunked KDA + MHA-mode MLA filling the inference state); each new token then costs
-one decode forward against the state (recurrent KDA step, absorbed MLA over the latent cache), never a re-run of
-the prefix.
+`stream_text` runs one prompt through the serving engine (k3.serve.engine: chunked prefill, then one decode step per
+token over the paged latent cache and the KDA state pool; on a GPU each decode step replays a CUDA graph) and yields
+text pieces as they are detokenized. `generate_tokens` is the plain reference loop over `K3Model.forward` with an
+InferenceState (one prefill, then one recurrent step per token), kept as the independent check of the engine.
 """
 
 from __future__ import annotations
@@ -11,9 +12,39 @@ from collections.abc import Iterator
 
 import torch
 
+from k3.model.tokenizer import K3Tokenizer
 from k3.model.transformer import K3Model
 
+from .config import ServeConfig
+from .request import SamplingParams, SeqEvent
 from .sampling import sample
+
+
+def stream_text(model: K3Model, tok: K3Tokenizer, prompt_ids: list[int], *, max_tokens: int = 128,
+                temperature: float = 0.8, top_p: float = 0.95, top_k: int = 0,
+                seed: int | None = None) -> Iterator[SeqEvent]:
+    """Yield the engine's events (new text, token ids, finish reason) for one prompt, stopping at EOS or
+    `max_tokens`. The engine is sized for this one sequence; on a GPU its decode steps run as CUDA graphs."""
+    from .engine import Engine  # the engine imports this package's modules
+
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give at least one token (e.g. a BOS token)")
+    block = 64
+    max_len = -(-(len(prompt_ids) + max_tokens) // block) * block
+    dev = next(model.parameters()).device
+    cfg = ServeConfig(device=dev.type, max_num_seqs=1, max_model_len=max_len, enable_prefix_caching=False,
+                      warmup=False, cuda_graphs=dev.type == "cuda")
+    engine = Engine(model, tok, cfg)
+    events: list[SeqEvent] = []
+    engine.submit(prompt_ids, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                             max_tokens=max_tokens), events.append)
+    done = False
+    while not done:
+        engine.step()
+        while events:
+            ev = events.pop(0)
+            done = done or ev.finish_reason is not None
+            yield ev
 
 
 @torch.no_grad()

@@ -23,28 +23,28 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed for reproducible output"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
 ) -> None:
-    """Generate text: one prefill of the prompt, then one recurrent decode step per new token."""
+    """Generate text: one prefill of the prompt, then one decode step per new token (the serving engine; on a GPU
+    each decode step replays a CUDA graph)."""
     import torch
 
     from k3.model.checkpoint import load_model
-    from k3.model.tokenizer import IncrementalDecoder, K3Tokenizer
-    from k3.serve.generate import generate_tokens
+    from k3.model.tokenizer import K3Tokenizer
+    from k3.serve.generate import stream_text
 
     dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    model, cfg = load_model(ckpt, device=dev)
+    model, _ = load_model(ckpt, device=dev)
     tok = K3Tokenizer.from_file(ckpt)
     ids = tok.encode(prompt, add_bos=True)
-    dec = IncrementalDecoder(tok)
     sys.stdout.write(prompt)
     sys.stdout.flush()
     t0, n = time.time(), 0
-    for t in generate_tokens(model, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             seed=seed, stop_ids=(tok.eos_id,)):
-        n += 1
-        if t == tok.eos_id:
-            break
-        sys.stdout.write(dec.add(t))
+    for ev in stream_text(model, tok, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed):
+        if ev.error:
+            raise RuntimeError(f"generation failed: {ev.error}")
+        n += len(ev.token_ids)
+        sys.stdout.write(ev.text)
         sys.stdout.flush()
-    sys.stdout.write(dec.flush() + "\n")
+    sys.stdout.write("\n")
     dt = time.time() - t0
     print(f"[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
