@@ -465,3 +465,22 @@ def test_kernel_backend_dispatch(monkeypatch):
             dispatch.parse_backend("triton")
     with pytest.raises(dispatch.KernelBackendError, match="not a kernel backend"):
         dispatch.parse_backend("cuda")
+
+
+def test_trusted_inputs_scope_and_cpu_checks_stay():
+    """dispatch.trusted_inputs() is scoped (nests, resets on exit and on error); value checks of CPU tensors run
+    inside it too (they cost no GPU wait), so bad offsets are still named."""
+    assert not dispatch.inputs_trusted()
+    with dispatch.trusted_inputs():
+        assert dispatch.inputs_trusted()
+        with dispatch.trusted_inputs():
+            assert dispatch.inputs_trusted()
+        assert dispatch.inputs_trusted()
+    assert not dispatch.inputs_trusted()
+    with pytest.raises(RuntimeError), dispatch.trusted_inputs():
+        raise RuntimeError("boom")
+    assert not dispatch.inputs_trusted()
+    q = torch.randn(1, 6, 1, 8)
+    g = -torch.rand(1, 6, 1, 8)
+    with dispatch.trusted_inputs(), pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        chunk_kda(q, q, q, g, torch.rand(1, 6, 1), cu_seqlens=torch.tensor([0, 4, 5]))
