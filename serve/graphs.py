@@ -4,12 +4,14 @@ CUDA graphs (serving.md 2.5, "Decode runs as whole-step CUDA graphs per batch-si
 A step qualifies when every scheduled sequence decodes exactly one token with "last" logits, no speculative verify
 and no snapshot to write (`DecodeGraphs.accepts`); every other step runs ModelRunner's eager path.
 
-Shapes. Batch buckets Bb = 1, 2, 4, 8, ... capped at max_num_seqs (the state pool's slots); page buckets Gb = 1, 2,
-4, ... capped at the pages of one sequence at max_model_len. A step of B sequences whose longest block table has G
-pages runs shape (bucket(B), bucket(G)); its MLA attends over the Gb pages' keys masked to key <= position
-(k3.kernels.mla.paged_mla_decode, as the runner), so short contexts do not pay for max_model_len. On CUDA a shape's graph is
-captured on first use (the common ones by `capture_common` in Engine.warmup), at most `max_graphs` of them; beyond
-the cap, or for a shape whose capture raised (one warning naming the reason), the step runs the eager path.
+Shapes. Batch buckets Bb = 1, 2, 4, 8, ... capped at max_num_seqs (the state pool's slots). Page buckets Gb = 1, 2,
+4, ... capped at the pages of one sequence at max_model_len, on the PyTorch attention path; with the Triton paged
+kernel, which reads keys up to each row's position only, one width (max pages) serves every step (`page_bucket`).
+A step of B sequences whose longest block table has G pages runs shape (bucket(B), page_bucket(G)); its MLA attends
+to keys <= position (k3.kernels.mla.paged_mla_decode, as the runner), so short contexts do not pay for
+max_model_len. On CUDA a shape's graph is captured on first use (the common ones by `capture_common` in
+Engine.warmup), at most `max_graphs` of them; beyond the cap, or for a shape whose capture raised (one warning
+naming the reason), the step runs the eager path.
 
 Padding needs no scratch slot or page. Padded rows b >= B copy real row 0's inputs (token, position, slots, block
 table), and every cache write of a padded row puts row 0's value at row 0's location, so an index written twice
@@ -37,6 +39,7 @@ import logging
 import torch
 
 from k3.kernels.conv import causal_conv1d
+from k3.kernels.dispatch import kernel_backend
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.kernels.mla import paged_mla_decode
 from k3.model.kda import KimiDeltaAttention
@@ -128,7 +131,7 @@ class DecodeGraphs:
         G = max(len(s.block_table) for s in seqs)
         if G > self.max_pages:
             return None
-        buf = self._buffers(bucket(B, self.max_seqs), bucket(G, self.max_pages))
+        buf = self._buffers(bucket(B, self.max_seqs), self.page_bucket(G))
         if buf is None:
             return None
         host = self._host_inputs(seqs, buf.Bb, buf.Gb)
@@ -148,7 +151,16 @@ class DecodeGraphs:
             return
         for Bb in COMMON_BATCHES:
             if Bb <= self.max_seqs:
-                self._buffers(bucket(Bb, self.max_seqs), 1)
+                self._buffers(bucket(Bb, self.max_seqs), self.page_bucket(1))
+
+    def page_bucket(self, G: int) -> int:
+        """Block-table width of a step whose longest sequence has G pages. The Triton paged kernel reads keys up to
+        each row's position only, so on that backend one width (max_pages) serves every context length: one graph
+        (and one compilation) per batch bucket. The PyTorch twin gathers every page of the table, so there the width
+        follows G in powers of two."""
+        if self.runner.device.type == "cuda" and kernel_backend() == "triton":
+            return self.max_pages
+        return bucket(G, self.max_pages)
 
     def _buffers(self, Bb: int, Gb: int) -> DecodeBuffers | None:
         """The static buffers of shape (Bb, Gb), captured first when graphs are on; None = run eagerly."""

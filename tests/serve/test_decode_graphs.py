@@ -277,6 +277,22 @@ def test_cuda_engine_warmup_captures_and_serves(model_tok):
         eng.warmup()
         if on:
             shapes = eng.runner.graphs.shapes
-            assert {(1, 1), (8, 1)} <= set(shapes) and not any(b.failed for b in shapes.values())
+            g1 = eng.runner.graphs.page_bucket(1)
+            assert {(1, g1), (8, g1)} <= set(shapes) and not any(b.failed for b in shapes.values())
         texts.append([[t for e in eng.generate(p, params)[0] for t in e.token_ids] for p in prompts])
     assert texts[0] == texts[1]
+
+
+def test_page_bucket_is_one_width_with_the_triton_paged_kernel(model_tok, monkeypatch):
+    """With PyTorch attention the block-table width follows the longest sequence in powers of two; with the
+    Triton paged kernel on CUDA (which reads keys up to each row's position only) it is always max_pages, so one
+    graph per batch bucket serves every context length."""
+    import k3.serve.graphs as graphs_mod
+
+    eng = _engine(model_tok)
+    eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
+    g = eng.runner.graphs
+    assert [g.page_bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    monkeypatch.setattr(graphs_mod, "kernel_backend", lambda: "triton")
+    monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))
+    assert {g.page_bucket(n) for n in (1, 3, 8)} == {MAX_LEN // PAGE}
