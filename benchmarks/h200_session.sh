@@ -38,7 +38,8 @@ if [ "$MODE" = kernels ]; then  # second call: engine step (graphs, compiled), k
   timeout 60 python3 benchmarks/model_breakdown.py --model k3-small --device cuda --batch 4 --seq 4096 \
     --profile-step > "$OUT/breakdown.log" 2>&1
   echo "breakdown rc=$?"; tail -22 "$OUT/breakdown.log"
-  K3_KERNELS=triton timeout 60 python3 -m pytest tests/serve/test_decode_graphs.py -q -p no:cacheprovider -k cuda \
+  K3_KERNELS=triton timeout 150 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_decode_compile.py -q \
+    -p no:cacheprovider -k cuda \
     > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; tail -5 "$OUT/graph_tests.log"
   timeout 20 python3 benchmarks/mla_decode.py > "$OUT/mla.log" 2>&1
