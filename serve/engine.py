@@ -34,8 +34,8 @@ from .config import ServeConfig
 from .metrics import Metrics
 from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, find_stop, holdback, token_logprob
 from .runner import ModelRunner, StepSeq
-from .sampling import apply_penalties, sample, token_probs
-from .speculative import MTPDrafter, SpecState, accepted_prefix, greedy_verify, record_acceptance, rejection_verify
+from .sampling import apply_penalties, plain_greedy, sample, token_probs
+from .speculative import MTPDrafter, SpecState, verify_tokens
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -240,13 +240,14 @@ class Engine:
         now = time.monotonic()
         if self.record_metrics:
             self.metrics.observe("k3:iteration_tokens_total", sum(len(st.tokens) for _, st, _ in batch))
+        greedy = self._greedy_picks(batch, out.logits)  # plain greedy rows: one argmax, one host read for all
         # 1. commit what the caches now hold (verify steps: the accepted prefix), publish, pick the new tokens
         picks = []  # per batch item: (new tokens, their logprobs, tokens committed to the caches this step)
         for i, (seq, st, publish) in enumerate(batch):
             toks, lps, kept = [], [], len(st.tokens)
             logits = out.logits[i]
             if st.spec:
-                toks, lps = self._verify(seq, st, logits)
+                toks, lps = verify_tokens(self, seq, st, logits)
                 kept = len(toks)
                 publish = self._commit_verify(i, seq, st, kept, toks)
             seq.num_computed = st.start + kept
@@ -259,7 +260,7 @@ class Engine:
                 if st.logits == "all" and seq.params.prompt_logprobs is not None:
                     self._gather_prompt_logprobs(seq, st, logits)
                 if not st.spec and not seq.prefilling and seq.params.max_tokens > 0:
-                    tok, lp = self._sample(seq, logits[-1])
+                    tok, lp = (greedy[i], None) if i in greedy else self._sample(seq, logits[-1])
                     toks, lps = [tok], [lp]
             picks.append((toks, lps, kept))
         # 2. MTP: catch up on the committed tokens and draft the next ones (before any sequence frees its pages)
@@ -280,28 +281,6 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------------------------------------ speculation
-
-    def _verify(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> tuple[list[int], list]:
-        """Acceptance over a verify step's logits [K+1, V] (row j = target after tokens[:j+1]). Greedy: the target's
-        token at every position up to and including the first one that differs from the draft. Sampled: speculative
-        sampling against the drafts' q rows. Penalties see the tokens accepted before each position, exactly as
-        one-token steps would. Returns the emitted tokens and their logprobs (the target's)."""
-        drafts = st.tokens[1:]
-        counts = dict(seq.counts)  # _append counts the emitted tokens again
-        spec = self._spec[id(seq)]
-        if seq.params.temperature > 0:  # speculative sampling (k3.serve.speculative.rejection_verify)
-            q_KV, spec.verify_q = spec.verify_q, None
-            toks, a = rejection_verify(drafts, q_KV, lambda j: self._probs(seq, logits_TV[j], counts), counts,
-                                       seq.generator)
-            lps = [self._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
-        else:
-            saved, seq.counts = seq.counts, counts
-            toks, lps = greedy_verify(drafts, lambda row: self._sample(seq, logits_TV[row]), seq.counts)
-            seq.counts = saved
-            a = accepted_prefix(drafts, toks)
-        if self.record_metrics:
-            record_acceptance(self.metrics, drafts, a)
-        return toks, lps
 
     def _commit_verify(self, i: int, seq: Sequence, st: StepSeq, kept: int, toks: list[int]) -> list:
         """Roll the verify step of batch item i back to its first `kept` tokens; returns the pages and snapshots
@@ -464,6 +443,17 @@ class Engine:
         return batch
 
     # ------------------------------------------------------------------------------------------------ sampling
+
+    def _greedy_picks(self, batch, logits: list) -> dict[int, int]:
+        """Batch index -> token for the decode rows that are plain greedy (temperature 0, no penalties, no
+        logprobs): one argmax over their stacked last rows and one host read, instead of one per sequence. The same
+        argmax as `sample(temperature=0)` on the same logits, so the tokens are identical."""
+        rows = [i for i, (seq, st, _) in enumerate(batch)
+                if not st.spec and seq.status == "running" and st.start + len(st.tokens) >= len(seq.prompt)
+                and seq.params.max_tokens > 0 and plain_greedy(seq.params)]
+        if len(rows) < 2:
+            return {}
+        return dict(zip(rows, torch.stack([logits[i][-1] for i in rows]).argmax(-1).tolist(), strict=True))
 
     def _sample(self, seq: Sequence, row_V: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """Next token from fp32 logits [V]; logprobs are the model's raw log-softmax (before penalties and

@@ -67,6 +67,13 @@ def token_probs(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: flo
     return probs
 
 
+def plain_greedy(params) -> bool:
+    """True for a request whose next token is the bare argmax of the logits: temperature 0, no penalties, no
+    logprobs (SamplingParams). The engine batches these rows into one argmax."""
+    return (params.temperature == 0 and params.logprobs is None and not params.presence_penalty
+            and not params.frequency_penalty and params.repetition_penalty == 1.0)
+
+
 def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row of logits [B, V] -> [B] int64. temperature 0 means greedy (argmax, lowest index on ties).

@@ -161,6 +161,29 @@ def record_acceptance(metrics, drafts: list[int], a: int) -> None:
         metrics.inc("k3:spec_decode_num_accepted_tokens_per_pos", position=pos)
 
 
+def verify_tokens(engine, seq, st: StepSeq, logits_TV: torch.Tensor) -> tuple[list[int], list]:
+    """The engine's acceptance over a verify step's logits [K+1, V] (row j = target after tokens[:j+1]). Greedy:
+    the target's token at every position up to and including the first one that differs from the draft. Sampled:
+    speculative sampling against the drafts' q rows. Penalties see the tokens accepted before each position, exactly
+    as one-token steps would. Returns the emitted tokens and their logprobs (the target's)."""
+    drafts = st.tokens[1:]
+    counts = dict(seq.counts)  # _append counts the emitted tokens again
+    spec = engine._spec[id(seq)]
+    if seq.params.temperature > 0:  # speculative sampling (rejection_verify)
+        q_KV, spec.verify_q = spec.verify_q, None
+        toks, a = rejection_verify(drafts, q_KV, lambda j: engine._probs(seq, logits_TV[j], counts), counts,
+                                   seq.generator)
+        lps = [engine._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
+    else:
+        saved, seq.counts = seq.counts, counts
+        toks, lps = greedy_verify(drafts, lambda row: engine._sample(seq, logits_TV[row]), seq.counts)
+        seq.counts = saved
+        a = accepted_prefix(drafts, toks)
+    if engine.record_metrics:
+        record_acceptance(engine.metrics, drafts, a)
+    return toks, lps
+
+
 def make_job(spec: SpecState, block_table: list[int], start: int, committed: list[int], h_rows_TD: torch.Tensor,
              new_token: int | None, k: int) -> DraftJob:
     """The MTP job of one sequence after a step that committed tokens t_start.. (`committed`, [c]) with main
