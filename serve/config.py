@@ -37,6 +37,8 @@ class ServeConfig:
     shutdown_timeout_s: float = 30.0  # on SIGTERM: 503 "draining" for new requests, in-flight ones get this long
     warmup: bool = True  # run every step shape once before /health reports ready
     cuda_graphs: bool = True  # on CUDA, replay steps of plain decodes from CUDA graphs (k3.serve.graphs)
+    cpu_small_step_threads: int = 1  # on a CPU, torch intra-op threads for steps of <= 64 tokens (decode, verify):
+    #                                  waking more threads costs more than they save on such small ops; 0 = leave as is
     compile_decode: bool = False  # torch.compile the decode step before capturing it (fewer, fused kernels; costs
     #                               ~30 s of compilation per batch x page bucket; off until measured on a GPU)
     log_level: str = "warning"  # uvicorn log level

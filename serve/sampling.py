@@ -74,6 +74,18 @@ def plain_greedy(params) -> bool:
             and not params.frequency_penalty and params.repetition_penalty == 1.0)
 
 
+def greedy_picks(items: list, logits: list) -> dict[int, int]:
+    """Engine step helper: item index -> next token for the (Sequence, StepSeq) items that take a plain greedy token
+    this step (running, prefill done after the step, no verify, plain_greedy params): one argmax over their stacked
+    last logit rows and one host read instead of one each; the same argmax as `sample(temperature=0)`."""
+    rows = [i for i, (seq, st) in enumerate(items)
+            if not st.spec and seq.status == "running" and st.start + len(st.tokens) >= len(seq.prompt)
+            and seq.params.max_tokens > 0 and plain_greedy(seq.params)]
+    if len(rows) < 2:
+        return {}
+    return dict(zip(rows, torch.stack([logits[i][-1] for i in rows]).argmax(-1).tolist(), strict=True))
+
+
 def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row of logits [B, V] -> [B] int64. temperature 0 means greedy (argmax, lowest index on ties).

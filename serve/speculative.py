@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .runner import ModelRunner, StepSeq
+from .sampling import plain_greedy
 
 
 @dataclass
@@ -176,7 +177,11 @@ def verify_tokens(engine, seq, st: StepSeq, logits_TV: torch.Tensor) -> tuple[li
         lps = [engine._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
     else:
         saved, seq.counts = seq.counts, counts
-        toks, lps = greedy_verify(drafts, lambda row: engine._sample(seq, logits_TV[row]), seq.counts)
+        if plain_greedy(seq.params):  # the bare argmax at every position: one kernel and one host read
+            best = logits_TV.argmax(-1).tolist()
+            toks, lps = greedy_verify(drafts, lambda row: (best[row], None), seq.counts)
+        else:
+            toks, lps = greedy_verify(drafts, lambda row: engine._sample(seq, logits_TV[row]), seq.counts)
         seq.counts = saved
         a = accepted_prefix(drafts, toks)
     if engine.record_metrics:

@@ -196,8 +196,9 @@ def fused_recurrent_kda_pool_trusted(
     """Trusted engine entry (k3.serve.graphs): `fused_recurrent_kda` on a state pool WITHOUT argument validation.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] (no cu_seqlens: B sequences of T
-    tokens); pool: [P, HV, K, V] fp32, updated in place; ssm_state_indices: [B] int64, negative = start from zeros
-    and write nothing. Returns o [B, T, HV, V] in v.dtype. Same semantics and arithmetic as
+    tokens); pool: [P, HV, K, V] fp32, updated in place; ssm_state_indices: [B] int64 (the state after the last
+    token goes there), or [B, T] (speculative verification: start from slot [:, 0], the state after token t goes to
+    slot [:, t]); negative = start from zeros / write nothing. Returns o [B, T, HV, V] in v.dtype. Same semantics and arithmetic as
     `fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx, ...)`.
 
     The public function's checks read tensor values on the host (bool(...all()), unique(), int(max)), which a CUDA
@@ -211,9 +212,11 @@ def fused_recurrent_kda_pool_trusted(
     impl = resolve("fused_recurrent_kda", _pool_trusted_torch)
     if impl is _pool_trusted_torch:
         return _pool_trusted_torch(q, k, v, g, beta, pool=pool, idx=ssm_state_indices, **kw)
+    # per-token slots [B, T] are the public API's speculative form with num_accepted_tokens = 1 (start from slot 0)
+    nat = None if ssm_state_indices.dim() == 1 else torch.ones(q.shape[0], dtype=torch.long, device=q.device)
     with trusted_inputs():  # the Triton wrapper skips its host-side value checks (the caller made them)
         o, _ = impl(q, k, v, g, beta, initial_state=pool, output_final_state=False, cu_seqlens=None,
-                    state_v_first=False, ssm_state_indices=ssm_state_indices, num_accepted_tokens=None, **kw)
+                    state_v_first=False, ssm_state_indices=ssm_state_indices, num_accepted_tokens=nat, **kw)
     return o
 
 
@@ -231,9 +234,10 @@ def _pool_trusted_torch(q, k, v, g, beta, *, pool, idx, A_log, dt_bias, scale, l
     scale = K**-0.5 if scale is None else scale
     q, k = _expand_heads(q * scale, k, HV)
     v = v.to(dt)
-    named = idx >= 0  # [B]
-    safe = idx.clamp(min=0)
-    S = pool.index_select(0, safe).to(dt) * named.to(dt).view(B, 1, 1, 1)  # [B, HV, K, V]
+    per_token = idx.dim() == 2  # [B, T]: the state after token t goes to idx[:, t]; token 0 starts from idx[:, 0]
+    first_idx = idx[:, 0] if per_token else idx
+    named = first_idx >= 0  # [B]
+    S = pool.index_select(0, first_idx.clamp(min=0)).to(dt) * named.to(dt).view(B, 1, 1, 1)  # [B, HV, K, V]
     outs = []
     for t in range(T):
         S = S * g[:, t].exp().unsqueeze(-1)  # decay first
@@ -241,14 +245,23 @@ def _pool_trusted_torch(q, k, v, g, beta, *, pool, idx, A_log, dt_bias, scale, l
         err = v[:, t] - (k_t @ S).squeeze(-2)  # v_t - S'^T k_t   [B, HV, V]
         S = S + (beta[:, t, :, None, None] * k_t.transpose(-1, -2)) * err.unsqueeze(-2)
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))  # [B, HV, V]
+        if per_token:
+            _write_rows(pool, idx[:, t], S)
     o = (torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, HV, v.shape[-1])).to(out_dtype)
-    # Write back without a boolean mask (its size would depend on data): an unnamed row targets the first named
-    # row's slot with that row's own new state, so an index written twice receives the same value twice; with no
-    # named row at all, slot 0 gets its own value back.
+    if not per_token:
+        _write_rows(pool, idx, S)
+    return o
+
+
+def _write_rows(pool: torch.Tensor, idx_B: torch.Tensor, S: torch.Tensor) -> None:
+    """pool[idx_B[b]] = S[b] for the named (>= 0) rows, in place, without a boolean mask (its size would depend on
+    data): an unnamed row targets the first named row's slot with that row's own new state, so an index written
+    twice receives the same value twice; with no named row at all, slot 0 gets its own value back."""
+    B = idx_B.shape[0]
+    named, safe = idx_B >= 0, idx_B.clamp(min=0)
     first = named.to(torch.int32).argmax().view(1)  # the first named row (argmax returns the first maximum)
     tgt = torch.where(named, safe, safe.index_select(0, first))
     src = torch.where(named.view(B, 1, 1, 1), S, S.index_select(0, first))
-    src = torch.where(named.index_select(0, first).view(1, 1, 1, 1), src, pool.index_select(0, tgt).to(dt))
+    src = torch.where(named.index_select(0, first).view(1, 1, 1, 1), src, pool.index_select(0, tgt).to(S.dtype))
     with torch.no_grad():
         pool.index_copy_(0, tgt, src.detach().to(pool.dtype))
-    return o

@@ -143,6 +143,30 @@ def test_trusted_recurrent_equals_public_function():
         assert torch.equal(new_pool[untouched], pool[untouched])
 
 
+def test_trusted_recurrent_per_token_slots_equal_public_function():
+    """Per-token slots [B, T] (speculative verification): the trusted entry == the public function with
+    num_accepted_tokens = 1 (start from slot [:, 0], the state after token t in slot [:, t]), unnamed rows included;
+    other slots bit-identical."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K, P = 3, 3, 2, 8, 12
+    q, k, v, z = (torch.randn(B, T, H, K, generator=g) for _ in range(4))
+    beta = torch.randn(B, T, H, generator=g)
+    pool = torch.randn(P, H, K, K, generator=g)
+    kw = {"A_log": torch.randn(H, generator=g), "dt_bias": torch.randn(H * K, generator=g), "lower_bound": -5.0,
+          "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    for idx in ([[0, 6, 7], [1, 8, 9], [2, 10, 11]], [[4, 5, 3], [-1, -1, -1], [2, 10, 11]]):
+        idx = torch.tensor(idx)
+        ref_pool, new_pool = pool.clone(), pool.clone()
+        o_ref, _ = fused_recurrent_kda(q, k, v, z, beta, initial_state=ref_pool, ssm_state_indices=idx,
+                                       num_accepted_tokens=torch.ones(B, dtype=torch.long), **kw)
+        o_new = fused_recurrent_kda_pool_trusted(q, k, v, z, beta, pool=new_pool, ssm_state_indices=idx, **kw)
+        torch.testing.assert_close(o_new, o_ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(new_pool, ref_pool, atol=1e-6, rtol=1e-6)
+        untouched = torch.ones(P, dtype=torch.bool)
+        untouched[idx[idx >= 0]] = False
+        assert torch.equal(new_pool[untouched], pool[untouched])
+
+
 @pytest.mark.parametrize("lengths", [[62], [63, 120, 10], [60, 62, 127, 5, 64]], ids=["B1", "B3-pad4", "B5-pad8"])
 def test_decode_path_equals_runner_step(model_tok, lengths):
     """Batch 1, 3 (bucket 4), 5 (bucket 8); positions crossing page boundaries 64 and 128 (page buckets 1, 2, 4);
