@@ -38,7 +38,8 @@ class ServeConfig:
     warmup: bool = True  # run every step shape once before /health reports ready
     cuda_graphs: bool = True  # on CUDA, replay steps of plain decodes from CUDA graphs (k3.serve.graphs)
     cpu_small_step_threads: int = 1  # on a CPU, torch intra-op threads for steps of <= 64 tokens (decode, verify):
-    #                                  waking more threads costs more than they save on such small ops; 0 = leave as is
+    #                                  waking more threads cost more than they saved on 2 cores with k3-tiny; 0 = torch's
+    #                                  default (large models on many cores may want it)
     compile_decode: bool = False  # torch.compile the decode step before capturing it (fewer, fused kernels; costs
     #                               ~30 s of compilation per batch x page bucket; off until measured on a GPU)
     log_level: str = "warning"  # uvicorn log level

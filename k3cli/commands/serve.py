@@ -34,6 +34,9 @@ def serve(
                                            help="MTP draft tokens per step for greedy requests (0 = off)"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="on CUDA, replay decode steps from CUDA graphs (captured per batch bucket)"),
+    cpu_small_step_threads: int = typer.Option(1, "--cpu-small-step-threads", min=0,
+                                               help="CPU only: intra-op threads for steps of <= 64 tokens (decode); "
+                                                    "0 = torch's default (try it for large models on many cores)"),
     compile_decode: bool = typer.Option(False, "--compile-decode", help="torch.compile the decode step before "
                                         "capturing it (fewer, fused kernels; ~30 s of compilation per bucket)"),
 ) -> None:
@@ -50,4 +53,4 @@ def serve(
                            served_model_name=served_model_name,
                            enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
                            num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
-                           compile_decode=compile_decode))
+                           compile_decode=compile_decode, cpu_small_step_threads=cpu_small_step_threads))
