@@ -178,8 +178,14 @@ class ModelRunner:
                                          (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d), pool_tails):
             p = proj(x)  # [1, T, C] pre-conv inputs
             tail0 = tail_pool[slots]  # [N, W-1, C]
-            y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
-                                     output_final_tail=True, cu_seqlens=ctx.cu_t)
+            if ctx.uniform:  # N sequences of Tn tokens each: the batched conv ([N, Tn, C]), no varlen indexing
+                N = len(ctx.seqs)
+                y, tail1 = causal_conv1d(p.view(N, -1, p.shape[-1]), conv.weight[:, 0], activation="silu",
+                                         initial_tail=tail0, output_final_tail=True)
+                y = y.view(1, -1, y.shape[-1])
+            else:
+                y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
+                                         output_final_tail=True, cu_seqlens=ctx.cu_t)
             tail_pool[slots] = tail1.to(tail_pool.dtype)
             qkv.append(y.unflatten(-1, (H, K)))
             pre.append((tail0, p[0]))
@@ -431,6 +437,7 @@ class _StepContext:
 
     def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int):
         self.seqs, self.max_len = seqs, max(lens)
+        self.uniform = len(set(lens)) == 1  # every sequence brings the same number of tokens (decode, verify)
         self.memo: dict = {}  # per-step tensors the layers share (verify slot tables, group offsets)
         cu = [0]
         for n in lens:
