@@ -77,20 +77,22 @@ class K3Backbone(nn.Module):
     def forward(self, emb_BTD: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
         """Embedded tokens -> final hidden [B, T, D] (before the final norm)."""
         caches = state.layers if state is not None else [None] * len(self.layers)
-        if self.cfg.residual == "preln":
-            x = emb_BTD
-            for layer, cache in zip(self.layers, caches):
-                x = x + layer.self_attn(layer.input_layernorm(x), cache=cache)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            return x
-        return self._forward_attnres(emb_BTD, caches)
+        return self.run_layers(emb_BTD, lambda i, layer, h: layer.self_attn(h, cache=caches[i]))
 
-    def _forward_attnres(self, emb_BTD: torch.Tensor, caches: list) -> torch.Tensor:
-        # Block AttnRes loop of architecture.md 4.2; block size counts layers; layer 0 snapshots the embedding.
+    def run_layers(self, x_BTD: torch.Tensor, mixer) -> torch.Tensor:
+        """The layer stack with token mixer `mixer(i, layer, h [B, T, D]) -> [B, T, D]` (forward passes the layers'
+        own attention with their caches; the serving engine passes its paged-cache plumbing, k3.serve.runner).
+        Pre-LN or the Block AttnRes loop of architecture.md 4.2 (block size counts layers; layer 0 snapshots the
+        embedding). x [B, T, D] embedded tokens -> final hidden [B, T, D] (before the final norm)."""
+        if self.cfg.residual == "preln":
+            for i, layer in enumerate(self.layers):
+                x_BTD = x_BTD + mixer(i, layer, layer.input_layernorm(x_BTD))
+                x_BTD = x_BTD + layer.mlp(layer.post_attention_layernorm(x_BTD))
+            return x_BTD
         eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
         blocks: list[AttnResSource] = []
-        partial = emb_BTD
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+        partial = x_BTD
+        for i, layer in enumerate(self.layers):
             if blocks:
                 x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
                                  layer.attn_res_proj.weight)
@@ -99,7 +101,7 @@ class K3Backbone(nn.Module):
             if i % bsz == 0:
                 blocks.append(AttnResSource(partial, eps))
                 partial = None
-            a = layer.self_attn(layer.input_layernorm(x), cache=cache)
+            a = mixer(i, layer, layer.input_layernorm(x))
             partial = a if partial is None else partial + a
             x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
                              layer.mlp_res_proj.weight)

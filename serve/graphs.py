@@ -49,7 +49,6 @@ from .runner import (
     ModelRunner,
     StepOutput,
     StepSeq,
-    backbone_forward,
     final_logits,
     kda_output,
     mla_output,
@@ -250,7 +249,7 @@ class DecodeGraphs:
         helpers of k3.serve.runner), up to the summation order of the conv and of masked keys."""
         live = buf.live != 0  # [Bb]
         x = self.model.model.embed_tokens(buf.tokens)[None]  # [1, Bb, D]
-        hidden = backbone_forward(self.model, x, lambda i, layer, h: self._mixer(i, layer, h, buf, live))[0]
+        hidden = self.model.model.run_layers(x, lambda i, layer, h: self._mixer(i, layer, h, buf, live))[0]
         return final_logits(self.model, hidden), hidden
 
     def _mixer(self, i: int, layer, x: torch.Tensor, buf: DecodeBuffers, live: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ the token mixers need per-sequence context:
   are overwritten later. `mtp_step` runs the MTP module over the same paged pools (its latent cache is one more
   page layer, see k3.serve.speculative for the slot convention).
 
-The layer weights are the model's own modules; this file re-implements only the mixers' cache plumbing. The
-module-level helpers (`backbone_forward`, `final_logits`, `mla_project`, `mla_output`, `kda_output`) are shared with
-the fixed-shape decode path of k3.serve.graphs, which serves steps of plain decodes when enabled
+The layer weights and the layer loop (K3Backbone.run_layers) are the model's own; this file supplies only the
+mixers' cache plumbing. The module-level helpers (`final_logits`, `mla_project`, `mla_output`, `kda_output`) are
+shared with the fixed-shape decode path of k3.serve.graphs, which serves steps of plain decodes when enabled
 (`enable_decode_graphs`; on CUDA captured in CUDA graphs).
 Legend: N sequences, T packed tokens, Tn tokens of sequence n, S keys, D width, H heads, C kv_lora, R rope dim,
 X = C + R, K = V KDA head dim, W conv kernel, G pages per sequence, V_ vocab.
@@ -36,7 +36,6 @@ from k3.kernels.dispatch import trusted_inputs
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.kernels.mla import paged_mla_decode
-from k3.model.attnres import AttnResSource, attn_res_mix
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 from k3.model.mla import GatedMLA, apply_rope, rope_cos_sin
 from k3.model.transformer import K3Model
@@ -159,7 +158,7 @@ class ModelRunner:
 
     def _backbone(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         """K3Backbone.forward with the mixers below; x [1, T, D] embedded tokens -> final hidden [1, T, D]."""
-        return backbone_forward(self.model, x, lambda i, layer, h: self._mixer(i, layer, h, ctx))
+        return self.model.model.run_layers(x, lambda i, layer, h: self._mixer(i, layer, h, ctx))
 
     def _mixer(self, i: int, layer, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         if i in self.kda_index:
@@ -357,33 +356,6 @@ class ModelRunner:
 # -------------------------------------------------------------------------------------------------------- shared
 # The pieces of one forward that do not touch the caches, shared with the decode graphs (k3.serve.graphs) so both
 # paths run the model's modules in the same order with the same arithmetic.
-
-
-def backbone_forward(model: K3Model, x: torch.Tensor, mixer) -> torch.Tensor:
-    """K3Backbone.forward with the token mixers replaced by `mixer(i, layer, h [1, T, D]) -> [1, T, D]` (the
-    engine's cache plumbing). x [1, T, D] embedded tokens -> final hidden [1, T, D] (before the final norm)."""
-    bb, cfg = model.model, model.config
-    if cfg.residual == "preln":
-        for i, layer in enumerate(bb.layers):
-            x = x + mixer(i, layer, layer.input_layernorm(x))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
-    eps, bsz = cfg.rms_norm_eps, cfg.attn_res_block_size  # Block AttnRes, architecture.md 4.2
-    blocks: list[AttnResSource] = []
-    partial = x
-    for i, layer in enumerate(bb.layers):
-        h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
-                         layer.attn_res_proj.weight) if blocks else partial
-        if i % bsz == 0:
-            blocks.append(AttnResSource(partial, eps))
-            partial = None
-        a = mixer(i, layer, layer.input_layernorm(h))
-        partial = a if partial is None else partial + a
-        h = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
-                         layer.mlp_res_proj.weight)
-        partial = partial + layer.mlp(layer.post_attention_layernorm(h))
-    return attn_res_mix(blocks + [AttnResSource(partial, eps)], bb.output_attn_res_norm.weight,
-                        bb.output_attn_res_proj.weight)
 
 
 def final_logits(model: K3Model, hidden_ND: torch.Tensor) -> torch.Tensor:
