@@ -9,7 +9,7 @@
 #   3. benchmarks/serve.py on the trained checkpoint (bf16): concurrency 1/8/64, prefix hit, MTP speculative,
 #      Hugging Face anchors at batch 1 and 32
 #   4. (`kernels`) benchmarks/serve_step.py (engine decode: eager, CUDA graphs, compiled + graphs), benchmarks/kda.py
-#      --no-fla --intra 1 2, benchmarks/model_breakdown.py --profile-step (k3-small training step by kernel
+#      --no-fla --decode-sweep, benchmarks/model_breakdown.py --profile-step (k3-small training step by kernel
 #      category), the CUDA-graph tests, benchmarks/mla_decode.py
 # The 2026-11-29 calls ran earlier versions of these steps (benchmarks/model.py in place of the breakdown; no
 # --compile-decode); the next session should first re-run `kernels` and take the figures from there.
@@ -30,7 +30,7 @@ if [ "$MODE" = kernels ]; then  # second call: engine step (graphs, compiled), k
   timeout 150 python3 benchmarks/serve_step.py --batch 1 8 32 64 --new-tokens 48 --compile-decode \
     > "$OUT/serve_step.log" 2>&1
   echo "serve_step rc=$?"; grep -v Warn "$OUT/serve_step.log" | tail -12
-  timeout 160 python3 benchmarks/kda.py --no-fla --intra 1 2 --decode-sweep > "$OUT/kda.log" 2>&1
+  timeout 160 python3 benchmarks/kda.py --no-fla --decode-sweep > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   # the solve kernel got 2x slower from 4 to 8 warps (serial substitution with cross-warp reductions): try fewer
   timeout 90 python3 benchmarks/kda_tune.py --warps 1,2,4 --stages 1 --bv 64 --iters 3 > "$OUT/tune.log" 2>&1

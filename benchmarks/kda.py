@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -160,11 +160,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
-    ap.add_argument("--intra", type=int, nargs="+", choices=[1, 2], default=None,
-                    help="intra-chunk kernel versions to time side by side (default: the library default)")
     args = ap.parse_args()
-    default_intra = triton_chunk.LAUNCH["intra"].get("version", 1)
-    args.intra = args.intra or [default_intra]
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -178,9 +174,9 @@ def main():
     print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
@@ -194,16 +190,13 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        for version in args.intra:  # k3 variants of the intra-chunk kernel, side by side
-            triton_chunk.LAUNCH["intra"]["version"] = version
-            with torch.no_grad():
-                o_k3 = chunk_kda(*xs, **KW)[0]
-            err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
-            k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | v{version} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
-                  f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
-                  f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
-        triton_chunk.LAUNCH["intra"]["version"] = default_intra
+        with torch.no_grad():
+            o_k3 = chunk_kda(*xs, **KW)[0]
+        err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
+        k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
+        print(f"| ({B},{T},{H},{D}) | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | {fla_f / k3_f:.2f} | "
+              f"{k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | "
+              f"{fl_fb / k3_fb:.2f} |", flush=True)
         del xs, do, o_k3, o_fla
         torch.cuda.empty_cache()
 

@@ -51,20 +51,12 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 # Launch settings per forward kernel: Triton's num_warps / num_stages, and the V block "BV" (capped at
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    "intra": {"num_warps": 4, "num_stages": 2, "version": 1},  # version 2: triton_intra.py (block by block)
+    "intra": {"num_warps": 4, "num_stages": 2},
     "solve": {"num_warps": 4, "num_stages": 1},
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
     "scan": {"num_warps": 4, "num_stages": 2, "BV": 64},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
-
-
-def _intra(version: int):
-    if version == 2:
-        from .triton_intra import _intra2_kernel  # imported here: that module imports this one
-
-        return _intra2_kernel
-    return _intra_kernel
 
 
 def launch_opts(name: str) -> dict[str, int]:
@@ -427,7 +419,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
                                                                  "hbuf", "o", "ht"))
     Akk = r["Akk"] if for_backward else Lkk
-    _intra(LAUNCH["intra"].get("version", 1))[(NT_all, HV)](
+    _intra_kernel[(NT_all, HV)](
         q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK, BT=BT,
         BC=BC, NC=NC, SAFE=safe_shift is not None, STORE_AKK=for_backward, **common, **launch_opts("intra"))
     _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,

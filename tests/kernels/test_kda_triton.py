@@ -212,19 +212,10 @@ CHUNK_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate)
 ]
 
 
-@pytest.fixture(params=[1, 2], ids=["intra1", "intra2"])
-def intra_version(request, monkeypatch):
-    """Both versions of the intra-chunk forward kernel (triton_chunk._intra_kernel, triton_intra._intra2_kernel)."""
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setitem(triton_chunk.LAUNCH, "intra", {**triton_chunk.LAUNCH["intra"], "version": request.param})
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe", CHUNK_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in CHUNK_CASES])
-def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype, intra_version):
+def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype)
     ro, rs = naive64(q, k, v, g, beta, h0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=BT, safe_gate=safe,
@@ -276,7 +267,7 @@ GRAD_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, initial state, loss th
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final", GRAD_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}-{'h0' if c[7] else 'noh0'}-"
                               f"{'dht' if c[8] else 'nodht'}" for c in GRAD_CASES])
-def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype, intra_version):
+def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype):
     """Triton forward + Triton backward: gradients of q, k, v, g, beta and h0 vs autograd through the recurrence."""
     q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
@@ -285,7 +276,7 @@ def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype,
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
-def test_chunk_gradients_varlen(intra_version):
+def test_chunk_gradients_varlen():
     """cu_seqlens with an empty sequence and a partial last chunk; dh0 per sequence."""
     cu = [0, 15, 15, 80]
     q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, 32, 32, torch.float32, N=3)
