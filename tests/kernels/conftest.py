@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import os
 
+import pytest
 import torch
 
 TRITON_MODULES = ("k3.kernels.kda.triton_l2norm", "k3.kernels.kda.triton_recurrent", "k3.kernels.kda.triton_chunk",
@@ -39,3 +40,19 @@ def _import_for_the_interpreter() -> None:
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     _import_for_the_interpreter()
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP spin-waits on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def triton_cpu(monkeypatch, single_thread):
+    """Triton kernels on a CPU: TRITON_INTERPRET=1 for the test (restored after); nothing on a CUDA machine."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")

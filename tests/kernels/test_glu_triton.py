@@ -23,30 +23,15 @@ CUDA = torch.cuda.is_available()
 
 from k3.kernels.glu.naive import c2_glu
 from k3.kernels.glu.triton import c2_glu_split_triton, c2_glu_triton
+from k3.kernels.testing import assert_close
 
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("triton_cpu")  # tests/kernels/conftest.py
 
 
-def assert_close(name, ref, out, ratio):
-    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
-    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
-    if abs_err <= 1e-6:
-        return
-    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
-    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
-    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
 
 
 def ratio_for(dtype):

@@ -19,15 +19,9 @@ from k3.kernels.kda import (
     naive_recurrent_kda,
 )
 from k3.kernels.kda.chunk import unit_lower_inverse
+from k3.kernels.testing import assert_close
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP spin-waits on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tests/kernels/conftest.py
 
 
 F64 = torch.float64
@@ -35,16 +29,6 @@ F32 = torch.float32
 TIGHT = 1e-10  # float64 vs float64: only rounding differences
 
 
-def assert_close(name, ref, out, ratio):
-    """kda.md 6.1: abs_err <= 1e-6 passes; otherwise no NaN and rel_rms < ratio."""
-    ref, out = ref.detach().double(), out.detach().double()
-    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
-    if abs_err <= 1e-6:
-        return
-    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
-    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
-    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
 
 
 def make_inputs(B, T, H, HV, K, V, dtype, normalizer=1.0, h0=True, N=None):

@@ -34,6 +34,7 @@ from k3.kernels.kda import (
     naive_recurrent_kda,
 )
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_torch
+from k3.kernels.testing import assert_close
 
 DEV = "cuda" if CUDA else "cpu"
 F64 = torch.float64
@@ -41,31 +42,17 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 
 
 @pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch):
-    """K3_KERNELS=triton for the public ops; on a CPU, Triton's interpreter. Restored after each test."""
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _triton_backend(monkeypatch, triton_cpu):
+    """K3_KERNELS=triton for the public ops (on a CPU under Triton's interpreter: conftest's triton_cpu), with the
+    Triton backward. Restored after each test."""
     monkeypatch.setenv("K3_KERNELS", "triton")
-    monkeypatch.setenv("K3_KDA_BWD", "triton")  # test the Triton backward even while it is not the default
+    monkeypatch.setenv("K3_KDA_BWD", "triton")
     dispatch.kernel_backend.cache_clear()
     assert dispatch.kernel_backend() == "triton"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(n)
     dispatch.kernel_backend.cache_clear()
 
 
-def assert_close(name, ref, out, ratio):
-    """kda.md 6.1: abs_err <= 1e-6 passes; otherwise no NaN and rel_rms < ratio."""
-    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
-    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
-    if abs_err <= 1e-6:
-        return
-    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
-    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
-    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
 
 
 def make_inputs(B, T, H, HV, K, V, dtype, N=None):

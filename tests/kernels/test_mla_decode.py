@@ -15,14 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("triton_cpu")  # tests/kernels/conftest.py
 
 
 def reference(q_lat, q_rope, pool, bt, qpos, scale, min_key):

@@ -22,6 +22,7 @@ CUDA = torch.cuda.is_available()
 # triton and the kernel modules were imported under the interpreter by tests/kernels/conftest.py
 
 from k3.kernels.moe.triton_router import qb_histogram_triton, router_select_triton, router_topk_triton
+from k3.kernels.testing import assert_close
 from k3.model.moe import Router
 from k3.train.balance import qb_default_range, qb_histogram_counts
 
@@ -29,25 +30,9 @@ DEV = "cuda" if CUDA else "cpu"
 CASES = [(37, 24, 1), (37, 24, 2), (37, 24, 4), (9, 7, 4), (16, 64, 4)]  # (N, E, K): E not a power of two mostly
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("triton_cpu")  # tests/kernels/conftest.py
 
 
-def assert_close(name, ref, out, ratio=1e-5):
-    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
-    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    abs_err = (ref - out).abs().max().item() if ref.numel() else 0.0
-    if abs_err <= 1e-6:
-        return
-    assert not torch.isnan(ref).any() and not torch.isnan(out).any(), f"{name}: NaN"
-    rel = ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
-    assert rel < ratio, f"{name}: rel_rms {rel:.3e} >= {ratio} (abs_err {abs_err:.3e})"
 
 
 def make_logits(n, e, tied):
