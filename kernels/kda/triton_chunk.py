@@ -88,6 +88,23 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 
 @triton.jit
+def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """(first token, end token, index of its first chunk among all chunks, number of chunks) of sequence i_n, for the
+    state scans that walk one sequence's chunks in order (forward) or in reverse (backward)."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+        n_chunks = NT
+    return bos, eos, c0, n_chunks
+
+
+@triton.jit
 def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
     b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units) and the anchor row b_Gn [BK]. With SAFE the fixed anchor
@@ -278,16 +295,7 @@ def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T,
                  VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NT
-        n_chunks = NT
+    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)

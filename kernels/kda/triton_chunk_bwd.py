@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, _chunk_bounds, chunk_fwd_pipeline, chunk_layout
+from .triton_chunk import RCP_LN2, _chunk_bounds, _seq_bounds, chunk_fwd_pipeline, chunk_layout
 
 # 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
 # cuobjdump --dump-resource-usage) at BT = 64, K = V = 128 shows all three kernels at 255 registers with per-thread
@@ -69,16 +69,7 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
                      BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NT
-        n_chunks = NT
+    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
