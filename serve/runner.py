@@ -183,8 +183,9 @@ class ModelRunner:
                                          initial_tail=tail0, output_final_tail=True)
                 y = y.view(1, -1, y.shape[-1])
             else:
-                y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
-                                         output_final_tail=True, cu_seqlens=ctx.cu_t)
+                with trusted_inputs():  # offsets built on the host by _StepContext
+                    y, tail1 = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail0,
+                                             output_final_tail=True, cu_seqlens=ctx.cu_t)
             tail_pool[slots] = tail1.to(tail_pool.dtype)
             qkv.append(y.unflatten(-1, (H, K)))
             pre.append((tail0, p[0]))

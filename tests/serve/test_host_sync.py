@@ -2,7 +2,7 @@
 (`.item()`, `.tolist()`, `bool(t)`, `int(t)`) waits for the whole queue, so a handful per layer used to make an
 eager decode step ~100 host waits. Counted here on the CPU by patching those methods, for a plain decode step of 3
 greedy sequences: only the sampled tokens (serve/sampling.py, one read for all greedy rows) and the CPU-only value
-checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for CUDA tensors) may read values."""
+checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for trusted CUDA callers) may read values."""
 
 import collections
 import traceback
