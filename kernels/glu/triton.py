@@ -59,6 +59,7 @@ def _c2_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, M, stride_g, stride_u, stride_h, 
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     mask = (rows[:, None] < N) & (cols[None, :] < M)  # [BN, BM]
     r64 = rows.to(tl.int64)[:, None]
+    beta1, beta2 = tl.full([], beta1, tl.float32), tl.full([], beta2, tl.float32)  # fp64 when launched by inductor (torch.compile)
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tg, _ = _tanh_sech2(g / beta1)
@@ -75,6 +76,7 @@ def _c2_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, N, M, stride_g, str
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     mask = (rows[:, None] < N) & (cols[None, :] < M)  # [BN, BM]
     r64 = rows.to(tl.int64)[:, None]
+    beta1, beta2 = tl.full([], beta1, tl.float32), tl.full([], beta2, tl.float32)  # fp64 when launched by inductor (torch.compile)
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -31,9 +31,19 @@ from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
-# Launch settings (module-level so benchmarks/kda.py --decode-sweep can try others on a GPU): the V block, and
-# num_warps (None: 4 when the [BK, BV] state tile has >= 4096 elements, else 2).
-LAUNCH: dict[str, int | None] = {"BV": BV_DEFAULT, "num_warps": None}
+BV_WIDE = 64  # with many programs: fewer, larger state tiles stream the pool closer to copy bandwidth
+WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 at 16 heads)
+# Launch settings (module-level so benchmarks/kda.py --decode-sweep can try others on a GPU): the V block (None:
+# BV_DEFAULT below WIDE_FROM sequence-heads, BV_WIDE from there), and num_warps (None: 4 when the [BK, BV] state tile
+# has >= 4096 elements, else 2). H200 sweep at H=16, D=128, 2026-11-29 (RESULTS.md): at B=256, BV 32 -> 64 (4 warps)
+# went 0.80 -> 0.87 of copy bandwidth, at B=64 0.69 -> 0.72; at B=1 the 2x more programs of BV=32 keep the latency.
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
+
+
+def v_block(N: int, HV: int, V: int) -> int:
+    """The V block of a launch over N sequences and HV value heads (LAUNCH["BV"] when set)."""
+    bv = LAUNCH["BV"] or (BV_WIDE if N * HV >= WIDE_FROM else BV_DEFAULT)
+    return min(bv, triton.next_power_of_2(V))
 
 
 @triton.jit
@@ -49,6 +59,9 @@ def _recurrent_kda_kernel(
     POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
+    # cast them, else the state would turn fp64 and the loop below would not compile
+    scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
     i_h = i_hv // (HV // H)  # GVA: value head i_hv reads q/k head i_hv // (HV / H)
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -174,7 +187,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
         return (x.stride(0), x.stride(1), x.stride(3), x.stride(2)) if state_v_first else tuple(x.stride())
 
     BK = triton.next_power_of_2(K)
-    BV = min(LAUNCH["BV"], triton.next_power_of_2(V))
+    BV = v_block(N, HV, V)
     grid = (triton.cdiv(V, BV), N, HV)
     if N and HV:
         _recurrent_kda_kernel[grid](

@@ -30,6 +30,7 @@ def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, scale, min_key, G, T: tl.c
                       C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
                       BR: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
+    scale = tl.full([], scale, tl.float32)  # fp64 when launched by inductor (torch.compile of the decode step)
     o_m = tl.arange(0, BM)
     m_row = o_m < T * H
     o_c = tl.arange(0, BC)
