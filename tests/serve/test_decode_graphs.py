@@ -281,11 +281,12 @@ def test_capture_refused_without_cuda(model_tok):
 @pytest.mark.cuda
 @pytest.mark.parametrize("lengths", [[62], [60, 62, 127, 5, 64]], ids=["B1", "B5-pad8"])
 def test_cuda_graph_replay_equals_eager(model_tok, lengths):
-    """Captured graphs (one per batch x page bucket) replay the eager runner's step: greedy tokens identical,
-    logits close, padded rows inert, no capture failure."""
+    """Captured graphs (one per batch x page bucket; on the Triton backend one page width serves every context, so
+    one per batch bucket) replay the eager runner's step: greedy tokens identical, logits close, padded rows inert,
+    no capture failure."""
     eng = _twin_decode(model_tok, lengths, steps=20, capture=True, device="cuda", tol=1e-4)
     graphs = eng.runner.graphs
-    assert graphs.num_graphs >= 2 and not any(b.failed for b in graphs.shapes.values())
+    assert graphs.num_graphs == len(graphs.shapes) >= 1 and not any(b.failed for b in graphs.shapes.values())
     assert all(b.graph is not None for b in graphs.shapes.values())
 
 
