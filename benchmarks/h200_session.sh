@@ -30,15 +30,15 @@ if [ "$MODE" = kernels ]; then  # second call: engine step (graphs, compiled), k
   timeout 150 python3 benchmarks/serve_step.py --batch 1 8 32 64 --new-tokens 48 --compile-decode \
     > "$OUT/serve_step.log" 2>&1
   echo "serve_step rc=$?"; grep -v Warn "$OUT/serve_step.log" | tail -12
-  timeout 160 python3 benchmarks/kda.py --no-fla --decode-sweep > "$OUT/kda.log" 2>&1
+  timeout 150 python3 benchmarks/kda.py --no-fla --decode-sweep > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   # the solve kernel got 2x slower from 4 to 8 warps (serial substitution with cross-warp reductions): try fewer
-  timeout 90 python3 benchmarks/kda_tune.py --warps 1,2,4 --stages 1 --bv 64 --iters 3 > "$OUT/tune.log" 2>&1
+  timeout 80 python3 benchmarks/kda_tune.py --warps 1,2,4 --stages 1 --bv 64 --iters 3 > "$OUT/tune.log" 2>&1
   echo "tune rc=$?"; grep -v "^#" "$OUT/tune.log" | tail -14
   timeout 60 python3 benchmarks/model_breakdown.py --model k3-small --device cuda --batch 4 --seq 4096 \
     --profile-step > "$OUT/breakdown.log" 2>&1
   echo "breakdown rc=$?"; tail -22 "$OUT/breakdown.log"
-  K3_KERNELS=triton timeout 150 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_decode_compile.py -q \
+  K3_KERNELS=triton timeout 120 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_decode_compile.py -q \
     -p no:cacheprovider -k cuda \
     > "$OUT/graph_tests.log" 2>&1
   echo "graph tests rc=$?"; tail -5 "$OUT/graph_tests.log"

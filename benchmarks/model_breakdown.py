@@ -68,6 +68,8 @@ def profile_step(model, cfg, tokens, amp, dev) -> None:
         sync()
         wall = time.perf_counter() - t0
     by_cat: dict[str, float] = collections.defaultdict(float)
+    by_name: dict[str, float] = collections.defaultdict(float)  # kernel name -> device time
+    calls: dict[str, int] = collections.defaultdict(int)
     n_kernels = 0
     busy = 0.0
     for evt in prof.events():
@@ -79,11 +81,16 @@ def profile_step(model, cfg, tokens, amp, dev) -> None:
         busy += t
         cat = next((c for c, pat in CATEGORIES if re.search(pat, evt.key)), "other")
         by_cat[cat] += t
+        by_name[evt.key] += t
+        calls[evt.key] += 1
     print(f"\none training step (fwd + bwd + optimizer): wall {wall * 1e3:.1f} ms, {n_kernels} "
           f"{'kernels' if cuda else 'leaf ops'}, device busy {busy * 1e3:.1f} ms ({busy / wall * 100:.0f}% of wall)")
     print(f"{'category':<40} {'ms':>9} {'share of busy':>14}")
     for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"{k:<40} {v * 1e3:>9.1f} {v / max(busy, 1e-12) * 100:>13.1f}%")
+    print(f"\n{'top kernels (name cut to 90 characters)':<92} {'calls':>6} {'ms':>8}")
+    for name, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"{name[:90]:<92} {calls[name]:>6} {v * 1e3:>8.1f}")
 
 
 def main() -> None:
