@@ -68,8 +68,14 @@ def main() -> None:
                     "decode step (ServeConfig.compile_decode)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the static-buffer decode step "
                     "runs eagerly in place of the graphs (no capture on a CPU), compiled with --compile-decode")
+    ap.add_argument("--modes", nargs="+", choices=["eager", "graphs", "compiled"], help="which engines to time "
+                    "(default: eager and graphs, plus compiled with --compile-decode); each engine's warm-up captures "
+                    "only the --batch buckets, so a compiled run compiles no more shapes than it times")
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    import k3.serve.graphs as decode_graphs  # warm-up captures (and compiles) exactly the timed batch buckets
+
+    decode_graphs.COMMON_BATCHES = tuple(args.batch)
     if cuda and not torch.cuda.is_available():
         sys.exit("serve_step.py --device cuda needs a CUDA GPU; use --device cpu for the eager static-buffer path")
     name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
@@ -80,7 +86,8 @@ def main() -> None:
         model, _ = load_model(ckpt, device=args.device, dtype="bfloat16")
         tok = K3Tokenizer.from_file(ckpt)
     rows = {}
-    modes = [False, True] + (["compiled"] if args.compile_decode else [])
+    names = args.modes or (["eager", "graphs"] + (["compiled"] if args.compile_decode else []))
+    modes = [{"eager": False, "graphs": True, "compiled": "compiled"}[m] for m in names]
     for graphs in modes:
         cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=max(args.batch),
                           max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=2048,
@@ -98,16 +105,15 @@ def main() -> None:
             print(f"# graphs={graphs} batch={b}: {rows[(graphs, b)]:.2f} ms/step", flush=True)
         n = getattr(engine.runner, "graphs", None)
         print(f"# graphs={graphs}: captured {getattr(n, 'num_graphs', 0)} decode graphs", flush=True)
-    comp = "compiled" in modes
     g_name = "graphs" if cuda else "static step"
-    print(f"| batch | eager ms/step | {g_name} ms/step | eager / {g_name} | {g_name} tok/s |"
-          + (f" compiled {g_name} ms/step | compiled tok/s |" if comp else ""))
-    print("|---|---|---|---|---|" + ("---|---|" if comp else ""))
+    label = {False: "eager", True: g_name, "compiled": f"compiled {g_name}"}
+    print("| batch | " + " | ".join(f"{label[m]} ms/step | {label[m]} tok/s" for m in modes)
+          + (f" | eager / {g_name} |" if False in modes and True in modes else " |"))
+    print("|---|" + "---|---|" * len(modes) + ("---|" if False in modes and True in modes else ""))
     for b in args.batch:
-        e, g = rows[(False, b)], rows[(True, b)]
-        extra = f" {rows[('compiled', b)]:.2f} | {b * 1e3 / rows[('compiled', b)]:.0f} |" if comp else ""
-        print(f"| {b} | {e:.2f} | {g:.2f} | {e / g:.2f} | {b * 1e3 / g:.0f} |" + extra)
-
+        cells = " | ".join(f"{rows[(m, b)]:.2f} | {b * 1e3 / rows[(m, b)]:.0f}" for m in modes)
+        ratio = f" | {rows[(False, b)] / rows[(True, b)]:.2f} |" if False in modes and True in modes else " |"
+        print(f"| {b} | " + cells + ratio)
 
 if __name__ == "__main__":
     main()
