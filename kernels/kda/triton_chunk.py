@@ -147,15 +147,13 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, 
     m_t = o_t < n_valid
     m_tk = m_t[:, None] & m_k[None, :]
     # Gamma of the whole chunk [BT, BK], fp32, log2 units; padded rows/columns load g = 0 (identity steps)
-    p_G = Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]  # [BT, BK] pointers
     b_g = tl.load(g + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    tl.store(p_G, tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950408889634, mask=m_tk)
-    # Every later read of Gamma (a sub-chunk's rows, its anchor row, the earlier rows) reloads it from memory (L1/L2
-    # hits) instead of keeping [BT, BK] tiles live in registers across the loop and extracting rows by masked sums:
-    # that kept this kernel at 255 registers with spills. The barrier makes the stores above visible to every thread
-    # of the program.
-    tl.debug_barrier()
+    b_G = tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950408889634
+    tl.store(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_G, mask=m_tk)
+    b_G3 = tl.reshape(b_G, (NC, BC, BK))
+    b_kall = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     o_c = tl.arange(0, BC)
+    o_nc = tl.arange(0, NC)
     for s in tl.static_range(NC):
         r_s = s * BC + o_c  # rows of sub-chunk s within the chunk
         m_s = r_s < n_valid
@@ -163,25 +161,18 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, 
         b_q = tl.load(q + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
         b_q = b_q.to(tl.float32) * scale
         b_k = tl.load(k + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
-        kdt = b_k.dtype
         b_k = b_k.to(tl.float32)
         b_b = tl.load(beta + (start + r_s) * HV + i_hv, mask=m_s, other=0.0).to(tl.float32)
-        # Gamma of the sub-chunk [BC, BK] and its anchor row [BK]; rows past the end read the last valid row, which
-        # is what the cumsum over zero gates gives there, so padded rows stay finite (their stores are masked)
-        r_c = tl.minimum(r_s, n_valid - 1)
-        b_Gs = tl.load(Gam + ((start + r_c[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_Gn = tl.load(Gam + ((start + tl.minimum(s * BC, n_valid - 1)) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_Gs = tl.sum(tl.where(o_nc[:, None, None] == s, b_G3, 0.0), axis=0)  # exact row extraction [BC, BK]
+        b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_Gs, 0.0), axis=0)  # anchor: first row of sub-chunk [BK]
         p_A = ((start + r_s[:, None]) * HV + i_hv) * BT + o_t[None, :]
         m_store = m_s[:, None] & ((o_t[None, :] < s * BC) | (o_t[None, :] >= s * BC + BC))
         if s > 0:  # off-diagonal columns j < s * BC: both exponents <= 0
             e_q = tl.exp2(b_Gs - b_Gn[None, :])
-            b_qf = (b_q * e_q).to(kdt)
-            b_kf = (b_k * e_q).to(kdt)
-            m_e = (o_t[:, None] < s * BC) & m_tk  # the earlier sub-chunks' rows [BT, BK]
-            b_Ge = tl.load(p_G, mask=m_e, other=0.0)
-            b_ke = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_e, other=0.0)
-            e_k = tl.exp2(tl.where(m_e, b_Gn[None, :] - b_Ge, float("-inf")))
-            b_kc = (b_ke.to(tl.float32) * e_k).to(kdt)  # [BT, BK], zero rows from s * BC on
+            b_qf = (b_q * e_q).to(b_kall.dtype)
+            b_kf = (b_k * e_q).to(b_kall.dtype)
+            e_k = tl.exp2(tl.where(o_t[:, None] < s * BC, b_Gn[None, :] - b_G, float("-inf")))
+            b_kc = (b_kall.to(tl.float32) * e_k).to(b_kall.dtype)  # [BT, BK], zero rows from s * BC on
             b_Aoff = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BT]
             b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
         else:
