@@ -23,6 +23,10 @@ touched:
 With `live` = 0 every cache write puts back the value it just read: warm-up runs before a capture use such inert
 inputs, so they leave every slot and page bit-identical while the real step's inputs are not yet in the buffers.
 
+The machinery (shape buckets, lazy capture with warm-up, the graph cap, torch.compile, one int64 input buffer per
+shape) is `StaticGraphs`, shared with the verify and MTP draft fast paths of k3.serve.spec_graphs; all of a
+runner's graphs share one memory pool and one cap (`GraphBudget`).
+
 A graph holds the whole step: embedding, every layer (norms, AttnRes mixes, KDA with conv tails and the in-place
 recurrent pool update, MLA with the latent write and paged absorbed attention, dense MLP or MoE through
 torch._grouped_mm), the final norm and the LM head. Inputs: one int64 buffer [7 * Bb + Bb * Gb]; outputs: logits
@@ -35,6 +39,7 @@ kv_lora (MLA), R rope dim, X = C + R latent width, W conv kernel.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -57,7 +62,7 @@ from .runner import (
 
 log = logging.getLogger("k3.serve")
 
-MAX_GRAPHS = 64  # captured graphs at most (each holds its own activations in the shared pool); beyond: eager
+MAX_GRAPHS = 64  # captured graphs at most, decode + verify + MTP together (they share one memory pool); beyond: eager
 COMMON_BATCHES = (1, 8, 32)  # batch buckets captured by Engine.warmup (those <= max_num_seqs), smallest page bucket
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, Triton compilation, MoE probe)
 _FIELDS = ("tokens", "kda_slots", "tail_slots", "src_rows", "live", "positions", "slot_mapping")
@@ -71,49 +76,190 @@ def bucket(n: int, cap: int) -> int:
     return min(b, cap)
 
 
-class DecodeBuffers:
+class StaticBuffers:
+    """The static integer inputs of one shape: named views of one int64 buffer `ints` (so a step's inputs travel in
+    one host-to-device copy), plus the shape's captured graph and its static outputs."""
+
+    def __init__(self, fields: list[tuple[str, tuple[int, ...]]], device: torch.device):
+        """fields: (name, shape) in buffer order; each becomes an attribute viewing its part of `ints`."""
+        sizes = [math.prod(shape) for _, shape in fields]
+        self.ints = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        off = 0
+        for (name, shape), n in zip(fields, sizes):
+            setattr(self, name, self.ints[off:off + n].view(shape))
+            off += n
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed = False  # capture raised: this shape runs the eager path for good
+        self.outputs: tuple[torch.Tensor, ...] | None = None  # static outputs of the captured graph
+
+
+class DecodeBuffers(StaticBuffers):
     """Static inputs of one (Bb, Gb) shape, all views of one int64 buffer `ints` [7 * Bb + Bb * Gb]:
     tokens [Bb]; kda_slots [Bb] (recurrent state slot, -1 for padded rows); tail_slots [Bb] (conv-tail row read and
     written); src_rows [Bb] (the row whose tails/latents are written at row b's targets); live [Bb] (0 = write back
     what was read); positions [Bb]; slot_mapping [Bb] (flat latent row of the new token); block_table [Bb, Gb]."""
 
     def __init__(self, Bb: int, Gb: int, device: torch.device):
+        super().__init__([(name, (Bb,)) for name in _FIELDS] + [("block_table", (Bb, Gb))], device)
         self.Bb, self.Gb = Bb, Gb
-        self.ints = torch.zeros(len(_FIELDS) * Bb + Bb * Gb, dtype=torch.long, device=device)
-        for i, name in enumerate(_FIELDS):
-            setattr(self, name, self.ints[i * Bb:(i + 1) * Bb])
-        self.block_table = self.ints[len(_FIELDS) * Bb:].view(Bb, Gb)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.failed = False  # capture raised: this shape runs the eager path for good
-        self.logits: torch.Tensor | None = None  # static outputs of the captured graph
-        self.hidden: torch.Tensor | None = None
 
 
-class DecodeGraphs:
-    """The decode fast path of a ModelRunner: `accepts(seqs)`, then `step(seqs)` -> StepOutput or None (eager)."""
+class GraphBudget:
+    """What the fast paths of one runner share: the CUDA-graph memory pool (graphs replay one at a time on the engine
+    thread, so their activations can share memory) and the cap on captured graphs."""
 
-    def __init__(self, runner: ModelRunner, max_pages: int, capture: bool, max_graphs: int = MAX_GRAPHS,
-                 compile: bool = False):
-        """max_pages: latent pages of one sequence at max_model_len (0 = the whole page pool); capture: record CUDA
-        graphs (needs a CUDA model), else run the same static-buffer function eagerly (CPU tests); compile: run
-        decode_forward through torch.compile (inductor fuses the norms, AttnRes mixes and gates, which dominate a
-        decode step's ~2,500 small kernels), compiled once per shape bucket before its capture."""
+    def __init__(self, capture: bool, max_graphs: int):
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.max_graphs, self.used, self.logged = max_graphs, 0, False
+
+
+class StaticGraphs:
+    """Shape buckets of one fixed-shape step function `fn(buffers) -> tuple of tensors`: static buffers per shape key,
+    created (and on CUDA captured) on first use, at most `budget.max_graphs` captured graphs in all; a shape over the
+    cap or whose capture raised runs the caller's eager path. Subclasses (DecodeGraphs here, VerifyGraphs and
+    MTPGraphs in k3.serve.spec_graphs) define `new_buffers(*key)` (the StaticBuffers of a shape) and
+    `fill_inert(buf)` (inputs whose run changes no cache, for the warm-up runs before a capture). `calls` counts the
+    steps served."""
+
+    kind = "decode"  # for log messages
+
+    def __init__(self, runner: ModelRunner, fn, max_pages: int, capture: bool, max_graphs: int, compile: bool,
+                 budget: GraphBudget | None):
+        """fn: the step function of static buffers; max_pages: latent pages of one sequence at max_model_len (0 = the
+        whole page pool); capture: record CUDA graphs (needs a CUDA model), else run fn eagerly on the same buffers
+        (CPU tests); compile: fn through torch.compile, compiled once per shape before its capture; budget: the
+        pool and graph cap shared with the runner's other fast paths (None: a new one of max_graphs)."""
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, got {runner.device}; set "
                              f"ServeConfig.cuda_graphs=False or pass capture=False")
         self.runner, self.model = runner, runner.model
         # static shapes: every bucket is its own compiled graph, as it is its own CUDA graph
-        self.forward = self._compiled if compile else self.decode_forward
-        self._compiled_fn = torch.compile(self.decode_forward, dynamic=False) if compile else None
+        self.forward = self._compiled if compile else fn
+        self._compiled_fn = torch.compile(fn, dynamic=False) if compile else None
         self.page_size = runner.pages.page_size
         self.max_seqs = runner.states.num_slots
         self.max_pages = max(1, min(max_pages or runner.pages.num_pages, runner.pages.num_pages))
-        self.capture, self.max_graphs = capture, max_graphs
+        self.capture = capture
+        self.budget = budget if budget is not None else GraphBudget(capture, max_graphs)
+        self.max_graphs = self.budget.max_graphs
         self.vocab = runner.cfg.vocab_size
-        self.shapes: dict[tuple[int, int], DecodeBuffers] = {}
-        self.num_graphs = 0
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool shared by all graphs
-        self._cap_logged = False
+        self.shapes: dict[tuple[int, ...], StaticBuffers] = {}
+        self.num_graphs = 0  # graphs of this kind captured
+        self.calls = 0  # steps this fast path served
+
+    def page_bucket(self, G: int) -> int:
+        """Block-table width of a step whose longest sequence has G pages. The Triton paged kernel reads keys up to
+        each row's position only, so on that backend one width (max_pages) serves every context length: one graph
+        (and one compilation) per batch bucket. The PyTorch twin gathers every page of the table, so there the width
+        follows G in powers of two."""
+        if self.runner.device.type == "cuda" and kernel_backend() == "triton":
+            return self.max_pages
+        return bucket(G, self.max_pages)
+
+    def check_table(self, bt: list[int], first: int, last: int, what: str) -> None:
+        """Host-side checks of one sequence's block table before its indices reach the trusted kernels: positions
+        first..last inside the table, page ids inside the pool."""
+        n = self.runner.pages.num_pages
+        if not 0 <= first <= last < len(bt) * self.page_size or min(bt) < 0 or max(bt) >= n:
+            raise ValueError(f"{what}: positions {first}..{last} outside its {len(bt)} pages of {self.page_size}, or "
+                             f"a page id outside [0, {n}) in {bt}")
+
+    def _buffers(self, *key: int) -> StaticBuffers | None:
+        """The static buffers of shape `key`, captured first when graphs are on; None = run eagerly."""
+        buf = self.shapes.get(key)
+        if buf is None:
+            if self.capture and self.budget.used >= self.budget.max_graphs:
+                if not self.budget.logged:
+                    log.warning("CUDA graphs: %d graphs captured (the cap); other shapes run eagerly",
+                                self.budget.used)
+                    self.budget.logged = True
+                return None
+            buf = self.shapes[key] = self.new_buffers(*key)
+            if self.capture:
+                self._capture(buf, key)
+        return None if buf.failed else buf
+
+    def _capture(self, buf: StaticBuffers, key: tuple, fn=None, inert=None) -> None:
+        """Warm the shape up eagerly on a side stream with inert inputs, then capture it (PyTorch's CUDA-graph
+        recipe: docs.pytorch.org/docs/stable/notes/cuda.html#cuda-graphs). A failure marks the shape eager.
+        fn / inert: the function captured and its inert-input filler (default: self.forward / self.fill_inert)."""
+        fn, inert = fn or self.forward, inert or self.fill_inert
+        inert(buf)
+        dev = self.runner.device
+        try:
+            with torch.cuda.device(dev), torch.no_grad():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        fn(buf)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (the HTTP side) do not invalidate the engine's capture
+                with torch.cuda.graph(graph, pool=self.budget.pool, capture_error_mode="thread_local"):
+                    out = fn(buf)
+                buf.outputs = () if out is None else tuple(out)  # a function that only writes caches returns None
+            buf.graph = graph
+            self.num_graphs += 1
+            self.budget.used += 1
+        except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
+            buf.failed, buf.graph, buf.outputs = True, None, None
+            log.warning("%s CUDA graph capture failed for shape %s (%s: %s); that shape runs eagerly from now on",
+                        self.kind, key, type(e).__name__, e)
+
+    def _launch(self, buf: StaticBuffers, host: torch.Tensor, prepare=None) -> tuple[torch.Tensor, ...]:
+        """Copy the host inputs (one CPU int64 tensor in buf's layout) into the buffers, run `prepare()` (other
+        device-side input copies), then replay the graph (its static outputs, overwritten by the next replay) or,
+        without capture, run the function eagerly on the buffers."""
+        self.calls += 1
+        if self.capture:
+            buf.ints.copy_(host.pin_memory(), non_blocking=True)  # stream-ordered before the replay
+            if prepare is not None:
+                prepare()
+            buf.graph.replay()
+            return buf.outputs
+        buf.ints.copy_(host)
+        if prepare is not None:
+            prepare()
+        return tuple(self.forward(buf))
+
+    @torch.no_grad()
+    def _compiled(self, buf: StaticBuffers) -> tuple[torch.Tensor, ...]:
+        """The step function through torch.compile; one compiled graph per bucket, so the recompile limit (8 by
+        default, per code object) is raised to the graph cap for these calls only."""
+        with torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
+            return self._compiled_fn(buf)
+
+
+def write_and_attend(attn: GatedMLA, kv_pool: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor, src: torch.Tensor, live: torch.Tensor, block_table: torch.Tensor,
+                     T: int, min_key: int = 0) -> torch.Tensor:
+    """Absorbed MLA of Bb rows of T queries each over their pages (kv_pool [P, page, X], block_table [Bb, Gb]):
+    x [1, Bb * T, D] at positions [Bb * T] -> [1, Bb * T, D]. The new latents go into the pages first (every query
+    attends to itself): token i writes the latent of token src[i] at flat row slot_mapping[i], or puts back what was
+    there when live[i] is False (padded rows and inert runs write values that are already there or identical).
+    Keys below `min_key` are masked (the MTP's empty slot 0)."""
+    q_lat, q_rope, latent = mla_project(attn, x, positions)  # [N, H, C], [N, H, R], [N, X]
+    flat = kv_pool.view(-1, kv_pool.shape[-1])
+    old = flat[slot_mapping]
+    flat[slot_mapping] = torch.where(live[:, None], latent[src].to(flat.dtype), old)
+    Bb = block_table.shape[0]
+    o_lat = paged_mla_decode(q_lat.view(Bb, T, *q_lat.shape[1:]), q_rope.view(Bb, T, *q_rope.shape[1:]), kv_pool,
+                             block_table, positions.view(Bb, T), scale=attn.softmax_scale,
+                             min_key=min_key)  # [Bb, T, H, C]
+    return mla_output(attn, x, o_lat.flatten(0, 1))
+
+
+class DecodeGraphs(StaticGraphs):
+    """The decode fast path of a ModelRunner: `accepts(seqs)`, then `step(seqs)` -> StepOutput or None (eager)."""
+
+    def __init__(self, runner: ModelRunner, max_pages: int, capture: bool, max_graphs: int = MAX_GRAPHS,
+                 compile: bool = False, budget: GraphBudget | None = None):
+        """max_pages: latent pages of one sequence at max_model_len (0 = the whole page pool); capture: record CUDA
+        graphs (needs a CUDA model), else run the same static-buffer function eagerly (CPU tests); compile: run
+        decode_forward through torch.compile (inductor fuses the norms, AttnRes mixes and gates, which dominate a
+        decode step's ~2,500 small kernels), compiled once per shape bucket before its capture."""
+        super().__init__(runner, self.decode_forward, max_pages, capture, max_graphs, compile, budget)
 
     # ------------------------------------------------------------------------------------------------ engine side
 
@@ -133,14 +279,9 @@ class DecodeGraphs:
         buf = self._buffers(bucket(B, self.max_seqs), self.page_bucket(G))
         if buf is None:
             return None
-        host = self._host_inputs(seqs, buf.Bb, buf.Gb)
+        logits, hidden = (t[:B] for t in self._launch(buf, self._host_inputs(seqs, buf.Bb, buf.Gb)))
         if self.capture:
-            buf.ints.copy_(host.pin_memory(), non_blocking=True)  # stream-ordered before the replay
-            buf.graph.replay()
-            logits, hidden = buf.logits[:B].clone(), buf.hidden[:B].clone()  # the static outputs get overwritten
-        else:
-            buf.ints.copy_(host)
-            logits, hidden = (t[:B] for t in self.forward(buf))
+            logits, hidden = logits.clone(), hidden.clone()  # the static outputs get overwritten
         return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden, hidden=hidden,
                           cu=list(range(B + 1)))
 
@@ -152,53 +293,11 @@ class DecodeGraphs:
             if Bb <= self.max_seqs:
                 self._buffers(bucket(Bb, self.max_seqs), self.page_bucket(1))
 
-    def page_bucket(self, G: int) -> int:
-        """Block-table width of a step whose longest sequence has G pages. The Triton paged kernel reads keys up to
-        each row's position only, so on that backend one width (max_pages) serves every context length: one graph
-        (and one compilation) per batch bucket. The PyTorch twin gathers every page of the table, so there the width
-        follows G in powers of two."""
-        if self.runner.device.type == "cuda" and kernel_backend() == "triton":
-            return self.max_pages
-        return bucket(G, self.max_pages)
+    def new_buffers(self, Bb: int, Gb: int) -> DecodeBuffers:
+        return DecodeBuffers(Bb, Gb, self.runner.device)
 
-    def _buffers(self, Bb: int, Gb: int) -> DecodeBuffers | None:
-        """The static buffers of shape (Bb, Gb), captured first when graphs are on; None = run eagerly."""
-        buf = self.shapes.get((Bb, Gb))
-        if buf is None:
-            if self.capture and self.num_graphs >= self.max_graphs:
-                if not self._cap_logged:
-                    log.warning("decode CUDA graphs: %d graphs captured (the cap); other shapes run eagerly",
-                                self.num_graphs)
-                    self._cap_logged = True
-                return None
-            buf = self.shapes[(Bb, Gb)] = DecodeBuffers(Bb, Gb, self.runner.device)
-            if self.capture:
-                self._capture(buf)
-        return None if buf.failed else buf
-
-    def _capture(self, buf: DecodeBuffers) -> None:
-        """Warm the shape up eagerly on a side stream with inert inputs, then capture it (PyTorch's CUDA-graph
-        recipe: docs.pytorch.org/docs/stable/notes/cuda.html#cuda-graphs). A failure marks the shape eager."""
+    def fill_inert(self, buf: DecodeBuffers) -> None:
         self._fill_inert(buf)
-        dev = self.runner.device
-        try:
-            with torch.cuda.device(dev), torch.no_grad():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(WARMUP_RUNS):
-                        self.forward(buf)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: CUDA calls of other threads (the HTTP side) do not invalidate the engine's capture
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    buf.logits, buf.hidden = self.forward(buf)
-            buf.graph = graph
-            self.num_graphs += 1
-        except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
-            buf.failed, buf.graph, buf.logits, buf.hidden = True, None, None, None
-            log.warning("decode CUDA graph capture failed for batch bucket %d x %d pages (%s: %s); that shape "
-                        "runs eagerly from now on", buf.Bb, buf.Gb, type(e).__name__, e)
 
     @staticmethod
     def _fill_inert(buf: DecodeBuffers) -> None:
@@ -210,7 +309,7 @@ class DecodeGraphs:
     def _host_inputs(self, seqs: list[StepSeq], Bb: int, Gb: int) -> torch.Tensor:
         """The step's inputs as one CPU int64 tensor in DecodeBuffers' layout, padded to Bb rows (copies of row 0)
         and Gb pages. Validates what the trusted kernels no longer check on the device (slots in range and
-        distinct, tokens in the vocabulary, each position inside its block table)."""
+        distinct, tokens in the vocabulary, each position inside its block table, page ids inside the pool)."""
         B, ps = len(seqs), self.page_size
         slots = [s.slot for s in seqs]
         if len(set(slots)) != B or not all(0 <= x < self.max_seqs for x in slots):
@@ -218,9 +317,9 @@ class DecodeGraphs:
         tokens, pos, smap, table = [], [], [], []
         for s in seqs:
             t, p, bt = s.tokens[0], s.start, s.block_table
-            if not 0 <= t < self.vocab or not 0 <= p < len(bt) * ps:
-                raise ValueError(f"decode step: token {t} outside the vocabulary ({self.vocab}) or position {p} "
-                                 f"outside its {len(bt)} pages of {ps}")
+            if not 0 <= t < self.vocab:
+                raise ValueError(f"decode step: token {t} outside the vocabulary ({self.vocab})")
+            self.check_table(bt, p, p, "decode step")
             tokens.append(t)
             pos.append(p)
             smap.append(bt[p // ps] * ps + p % ps)
@@ -232,13 +331,6 @@ class DecodeGraphs:
         return torch.tensor(flat, dtype=torch.long)
 
     # ------------------------------------------------------------------------------------------------ the step
-
-    @torch.no_grad()
-    def _compiled(self, buf: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-        """decode_forward through torch.compile; one compiled graph per bucket, so the recompile limit (8 by
-        default, per code object) is raised to the graph cap for these calls only."""
-        with torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
-            return self._compiled_fn(buf)
 
     def decode_forward(self, buf: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode token per row from the static buffers: returns (logits [Bb, V_] fp32, final hidden [Bb, D]
@@ -256,7 +348,9 @@ class DecodeGraphs:
         r = self.runner
         if i in r.kda_index:
             return self._kda(r.kda_index[i], layer.self_attn, x, buf, live)
-        return self._mla(r.mla_index[i], layer.self_attn, x, buf, live)
+        # one query per row; the new latents are written into the pages first (the token attends to itself)
+        return write_and_attend(layer.self_attn, r.pages.kv[r.mla_index[i]], x, buf.positions, buf.slot_mapping,
+                                buf.src_rows, live, buf.block_table, 1)
 
     def _kda(self, li: int, attn: KimiDeltaAttention, x: torch.Tensor, buf: DecodeBuffers,
              live: torch.Tensor) -> torch.Tensor:
@@ -279,15 +373,3 @@ class DecodeGraphs:
             dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)  # [Bb, 1, H, V]
         return kda_output(attn, x, o.transpose(0, 1))
-
-    def _mla(self, li: int, attn: GatedMLA, x: torch.Tensor, buf: DecodeBuffers, live: torch.Tensor) -> torch.Tensor:
-        """Absorbed MLA of one token per row over its Gb pages, x [1, Bb, D] -> [1, Bb, D]; the new
-        latents are written into the pages first (the token attends to itself)."""
-        q_lat, q_rope, latent = mla_project(attn, x, buf.positions)  # [Bb, H, C], [Bb, H, R], [Bb, X]
-        kv_pool = self.runner.pages.kv[li]  # [P, page, X]
-        flat = kv_pool.view(-1, kv_pool.shape[-1])
-        old = flat[buf.slot_mapping]
-        flat[buf.slot_mapping] = torch.where(live[:, None], latent[buf.src_rows].to(flat.dtype), old)
-        o_lat = paged_mla_decode(q_lat[:, None], q_rope[:, None], kv_pool, buf.block_table, buf.positions[:, None],
-                                 scale=attn.softmax_scale)  # [Bb, 1, H, C]
-        return mla_output(attn, x, o_lat[:, 0])

@@ -19,7 +19,8 @@ the token mixers need per-sequence context:
 The layer weights and the layer loop (K3Backbone.run_layers) are the model's own; this file supplies only the
 mixers' cache plumbing. The module-level helpers (`final_logits`, `mla_project`, `mla_output`, `kda_output`) are
 shared with the fixed-shape decode path of k3.serve.graphs, which serves steps of plain decodes when enabled
-(`enable_decode_graphs`; on CUDA captured in CUDA graphs).
+(`enable_decode_graphs`; on CUDA captured in CUDA graphs), and with the verify and MTP draft paths of
+k3.serve.spec_graphs (enabled with it when the engine speculates).
 Legend: N sequences, T packed tokens, Tn tokens of sequence n, S keys, D width, H heads, C kv_lora, R rope dim,
 X = C + R, K = V KDA head dim, W conv kernel, G pages per sequence, V_ vocab.
 """
@@ -82,6 +83,8 @@ class ModelRunner:
         self.mtp_layer = len(self.mla_index)  # the MTP's latents: the page layer after the main MLA layers
         self._last: tuple | None = None  # (ctx, hidden, per-KDA-layer pre-conv inputs) of the last verify step
         self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
+        self.verify_graphs = None  # k3.serve.spec_graphs.VerifyGraphs / MTPGraphs: the speculative fast path
+        self.mtp_graphs = None
         if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
             self.enable_decode_graphs(max_pages, capture=True, compile=serve_cfg.compile_decode)
         elif serve_cfg is not None and serve_cfg.compile_decode:
@@ -89,29 +92,47 @@ class ModelRunner:
                 "compile_decode compiles the CUDA-graph decode step: it needs a CUDA device and cuda_graphs on "
                 "(device %s, cuda_graphs %s); ignored", self.device.type, serve_cfg.cuda_graphs)
 
-    def enable_decode_graphs(self, max_pages: int, capture: bool, compile: bool = False) -> None:
+    def enable_decode_graphs(self, max_pages: int, capture: bool, compile: bool = False, spec: bool = True) -> None:
         """Serve steps whose sequences are all plain decodes through the static-buffer decode path of
         k3.serve.graphs (batch buckets up to the state pool's slots, page buckets up to `max_pages`); `capture`
         records CUDA graphs (CUDA only), else the same function runs eagerly (CPU tests); `compile` runs it through
-        torch.compile first."""
+        torch.compile first. With `spec` and a pool that holds speculative scratch states (and an MTP head), verify
+        steps and MTP draft steps get the same treatment (k3.serve.spec_graphs), sharing the graph pool and cap."""
         from .graphs import DecodeGraphs  # graphs imports this module's helpers
 
         self.graphs = DecodeGraphs(self, max_pages, capture=capture, compile=compile)
+        self.verify_graphs = self.mtp_graphs = None
+        if spec and self.states.spec_tokens and self.model.mtp is not None and len(self.pages.kv) > self.mtp_layer:
+            from .spec_graphs import MTPGraphs, VerifyGraphs
+
+            kw = {"capture": capture, "compile": compile, "budget": self.graphs.budget}
+            self.verify_graphs = VerifyGraphs(self, max_pages, **kw)
+            self.mtp_graphs = MTPGraphs(self, max_pages, **kw)
 
     def capture_decode_graphs(self) -> None:
-        """Capture the common decode buckets now (engine warmup, before /health turns 200); no-op when off."""
-        if self.graphs is not None:
-            self.graphs.capture_common()
+        """Capture the common decode (and verify / MTP draft) buckets now (engine warmup, before /health turns 200);
+        no-op when off."""
+        for g in (self.graphs, self.verify_graphs, self.mtp_graphs):
+            if g is not None:
+                g.capture_common()
 
     # ---------------------------------------------------------------------------------------------------- step
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> StepOutput:
         """Run all sequences' new tokens through the model; update pools; return the requested logits."""
+        if self._last is not None and None in getattr(self._last[0], "kept", ()):
+            raise RuntimeError("the last verify step was not committed: call commit_spec for each of its sequences "
+                               "before the next step")
         if self.graphs is not None and self.graphs.accepts(seqs):
             out = self.graphs.step(seqs)  # None: this shape falls back to the eager path below
             if out is not None:
                 self._last = None
+                return out
+        if self.verify_graphs is not None and self.verify_graphs.accepts(seqs):
+            res = self.verify_graphs.step(seqs)  # (StepOutput, the context commit_spec reads) or None: eager
+            if res is not None:
+                out, self._last = res
                 return out
         dev = self.device
         lens = [len(s.tokens) for s in seqs]
@@ -146,6 +167,10 @@ class ModelRunner:
         slots j = start, start+1, ... of the sequence's pages (slot j holds the pair (h_{j-1}, t_j); slot 0 never
         holds one and is masked). Returns (pre-norm MTP output [N, D], fp32 logits [N, V_] of t_{j+1}) at each
         sequence's last pair."""
+        if self.mtp_graphs is not None and self.mtp_graphs.accepts(seqs):
+            out = self.mtp_graphs.step(seqs, hidden_TD)  # None: this shape falls back to the eager path below
+            if out is not None:
+                return out
         mtp = self.model.mtp
         lens = [len(s.tokens) for s in seqs]
         ctx = _StepContext(seqs, lens, self.device, self.pages.page_size)
@@ -290,13 +315,18 @@ class ModelRunner:
     def commit_spec(self, n: int, kept: int, snapshots: list[tuple[int, int]]) -> None:
         """After a verify step: sequence n of that step keeps its first `kept` tokens (>= 1). Write the snapshots
         at boundaries p in (start, start + kept] from the per-token states, then set the working slot's state and
-        conv tails to those after token kept - 1 (rejected drafts roll back without recompute)."""
+        conv tails to those after token kept - 1 (rejected drafts roll back without recompute). Every verify
+        sequence of the step must be committed before the next step: after a step served by the verify graphs,
+        the states and tails of all its sequences are set in one batched call when the last one is committed."""
         ctx, hidden, pre_by_layer = self._last
         s = ctx.seqs[n]
         if not s.spec or not 1 <= kept <= len(s.tokens):
             raise ValueError(f"commit_spec: sequence {n} is not a verify sequence of {len(s.tokens)} tokens "
                              f"or kept={kept} is out of range")
+        batched = getattr(ctx, "kept", None)  # k3.serve.spec_graphs.VerifyBatch: accepted lengths collected
         for li, pre in pre_by_layer.items():
+            if batched is not None and not snapshots:
+                break
             pool_state, pool_tails = self.states.state[li], self.states.tails[li]
             W1 = pre[0][0].shape[1]
             xps = [torch.cat([tail0[n], p_TC[ctx.cu[n]:ctx.cu[n + 1]].to(tail0.dtype)]) for tail0, p_TC in pre]
@@ -304,6 +334,8 @@ class ModelRunner:
                 j = p - s.start  # tokens consumed at the boundary
                 self.snaps.write(entry, li, pool_state[self.states.token_slot(s.slot, j - 1)],
                                  tuple(xp[j:j + W1] for xp in xps))
+            if batched is not None:
+                continue
             if kept > 1:
                 pool_state[s.slot] = pool_state[self.states.token_slot(s.slot, kept - 1)]
             for dst, xp in zip(pool_tails, xps):  # [W-1 + Tn, C]: after `kept` tokens the tail is rows kept..
@@ -311,6 +343,12 @@ class ModelRunner:
         if self.snaps is not None and self.snaps.hidden is not None:
             for p, entry in snapshots:
                 self.snaps.write_hidden(entry, hidden[ctx.cu[n] + p - s.start - 1])
+        if batched is not None:
+            if batched[n] is not None:
+                raise ValueError(f"commit_spec: sequence {n} of this verify step was already committed")
+            batched[n] = kept
+            if None not in batched:  # the last one: every working slot and tail at once
+                self.verify_graphs.commit(ctx)
 
     def _write_snapshots(self, li, attn, ctx, group, pool_state, hs, pre) -> None:
         """Copy the state + conv tails at each requested boundary p of the sequences `group` (the ones the kernel

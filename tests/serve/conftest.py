@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import torch
 
 from k3.cli.config import resolve_config
 from k3.model.checkpoint import load_model
@@ -98,3 +99,19 @@ def client(server):
 def server_factory(model_tok, ckpt):
     """Start an extra server with ServeConfig overrides: `live = server_factory(api_keys=[...])`; call live.stop()."""
     return lambda **overrides: start_server(*model_tok, ckpt, **overrides)
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch):
+    """`forbid_host_sync(what)`: from then on any tensor -> host read (.item(), .tolist(), bool(t), ...) raises
+    AssertionError naming `what`. The static step functions must run without one, or CUDA could not capture them."""
+    def arm(what: str) -> None:
+        def sync(*_a, **_k):
+            raise AssertionError(f"host sync inside {what}")
+
+        for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, sync)
+        with pytest.raises(AssertionError, match="host sync"):
+            bool(torch.ones(1))  # the patch is live
+
+    return arm
