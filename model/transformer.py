@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attnres import AttnResSource, PseudoQuery, attn_res_mix
+from .attnres import AttnResBlocks, AttnResSource, PseudoQuery, attn_res_mix, attn_res_mix_blocks
 from .cache import InferenceState, KDACache, MLACache
 from .config import ModelConfig
 from .kda import KimiDeltaAttention
@@ -90,6 +90,8 @@ class K3Backbone(nn.Module):
                 x_BTD = x_BTD + layer.mlp(layer.post_attention_layernorm(x_BTD))
             return x_BTD
         eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
+        if not torch.is_grad_enabled():  # inference: the blocks as one stack, a fixed kernel count per mixture
+            return self._run_layers_stacked(x_BTD, mixer, eps, bsz)
         blocks: list[AttnResSource] = []
         partial = x_BTD
         for i, layer in enumerate(self.layers):
@@ -108,6 +110,24 @@ class K3Backbone(nn.Module):
             partial = partial + layer.mlp(layer.post_attention_layernorm(x))
         return attn_res_mix(blocks + [AttnResSource(partial, eps)], self.output_attn_res_norm.weight,
                             self.output_attn_res_proj.weight)
+
+    def _run_layers_stacked(self, x_BTD: torch.Tensor, mixer, eps: float, bsz: int) -> torch.Tensor:
+        """run_layers' Block AttnRes loop with the completed blocks stacked (AttnResBlocks), for inference."""
+        blocks = AttnResBlocks()
+        partial = x_BTD
+        for i, layer in enumerate(self.layers):
+            x = attn_res_mix_blocks(blocks, AttnResSource(partial, eps), layer.attn_res_norm.weight,
+                                    layer.attn_res_proj.weight) if len(blocks) else partial
+            if i % bsz == 0:
+                blocks.append(AttnResSource(partial, eps))
+                partial = None
+            a = mixer(i, layer, layer.input_layernorm(x))
+            partial = a if partial is None else partial + a
+            x = attn_res_mix_blocks(blocks, AttnResSource(partial, eps), layer.mlp_res_norm.weight,
+                                    layer.mlp_res_proj.weight)
+            partial = partial + layer.mlp(layer.post_attention_layernorm(x))
+        return attn_res_mix_blocks(blocks, AttnResSource(partial, eps), self.output_attn_res_norm.weight,
+                                   self.output_attn_res_proj.weight)
 
 
 class K3Model(nn.Module):

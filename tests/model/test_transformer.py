@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3.cli.config import load_model_config
-from k3.model.attnres import AttnResSource, attn_res_weights
+from k3.model.attnres import AttnResBlocks, AttnResSource, attn_res_mix, attn_res_mix_blocks, attn_res_weights
 from k3.model.config import ModelConfig
 from k3.model.transformer import K3Model, build_model, count_parameters
 
@@ -100,6 +100,37 @@ def test_depth_softmax_weights_sum_to_one():
     w = attn_res_weights(srcs, torch.rand(16) + 0.5, torch.randn(1, 16))
     assert w.shape == (4, 2, 5)
     assert torch.allclose(w.sum(0), torch.ones(2, 5), atol=1e-6)
+
+
+@pytest.mark.parametrize("n_blocks", [0, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_stacked_mix_equals_list_mix(n_blocks, dtype):
+    """The inference form (blocks stacked once, AttnResBlocks) mixes exactly as the list form."""
+    srcs = [AttnResSource(torch.randn(2, 5, 16, dtype=torch.float64).to(dtype), 1e-5) for _ in range(n_blocks + 1)]
+    nw, pw = torch.rand(16, dtype=dtype) + 0.5, torch.randn(1, 16, dtype=dtype)
+    blocks = AttnResBlocks()
+    for s in srcs[:-1]:
+        blocks.append(s)
+    got, want = attn_res_mix_blocks(blocks, srcs[-1], nw, pw), attn_res_mix(srcs, nw, pw)
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-2  # bf16: one rounding of the fp32 result either way
+    assert (got.double() - want.double()).abs().max().item() <= tol * want.double().abs().max().item()
+
+
+def test_inference_forward_uses_stacked_blocks_and_matches_training_form(monkeypatch):
+    """Under no_grad the backbone takes the stacked path (AttnResBlocks); its logits equal the autograd (list) path's
+    in float64 to rounding."""
+    import k3.model.transformer as tr
+
+    model = build_model(load_model_config("k3-debug"), seed=5).double()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    want = model(tokens).logits.detach()
+    calls = []
+    real = tr.attn_res_mix_blocks
+    monkeypatch.setattr(tr, "attn_res_mix_blocks", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert calls and (got - want).abs().max().item() < 1e-10
 
 
 def test_mtp_leaves_main_logits_unchanged():
