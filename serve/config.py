@@ -36,10 +36,13 @@ class ServeConfig:
     sse_ping_interval_s: float = 15.0  # SSE comment keep-alive while a request waits or prefills
     shutdown_timeout_s: float = 30.0  # on SIGTERM: 503 "draining" for new requests, in-flight ones get this long
     warmup: bool = True  # run every step shape once before /health reports ready
-    cuda_graphs: bool = True  # on CUDA, replay steps of plain decodes from CUDA graphs (k3.serve.graphs)
+    cuda_graphs: bool = True  # on CUDA, replay plain decode steps, speculative verify steps and MTP draft calls from
+    #                           CUDA graphs (k3.serve.graphs, k3.serve.spec_graphs)
     cpu_small_step_threads: int = 1  # on a CPU, torch intra-op threads for steps of <= 64 tokens (decode, verify):
     #                                  waking more threads cost more than they saved on 2 cores with k3-tiny; 0 = torch's
     #                                  default (large models on many cores may want it)
-    compile_decode: bool = False  # torch.compile the decode step before capturing it (fewer, fused kernels; costs
-    #                               ~30 s of compilation per batch x page bucket; off until measured on a GPU)
+    compile_decode: bool = False  # torch.compile each graph-captured step before its capture (fused kernels: k3-small
+    #                               decode at batch 1 went 7.1 -> 2.5 ms/step on an H200, 2026-11-29), at the cost of
+    #                               one to two minutes of compilation per captured shape at startup (every batch
+    #                               bucket warmed up; with speculation also every verify/MTP shape), so off by default
     log_level: str = "warning"  # uvicorn log level

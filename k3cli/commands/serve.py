@@ -33,12 +33,14 @@ def serve(
     speculative_tokens: int = typer.Option(0, "--speculative-tokens", min=0, max=16,
                                            help="MTP draft tokens per step for greedy requests (0 = off)"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
-                                     help="on CUDA, replay decode steps from CUDA graphs (captured per batch bucket)"),
+                                     help="on CUDA, replay decode, speculative verify and MTP draft steps from CUDA "
+                                          "graphs (captured per batch bucket)"),
     cpu_small_step_threads: int = typer.Option(1, "--cpu-small-step-threads", min=0,
                                                help="CPU only: intra-op threads for steps of <= 64 tokens (decode); "
                                                     "0 = torch's default (try it for large models on many cores)"),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help="torch.compile the decode step before "
-                                        "capturing it (fewer, fused kernels; ~30 s of compilation per bucket)"),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="torch.compile each graph-captured step "
+                                        "before capturing it: fused kernels (k3-small batch-1 decode 7.1 -> 2.5 ms "
+                                        "on an H200) for 1-2 min of compilation per captured shape at startup"),
 ) -> None:
     """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from k3.serve.config import ServeConfig
