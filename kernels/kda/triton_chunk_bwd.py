@@ -49,7 +49,9 @@ NUM_WARPS = 8
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py).
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
-    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 32},
+    # BK: the K block of the inter kernel's outer loop (next_pow2(K) = one pass, as measured; 64 halves its
+    # per-key accumulators at K = 128, untimed yet: benchmarks/kda_tune.py --bwd-inter-bk 64 128)
+    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 32, "BK": 256},
     "bwd_intra": {"num_warps": 8, "num_stages": 1},
 }
 
@@ -110,76 +112,83 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
 @triton.jit
 def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
+                      V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
                       PREC: tl.constexpr):
+    """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
+    dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
+    of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL from u) are
+    taken in the first K pass only; dL and d(beta) accumulate over the K blocks and are stored after the last."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
     p_tt = ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :]
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_M = tl.load(Mm + p_tt, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0).to(tl.float32)
-    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dkg = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dkb = tl.zeros([BT, BK], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
     b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dlast = tl.zeros([BK], dtype=tl.float32)  # sum_v dh' h (gradient of the decay e^Gamma_last, before the factor)
     p_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
-    for i_v in range(0, V, BV):  # a runtime loop, not unrolled: fewer live registers
-        o_v = i_v + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        p_kv = p_h + o_k[:, None] * V + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
-        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BK, BV]
-        b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0)  # gradient of the state leaving it [BK, BV]
-        b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-        b_dAq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
-        b_dvb = tl.dot(tl.trans(b_M), b_dvn, input_precision=PREC)  # d(beta v)
-        b_dkb -= tl.dot(b_dvb, tl.trans(b_h), input_precision=PREC)
-        tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_dL -= tl.dot(b_dvb, tl.trans(b_u), input_precision=PREC)
-        b_db += tl.sum(b_dvb * b_v, axis=1)
-        b_dlast += tl.sum(b_dh * b_h, axis=1)
-    # loaded only now, after the V loop, to keep fewer [BT, BK] tiles live in registers
-    b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_dL -= tl.dot(b_dkb, tl.trans(b_w), input_precision=PREC)
-    b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
-    b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-    b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    for i_k in range(0, K, BKB):  # runtime loops, not unrolled: fewer live registers
+        o_k = i_k + tl.arange(0, BKB)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_dqg = tl.zeros([BT, BKB], dtype=tl.float32)
+        b_dkg = tl.zeros([BT, BKB], dtype=tl.float32)
+        b_dkb = tl.zeros([BT, BKB], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
+        b_dlast = tl.zeros([BKB], dtype=tl.float32)  # sum_v dh' h (gradient of the decay e^Gamma_last, before the factor)
+        for i_v in range(0, V, BV):
+            o_v = i_v + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            p_kv = p_h + o_k[:, None] * V + o_v[None, :]
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+            b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+            b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
+            b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BKB, BV]
+            b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0)  # gradient of the state leaving it [BKB, BV]
+            b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+            b_dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
+            b_dvb = tl.dot(tl.trans(b_M), b_dvn, input_precision=PREC)  # d(beta v)
+            b_dkb -= tl.dot(b_dvb, tl.trans(b_h), input_precision=PREC)
+            b_dlast += tl.sum(b_dh * b_h, axis=1)
+            if i_k == 0:  # the V-side results, once
+                b_dAq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+                tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+                b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+                b_dL -= tl.dot(b_dvb, tl.trans(b_u), input_precision=PREC)
+                b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+                b_db += tl.sum(b_dvb * b_v, axis=1)
+        # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_dL -= tl.dot(b_dkb, tl.trans(b_w), input_precision=PREC)
+        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_eG = tl.exp2(b_G)
+        b_kb = b_dkb * b_eG
+        b_db += tl.sum(b_kb * b_k, axis=1)
+        b_eL = tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))  # e^(Gamma_last - Gamma) <= 1
+        b_kg = b_k * b_eL
+        b_dGc = b_dqg * b_q * b_eG + b_b[:, None] * b_kb * b_k - b_dkg * b_kg
+        b_dlast = b_dlast * tl.exp2(b_Gl) + tl.sum(b_dkg * b_kg, axis=0)
+        b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
+        tl.store(dqs + p_tk, b_dqg * b_eG, mask=m_tk)
+        tl.store(dkk + p_tk, b_b[:, None] * b_kb + b_dkg * b_eL, mask=m_tk)
+        tl.store(dG + p_tk, b_dGc, mask=m_tk)
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
     b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
-    b_eG = tl.exp2(b_G)
-    b_kb = b_dkb * b_eG
-    b_db += tl.sum(b_dL * b_Akk, axis=1) + tl.sum(b_kb * b_k, axis=1)
+    b_db += tl.sum(b_dL * b_Akk, axis=1)
     tl.store(db + (start + o_t) * HV + i_hv, b_db, mask=m_t)
     tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])
     tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
-    b_eL = tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))  # e^(Gamma_last - Gamma) <= 1
-    b_kg = b_k * b_eL
-    b_dGc = b_dqg * b_q * b_eG + b_b[:, None] * b_kb * b_k - b_dkg * b_kg
-    b_dlast = b_dlast * tl.exp2(b_Gl) + tl.sum(b_dkg * b_kg, axis=0)
-    b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
-    tl.store(dqs + p_tk, b_dqg * b_eG, mask=m_tk)
-    tl.store(dkk + p_tk, b_b[:, None] * b_kb + b_dkg * b_eL, mask=m_tk)
-    tl.store(dG + p_tk, b_dGc, mask=m_tk)
 
 
 @triton.jit
@@ -318,8 +327,9 @@ def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, r["Gam"], r["Akk"], r["Mm"], r["w"], r["u"], r["vnew"],
                                         r["hbuf"], dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db, chunk_indices, cu,
-                                        float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVi, BT=BT,
-                                        **_opts("bwd_inter"), **common)
+                                        float(scale), T, NT, H=H, HV=HV, K=K, V=V,
+                                        BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, **_opts("bwd_inter"),
+                                        **common)
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         _bwd_intra_kernel[(NT_all, HV)](q, k, r["Gam"], dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu,
                                         float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC,

@@ -1,0 +1,60 @@
+"""The Triton backward's inter-chunk kernel with its K loop split into blocks (triton_chunk_bwd.LAUNCH["bwd_inter"]
+["BK"] below next_pow2(K)) gives the gradients of the one-pass kernel, which test_kda_triton.py checks against the
+float64 recurrence. Both runs use the same Triton forward, so any difference is the split's: fp32 summation order
+only, hence the tight tolerance. On a CPU under Triton's interpreter (tiny shapes), on a GPU natively.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+# after the skip; conftest imported the kernel modules under the interpreter on a CPU
+from k3.kernels import dispatch
+from k3.kernels.kda import chunk_kda, l2norm, triton_chunk_bwd
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_backward(monkeypatch, triton_cpu):
+    monkeypatch.setenv("K3_KERNELS", "triton")
+    monkeypatch.setenv("K3_KDA_BWD", "triton")
+    dispatch.kernel_backend.cache_clear()
+    yield
+    dispatch.kernel_backend.cache_clear()
+
+
+def _grads(monkeypatch, bk, *, T, HV, D, BT, safe, cu=None):
+    """o, final state and every input gradient with the inter kernel's K block `bk`."""
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", bk)
+    torch.manual_seed(0)
+    N = 1 if cu is None else len(cu) - 1
+    xs = [l2norm(torch.rand(1, T, 1, D)), l2norm(torch.rand(1, T, 1, D)), torch.rand(1, T, HV, D),
+          F.logsigmoid(torch.randn(1, T, HV, D)), torch.randn(1, T, HV).sigmoid(), torch.randn(N, HV, D, D)]
+    leaves = [x.to(DEV).requires_grad_() for x in xs]
+    o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=BT, safe_gate=safe,
+                     lower_bound=-5.0 if safe else None,
+                     cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
+    torch.manual_seed(1)
+    loss = (o * torch.randn(o.shape).to(DEV)).sum() + (s * torch.randn(s.shape).to(DEV)).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("D,bk,BT,safe,cu", [
+    (32, 16, 64, True, None),  # 2 K blocks
+    (60, 16, 32, False, None),  # 4 K blocks, the last one masked (keys 48..59), exact diagonal path
+    (32, 16, 64, True, [0, 23, 23, 70]),  # varlen with an empty sequence
+], ids=["D32-bk16", "D60-bk16-exact", "varlen"])
+def test_bwd_inter_k_blocks_equal_one_pass(monkeypatch, D, bk, BT, safe, cu):
+    T = 70 if cu is not None else 45
+    one = _grads(monkeypatch, 256, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
+    split = _grads(monkeypatch, bk, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, split, strict=True):
+        assert torch.isfinite(b).all(), name
+        err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
+        assert err < 1e-5, f"{name}: relative error {err:.2e} between the one-pass and the K-block inter kernel"
