@@ -6,6 +6,7 @@ Legend: B batch, T tokens, D model width, F MLP width.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3.kernels.glu import c2_glu, swiglu
@@ -21,8 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least; float64 stays float64 (tests)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        # torch's rms_norm: the same equation (eps inside the root), one fused kernel on CUDA instead of ~6
+        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype), self.eps).to(x.dtype)
 
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
