@@ -235,7 +235,8 @@ def start_local(ckpt: Path, args, speculative_tokens: int = 0) -> tuple[str, obj
     cfg = ServeConfig(ckpt=str(ckpt), port=port, served_model_name="k3-bench", device=args.device, dtype=args.dtype,
                       max_num_seqs=max(conc), max_model_len=max(lens) + 64,
                       max_num_batched_tokens=args.max_num_batched_tokens, log_level="error",
-                      num_speculative_tokens=speculative_tokens, compile_decode=args.compile_decode)
+                      num_speculative_tokens=speculative_tokens, compile_decode=args.compile_decode,
+                      **({"cuda_graph_batches": args.cuda_graph_batches} if args.cuda_graph_batches else {}))
     state = make_state(cfg)
     load_state(cfg, state)
     server = uvicorn.Server(uvicorn.Config(GuardMiddleware(build_app(state), state), host="127.0.0.1", port=port,
@@ -264,7 +265,8 @@ def _start_subprocess(ckpt: Path, args, port: int, max_batch: int, max_model_len
            "--served-model-name", "k3-bench", "--device", args.device, "--dtype", args.dtype,
            "--max-batch", str(max_batch), "--max-model-len", str(max_model_len),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--speculative-tokens", str(speculative_tokens)] + (["--compile-decode"] if args.compile_decode else [])
+           "--speculative-tokens", str(speculative_tokens)] + (["--compile-decode"] if args.compile_decode else []) \
+        + (["--cuda-graph-batches", ",".join(map(str, args.cuda_graph_batches))] if args.cuda_graph_batches else [])
     log = tempfile.NamedTemporaryFile("w+", suffix=".k3serve.log", delete=False)  # noqa: SIM115 - lives with proc
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)  # a file: a pipe could fill
     url = f"http://127.0.0.1:{port}"
@@ -364,6 +366,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--compile-decode", action="store_true", help="serve with torch.compile'd CUDA-graph decode steps "
                     "(ServeConfig.compile_decode)")
+    ap.add_argument("--cuda-graph-batches", type=int, nargs="+", help="batch sizes the server captures (and with "
+                    "--compile-decode compiles) at warm-up (default: the server's 1 8 32); with --compile-decode, "
+                    "give the batch sizes the rows run at")
     ap.add_argument("--subprocess", action="store_true", help="run `k3 serve` as its own process (as deployed) "
                     "instead of in this process")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = the "

@@ -73,9 +73,6 @@ def main() -> None:
                     "only the --batch buckets, so a compiled run compiles no more shapes than it times")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    import k3.serve.graphs as decode_graphs  # warm-up captures (and compiles) exactly the timed batch buckets
-
-    decode_graphs.COMMON_BATCHES = tuple(args.batch)
     if cuda and not torch.cuda.is_available():
         sys.exit("serve_step.py --device cuda needs a CUDA GPU; use --device cpu for the eager static-buffer path")
     name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
@@ -91,7 +88,8 @@ def main() -> None:
     for graphs in modes:
         cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=max(args.batch),
                           max_model_len=args.prompt_len + args.new_tokens + 64, max_num_batched_tokens=2048,
-                          enable_prefix_caching=False, cuda_graphs=bool(graphs), compile_decode=graphs == "compiled")
+                          enable_prefix_caching=False, cuda_graphs=bool(graphs), compile_decode=graphs == "compiled",
+                          cuda_graph_batches=list(args.batch))  # warm-up captures (compiles) just the timed buckets
         engine = Engine(model, tok, cfg)
         if graphs and not cuda:  # the same static-buffer step, run eagerly (compiled with --compile-decode)
             engine.runner.enable_decode_graphs(math.ceil(cfg.max_model_len / cfg.kv_block_size), capture=False,

@@ -41,8 +41,17 @@ class ServeConfig:
     cpu_small_step_threads: int = 1  # on a CPU, torch intra-op threads for steps of <= 64 tokens (decode, verify):
     #                                  waking more threads cost more than they saved on 2 cores with k3-tiny; 0 = torch's
     #                                  default (large models on many cores may want it)
+    cuda_graph_batches: list[int] = field(default_factory=lambda: [1, 8, 32])  # batch sizes whose graphs the warm-up
+    #                           captures (bucketed to powers of two, capped at max_num_seqs; each verify/MTP shape too
+    #                           with speculation); other sizes are captured on first use
     compile_decode: bool = False  # torch.compile each graph-captured step before its capture (fused kernels: k3-small
     #                               decode at batch 1 went 7.1 -> 2.5 ms/step on an H200, 2026-11-29), at the cost of
     #                               one to two minutes of compilation per captured shape at startup (every batch
     #                               bucket warmed up; with speculation also every verify/MTP shape), so off by default
     log_level: str = "warning"  # uvicorn log level
+
+    def __post_init__(self) -> None:
+        bad = [b for b in self.cuda_graph_batches if not isinstance(b, int) or isinstance(b, bool) or b < 1]
+        if bad:
+            raise ValueError(f"cuda_graph_batches must be positive batch sizes, got {bad} in "
+                             f"{self.cuda_graph_batches}; e.g. [1, 8, 32]")

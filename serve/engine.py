@@ -201,7 +201,7 @@ class Engine:
             bos = self.tok.bos_id
             for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
                 self.generate(prompt, p, n=2)
-            self.runner.capture_decode_graphs()  # decode buckets 1, 8, 32 (CUDA graphs on) before /health is 200
+            self.runner.capture_decode_graphs(self.cfg.cuda_graph_batches)  # CUDA graphs on: before /health is 200
             self.reset_prefix_cache()
         finally:
             self.record_metrics = True

@@ -136,6 +136,9 @@ class StaticGraphs:
         # static shapes: every bucket is its own compiled graph, as it is its own CUDA graph
         self.forward = self._compiled if compile else fn
         self._compiled_fn = torch.compile(fn, dynamic=False) if compile else None
+        # with compile on, only the warm-up's shapes (capture_common) are compiled before capture; a shape first met
+        # while serving is captured from the plain function, so a request never waits for a minute-long compile
+        self._plain_fn, self._warming = fn, False
         self.page_size = runner.pages.page_size
         self.max_seqs = runner.states.num_slots
         self.max_pages = max(1, min(max_pages or runner.pages.num_pages, runner.pages.num_pages))
@@ -176,8 +179,16 @@ class StaticGraphs:
                 return None
             buf = self.shapes[key] = self.new_buffers(*key)
             if self.capture:
-                self._capture(buf, key)
+                self._capture(buf, key, fn=None if self._warming else self._plain_fn)
         return None if buf.failed else buf
+
+    def _warm(self, *key: int) -> StaticBuffers | None:
+        """_buffers for capture_common: the warm-up's shapes are the ones compiled (with compile on)."""
+        self._warming = True
+        try:
+            return self._buffers(*key)
+        finally:
+            self._warming = False
 
     def _capture(self, buf: StaticBuffers, key: tuple, fn=None, inert=None) -> None:
         """Warm the shape up eagerly on a side stream with inert inputs, then capture it (PyTorch's CUDA-graph
@@ -285,13 +296,13 @@ class DecodeGraphs(StaticGraphs):
         return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden, hidden=hidden,
                           cu=list(range(B + 1)))
 
-    def capture_common(self) -> None:
-        """Capture the COMMON_BATCHES buckets (those <= max_num_seqs) for the smallest page bucket (warmup)."""
+    def capture_common(self, batches=COMMON_BATCHES) -> None:
+        """Capture the buckets of `batches` (those <= max_num_seqs) for the smallest page bucket (warmup)."""
         if not self.capture:
             return
-        for Bb in COMMON_BATCHES:
+        for Bb in batches:
             if Bb <= self.max_seqs:
-                self._buffers(bucket(Bb, self.max_seqs), self.page_bucket(1))
+                self._warm(bucket(Bb, self.max_seqs), self.page_bucket(1))
 
     def new_buffers(self, Bb: int, Gb: int) -> DecodeBuffers:
         return DecodeBuffers(Bb, Gb, self.runner.device)

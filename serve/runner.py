@@ -109,12 +109,12 @@ class ModelRunner:
             self.verify_graphs = VerifyGraphs(self, max_pages, **kw)
             self.mtp_graphs = MTPGraphs(self, max_pages, **kw)
 
-    def capture_decode_graphs(self) -> None:
-        """Capture the common decode (and verify / MTP draft) buckets now (engine warmup, before /health turns 200);
-        no-op when off."""
+    def capture_decode_graphs(self, batches=None) -> None:
+        """Capture the decode (and verify / MTP draft) buckets of `batches` now (engine warmup, before /health turns
+        200; None: k3.serve.graphs.COMMON_BATCHES); no-op when off."""
         for g in (self.graphs, self.verify_graphs, self.mtp_graphs):
             if g is not None:
-                g.capture_common()
+                g.capture_common(*(() if batches is None else (tuple(batches),)))
 
     # ---------------------------------------------------------------------------------------------------- step
 

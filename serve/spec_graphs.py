@@ -199,12 +199,12 @@ class VerifyGraphs(StaticGraphs):
                 old = tail_pool.index_select(0, c.slots)
                 tail_pool.index_copy_(0, c.slots, torch.where(live, new.to(tail_pool.dtype), old))
 
-    def capture_common(self) -> None:
-        """Capture T = 1 + spec_tokens (every draft proposed) for the COMMON_BATCHES buckets (warmup)."""
+    def capture_common(self, batches=COMMON_BATCHES) -> None:
+        """Capture T = 1 + spec_tokens (every draft proposed) for the buckets of `batches` (warmup)."""
         if self.capture:
-            for Bb in COMMON_BATCHES:
+            for Bb in batches:
                 if Bb <= self.max_seqs:
-                    self._buffers(bucket(Bb, self.max_seqs), 1 + self.spec_tokens, self.page_bucket(1))
+                    self._warm(bucket(Bb, self.max_seqs), 1 + self.spec_tokens, self.page_bucket(1))
 
     def new_buffers(self, Bb: int, T: int, Gb: int) -> VerifyBuffers:
         return VerifyBuffers(Bb, T, Gb, self.runner.device)
@@ -321,14 +321,14 @@ class MTPGraphs(StaticGraphs):
             x, logits = x.clone(), logits.clone()
         return x, logits
 
-    def capture_common(self) -> None:
-        """Capture every T = 1 .. max_pairs for the COMMON_BATCHES buckets (warmup): at batch 1 each acceptance
+    def capture_common(self, batches=COMMON_BATCHES) -> None:
+        """Capture every T = 1 .. max_pairs for the buckets of `batches` (warmup): at batch 1 each acceptance
         length gives its own catch-up length."""
         if self.capture:
-            for Bb in COMMON_BATCHES:
+            for Bb in batches:
                 if Bb <= self.max_seqs:
                     for T in range(1, self.max_pairs + 1):
-                        self._buffers(bucket(Bb, self.max_seqs), T, self.page_bucket(1))
+                        self._warm(bucket(Bb, self.max_seqs), T, self.page_bucket(1))
 
     def new_buffers(self, Bb: int, T: int, Gb: int) -> MTPBuffers:
         return MTPBuffers(Bb, T, Gb, self.hidden_dim, self.dtype, self.runner.device)

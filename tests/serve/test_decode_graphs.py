@@ -315,3 +315,36 @@ def test_page_bucket_is_one_width_with_the_triton_paged_kernel(model_tok, monkey
     monkeypatch.setattr(graphs_mod, "kernel_backend", lambda: "triton")
     monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))
     assert {g.page_bucket(n) for n in (1, 3, 8)} == {MAX_LEN // PAGE}
+
+
+def test_warmup_captures_the_configured_batch_sizes(model_tok, monkeypatch):
+    """ServeConfig.cuda_graph_batches (`k3 serve --cuda-graph-batches`) is what the warm-up captures: the buckets of
+    those sizes, capped at max_num_seqs. On a CPU nothing is captured, so the capture of a shape is observed by
+    pretending to capture and recording the buffers requested."""
+    with pytest.raises(ValueError, match="cuda_graph_batches"):
+        ServeConfig(cuda_graph_batches=[0, 8])
+    eng = _engine(model_tok, cuda_graph_batches=[1, 3, 64])
+    eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
+    asked = []
+    real = eng.runner.capture_decode_graphs
+    monkeypatch.setattr(eng.runner, "capture_decode_graphs", lambda batches=None: asked.append(batches) or real(batches))
+    eng.warmup()
+    assert asked == [[1, 3, 64]]
+    g, seen = eng.runner.graphs, []
+    monkeypatch.setattr(g, "capture", True)
+    monkeypatch.setattr(g, "_buffers", lambda *key: seen.append(key))
+    eng.runner.capture_decode_graphs([1, 3, 64])
+    assert seen == [(1, 1), (4, 1)]  # 3 -> bucket 4; 64 > max_num_seqs (MAX_SEQS) is skipped
+
+
+def test_compile_applies_to_warmup_shapes_only(model_tok, monkeypatch):
+    """With compile_decode, the warm-up's shapes are captured from the compiled step; a shape first met while serving
+    is captured from the plain step (a request never waits for a compile)."""
+    eng = _engine(model_tok)
+    eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
+    g, used = eng.runner.graphs, {}
+    monkeypatch.setattr(g, "capture", True)
+    monkeypatch.setattr(g, "_capture", lambda buf, key, fn=None, inert=None: used.__setitem__(key, fn or g.forward))
+    g.capture_common((1,))
+    g._buffers(2, 1)
+    assert used[(1, 1)] == g._compiled and used[(2, 1)] == g.decode_forward
