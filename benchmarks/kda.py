@@ -1,6 +1,8 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
-Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]`.
+Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla] [--intra chunk rows]`.
+`--intra` times k3 once per intra-chunk variant (triton_chunk.LAUNCH["intra"]["variant"]: "chunk" = v1, "rows" =
+triton_intra.py) in the same process, one table row each; default: the library default only.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -160,7 +162,13 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
+    ap.add_argument("--intra", nargs="+", choices=["chunk", "rows"], default=None,
+                    help="intra-chunk variants of the k3 forward to time side by side (default: the library default)")
     args = ap.parse_args()
+    default_intra = triton_chunk.LAUNCH["intra"]["variant"]
+    if args.intra and os.environ.pop("K3_KDA_INTRA", None):  # the env var would override the LAUNCH switch below
+        print("# K3_KDA_INTRA unset for this run: --intra selects the variants", file=sys.stderr)
+    intras = args.intra or [triton_chunk.intra_variant()]
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -174,9 +182,9 @@ def main():
     print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
@@ -190,14 +198,18 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        with torch.no_grad():
-            o_k3 = chunk_kda(*xs, **KW)[0]
-        err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
-        k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-        print(f"| ({B},{T},{H},{D}) | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | {fla_f / k3_f:.2f} | "
-              f"{k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | "
-              f"{fl_fb / k3_fb:.2f} |", flush=True)
-        del xs, do, o_k3, o_fla
+        for intra in intras:  # k3 per intra-chunk variant, same inputs, same process
+            triton_chunk.LAUNCH["intra"]["variant"] = intra
+            with torch.no_grad():
+                o_k3 = chunk_kda(*xs, **KW)[0]
+            err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
+            k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
+            print(f"| ({B},{T},{H},{D}) | {intra} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+                  f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
+                  f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
+            del o_k3
+        triton_chunk.LAUNCH["intra"]["variant"] = default_intra
+        del xs, do, o_fla
         torch.cuda.empty_cache()
 
     dec = []
