@@ -2,7 +2,9 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla] [--intra chunk rows]`.
 `--intra` times k3 once per intra-chunk variant (triton_chunk.LAUNCH["intra"]["variant"]: "chunk" = v1, "rows" =
-triton_intra.py) in the same process, one table row each; default: the library default only.
+triton_intra.py) in the same process, one table row each; default: the library default only. `--bwd-inter-bk 256 64`
+does the same for the K block of the backward inter kernel (triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]); with both,
+every combination is timed.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk, triton_chunk_bwd
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -164,8 +166,12 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
     ap.add_argument("--intra", nargs="+", choices=["chunk", "rows"], default=None,
                     help="intra-chunk variants of the k3 forward to time side by side (default: the library default)")
+    ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
+                    "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     args = ap.parse_args()
     default_intra = triton_chunk.LAUNCH["intra"]["variant"]
+    default_bk = triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]
+    bks = args.bwd_inter_bk or [default_bk]
     if args.intra and os.environ.pop("K3_KDA_INTRA", None):  # the env var would override the LAUNCH switch below
         print("# K3_KDA_INTRA unset for this run: --intra selects the variants", file=sys.stderr)
     intras = args.intra or [triton_chunk.intra_variant()]
@@ -182,7 +188,7 @@ def main():
     print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 intra / bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
@@ -198,17 +204,19 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        for intra in intras:  # k3 per intra-chunk variant, same inputs, same process
+        for intra, bk in itertools.product(intras, bks):  # k3 per variant, same inputs, same process
             triton_chunk.LAUNCH["intra"]["variant"] = intra
+            triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = bk
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {intra} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {intra} / {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
         triton_chunk.LAUNCH["intra"]["variant"] = default_intra
+        triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = default_bk
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

@@ -105,7 +105,11 @@ def main():
     ap.add_argument("--intra", choices=["chunk", "rows"], default=None,
                     help="intra-chunk variant of the forward (default: the library default)")
     ap.add_argument("--intra-bkb", type=int, default=None, help="K block cap of the rows intra kernel (16, 32, 64)")
+    ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
+                    "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     args = ap.parse_args()
+    if args.bwd_inter_bk:
+        bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.intra:
         os.environ.pop("K3_KDA_INTRA", None)  # it would override LAUNCH
         fwd_mod.LAUNCH["intra"]["variant"] = args.intra
