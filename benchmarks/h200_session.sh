@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5): `bash
-# benchmarks/h200_session.sh serve` (steps 1-3) and `... kernels` (step 4), each one call, run from the repo root on the
-# GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...; see
-# benchmarks/hf_anchor.py). Each step has its own time limit so one slow step cannot take the others' figures;
-# every log lands in $OUT.
-#   1. GPU tests (background, 2 workers): Triton kernels in fp32/bf16 and the CUDA-graph serving path
-#   2. k3 pretrain --preset small, STEPS steps of 16k tokens (bf16 autocast, Triton KDA forward + backward)
-#   3. benchmarks/serve.py on the trained checkpoint (bf16): concurrency 1/8/64, prefix hit, MTP speculative,
-#      Hugging Face anchors at batch 1 and 32
-#   4. (`kernels`) benchmarks/serve_step.py (engine decode: eager, CUDA graphs, compiled + graphs), benchmarks/kda.py
-#      --no-fla --decode-sweep, benchmarks/model_breakdown.py --profile-step (k3-small training step by kernel
-#      category), the CUDA-graph tests, benchmarks/mla_decode.py
-# The 2026-11-29 calls ran earlier versions of these steps (benchmarks/model.py in place of the breakdown; no
-# --compile-decode); the next session should first re-run `kernels` and take the figures from there.
+# The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
+# repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve1 | serve2
+# Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
+#   kernels: GPU kernel tests (intra "rows" variant, K-block backward inter kernel), benchmarks/kda.py with fla in the
+#            same process for every (intra variant, backward inter K block), the per-kernel profile of the new
+#            variants (registers, spills), the k3-small training step by kernel (top kernels by name)
+#   serve1:  CUDA serving tests (decode / verify / MTP graphs, compiled decode, --cuda-graph-batches) in the
+#            background while k3 pretrain --preset small trains STEPS steps; then benchmarks/serve.py on that trained
+#            checkpoint: concurrency 1, the 2k-token prefix hit, the MTP speculative row (k = 2)
+#   serve2:  the compiled server (--compile-decode --cuda-graph-batches 1 32) against the Hugging Face anchors at
+#            batch 1 and 32 through HTTP (random weights), then the compiled engine step at batch 32
+# Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/k3out}
-STEPS=${STEPS:-100}  # 150 steps + the 274M-parameter release export did not fit the 225 s step on 2026-11-29
-MODE=${1:-serve}
+STEPS=${STEPS:-100}  # k3-small steps of 16k tokens that fit the 225 s step with the release export
+MODE=${1:-kernels}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -26,45 +25,46 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-if [ "$MODE" = kernels ]; then  # second call: engine step (graphs, compiled), kernels, a profiled training step
-  timeout 150 python3 benchmarks/serve_step.py --batch 1 8 32 64 --new-tokens 48 --compile-decode \
-    > "$OUT/serve_step.log" 2>&1
-  echo "serve_step rc=$?"; grep -v Warn "$OUT/serve_step.log" | tail -12
-  timeout 150 python3 benchmarks/kda.py --no-fla --decode-sweep > "$OUT/kda.log" 2>&1
+case "$MODE" in
+kernels)
+  timeout 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py -q \
+    -p no:cacheprovider -n 4 > "$OUT/ktests.log" 2>&1
+  echo "kernel tests rc=$?"; tail -3 "$OUT/ktests.log"
+  timeout 260 python3 benchmarks/kda.py --intra chunk rows --bwd-inter-bk 256 64 > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
-  # the solve kernel got 2x slower from 4 to 8 warps (serial substitution with cross-warp reductions): try fewer
-  timeout 80 python3 benchmarks/kda_tune.py --warps 1,2,4 --stages 1 --bv 64 --iters 3 > "$OUT/tune.log" 2>&1
-  echo "tune rc=$?"; grep -v "^#" "$OUT/tune.log" | tail -14
+  timeout 80 python3 benchmarks/kda_tune.py --intra rows --bwd-inter-bk 64 --warps 4,8 --stages 2 --bv 64 --iters 3 \
+    > "$OUT/tune.log" 2>&1
+  echo "tune rc=$?"; tail -16 "$OUT/tune.log"
   timeout 60 python3 benchmarks/model_breakdown.py --model k3-small --device cuda --batch 4 --seq 4096 \
     --profile-step > "$OUT/breakdown.log" 2>&1
-  echo "breakdown rc=$?"; tail -22 "$OUT/breakdown.log"
-  K3_KERNELS=triton timeout 120 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_decode_compile.py -q \
-    -p no:cacheprovider -k cuda \
-    > "$OUT/graph_tests.log" 2>&1
-  echo "graph tests rc=$?"; tail -5 "$OUT/graph_tests.log"
-  timeout 20 python3 benchmarks/mla_decode.py > "$OUT/mla.log" 2>&1
-  echo "mla rc=$?"; cat "$OUT/mla.log"
-  exit 0
-fi
-
-(
-  timeout 200 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_mla_decode.py \
-    tests/kernels/test_glu_triton.py -q -p no:cacheprovider -n 2 -k "intra2 or l2norm or mla or dispatch or safe_gate"
-  echo "kernel tests rc=$?"
-  K3_KERNELS=triton timeout 120 python3 -m pytest tests/serve/test_decode_graphs.py -q -p no:cacheprovider -rs -k cuda
-  echo "graph tests rc=$?"
-) > "$OUT/gpu_tests.log" 2>&1 &
-tests_pid=$!
-
-timeout 225 python3 -m k3.cli.main pretrain --preset small --out /tmp/small --set train.max_steps="$STEPS" \
-  --set train.grad_accum=1 --set train.eval_every=0 --set ckpt.every=0 --set train.log_every=20 \
-  --set data.tokenizer_sample_bytes=5000000 > "$OUT/pretrain.log" 2>&1
-echo "pretrain rc=$?"; tail -4 "$OUT/pretrain.log"
-cp /tmp/small/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
-wait "$tests_pid"; tail -4 "$OUT/gpu_tests.log"
-
-if [ -f /tmp/small/final/config.json ]; then SRC="--ckpt /tmp/small/final --speculative-tokens 2"; else SRC="--model k3-small"; fi
-timeout 270 python3 benchmarks/serve.py $SRC --subprocess --device cuda --dtype bfloat16 --concurrency 1 8 64 --input-len 128 \
-  --output-len 128 --prefix-len 2048 --hf-anchor --hf-batch 1 32 > "$OUT/serve.log" 2>&1
-echo "serve rc=$?"; cat "$OUT/serve.log" | grep -v Warning | tail -40
-
+  echo "breakdown rc=$?"; tail -28 "$OUT/breakdown.log"
+  ;;
+serve1)
+  K3_KERNELS=triton timeout 220 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_spec_graphs.py \
+    tests/serve/test_decode_compile.py -q -p no:cacheprovider -rs -k cuda > "$OUT/serve_tests.log" 2>&1 &
+  tests_pid=$!
+  timeout 225 python3 -m k3.cli.main pretrain --preset small --out /tmp/small --set train.max_steps="$STEPS" \
+    --set train.grad_accum=1 --set train.eval_every=0 --set ckpt.every=0 --set train.log_every=20 \
+    --set data.tokenizer_sample_bytes=5000000 > "$OUT/pretrain.log" 2>&1
+  echo "pretrain rc=$?"; tail -4 "$OUT/pretrain.log"
+  cp /tmp/small/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+  wait "$tests_pid"; echo "serve tests rc=$?"; tail -4 "$OUT/serve_tests.log"
+  if [ -f /tmp/small/final/config.json ]; then
+    timeout 230 python3 benchmarks/serve.py --ckpt /tmp/small/final --subprocess --device cuda --dtype bfloat16 \
+      --concurrency 1 --input-len 128 --output-len 128 --prefix-len 2048 --speculative-tokens 2 \
+      > "$OUT/serve1.log" 2>&1
+    echo "serve rc=$?"; grep -v "Warn\|warn" "$OUT/serve1.log" | tail -12
+  fi
+  ;;
+serve2)
+  timeout 360 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
+    --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 \
+    --hf-anchor --hf-batch 1 32 > "$OUT/serve2.log" 2>&1
+  echo "serve rc=$?"; grep -v "Warn\|warn" "$OUT/serve2.log" | tail -30
+  timeout 180 python3 benchmarks/serve_step.py --batch 32 --new-tokens 32 --modes compiled > "$OUT/step.log" 2>&1
+  echo "step rc=$?"; grep "^|\|^#" "$OUT/step.log"
+  ;;
+*)
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve1|serve2" >&2; exit 2
+  ;;
+esac
