@@ -238,7 +238,7 @@ def _pool_trusted_torch(q, k, v, g, beta, *, pool, idx, A_log, dt_bias, scale, l
     first_idx = idx[:, 0] if per_token else idx
     named = first_idx >= 0  # [B]
     S = pool.index_select(0, first_idx.clamp(min=0)).to(dt) * named.to(dt).view(B, 1, 1, 1)  # [B, HV, K, V]
-    outs = []
+    outs, states = [], []
     for t in range(T):
         S = S * g[:, t].exp().unsqueeze(-1)  # decay first
         k_t = k[:, t].unsqueeze(-2)  # [B, HV, 1, K]
@@ -246,9 +246,11 @@ def _pool_trusted_torch(q, k, v, g, beta, *, pool, idx, A_log, dt_bias, scale, l
         S = S + (beta[:, t, :, None, None] * k_t.transpose(-1, -2)) * err.unsqueeze(-2)
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))  # [B, HV, V]
         if per_token:
-            _write_rows(pool, idx[:, t], S)
+            states.append(S)
     o = (torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, HV, v.shape[-1])).to(out_dtype)
-    if not per_token:
+    if per_token and T:  # every token's state in one write: [B * T] rows, slots distinct where named
+        _write_rows(pool, idx.reshape(-1), torch.stack(states, dim=1).flatten(0, 1))
+    elif not per_token:
         _write_rows(pool, idx, S)
     return o
 
