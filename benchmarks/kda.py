@@ -137,13 +137,14 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
 
     saved = dict(triton_recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
-    print("| B | BV | num_warps | us | fraction |")
-    print("|---|---|---|---|---|")
-    for B in (64, 256):
-        for bv, nw in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
-            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
+    print("| B | BV | num_warps | streaming hints | us | fraction |")
+    print("|---|---|---|---|---|---|")
+    for B in (64, 256):  # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
+        for bv, nw, stream in itertools.product((32, 64, 128), (2, 4), (0, 1)):
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw, stream=stream)
             t = time_decode(fused_recurrent_kda, B, H, D)
-            print(f"| {B} | {bv} | {nw} | {t:.1f} | {2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} |", flush=True)
+            print(f"| {B} | {bv} | {nw} | {'yes' if stream else 'no'} | {t:.1f} | "
+                  f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} |", flush=True)
     triton_recurrent.LAUNCH.update(saved)
 
 

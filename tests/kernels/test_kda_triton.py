@@ -197,6 +197,24 @@ def test_recurrent_state_pool_in_place(state_v_first, wide, monkeypatch):
         assert torch.equal(pool[untouched], before[untouched]), f"pool slot {untouched} changed"
 
 
+def test_recurrent_streaming_hints_change_nothing(monkeypatch):
+    """triton_recurrent.LAUNCH["stream"] (evict-first / streaming cache hints on the pool state) gives the same
+    outputs and pool as the default launch."""
+    from k3.kernels.kda import triton_recurrent
+
+    q, k, v, g, beta, _ = make_inputs(3, 1, 1, 2, 32, 32, torch.float32)
+    pool0 = torch.randn(5, 2, 32, 32, device=DEV)
+    idx = torch.tensor([3, -1, 0], device=DEV, dtype=torch.int32)
+    outs = []
+    for stream in (0, 1):
+        monkeypatch.setitem(triton_recurrent.LAUNCH, "stream", stream)
+        pool = pool0.clone()
+        o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx)
+        outs.append((o, pool))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][1][3], pool0[3])  # the named slot was written
+
+
 def test_recurrent_speculative_slots_match_torch():
     """num_accepted_tokens: same semantics as the PyTorch twin (which test_kda.py checks against the recurrence)."""
     N, S_max, HV, D = 2, 3, 2, 32
