@@ -11,7 +11,6 @@ import typer
 def _known_errors() -> tuple[type[BaseException], ...]:
     from k3.model.checkpoint import CheckpointError
     from k3.model.config import ConfigError
-
     from k3.model.tokenizer import TokenizerError
 
     errs: list[type[BaseException]] = [ConfigError, CheckpointError, TokenizerError, FileNotFoundError]

@@ -8,13 +8,13 @@ import os
 # else shares the cores (measured on 2-core machines); passive waiting costs nothing measurable when idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import typer  # noqa: E402
+import typer
 
-from k3.cli.commands.generate import generate  # noqa: E402
-from k3.cli.commands.pretrain import pretrain  # noqa: E402
-from k3.cli.commands.scaling_fit import scaling_fit  # noqa: E402
-from k3.cli.commands.serve import serve  # noqa: E402
-from k3.cli.commands.sweep import sweep  # noqa: E402
+from k3.cli.commands.generate import generate
+from k3.cli.commands.pretrain import pretrain
+from k3.cli.commands.scaling_fit import scaling_fit
+from k3.cli.commands.serve import serve
+from k3.cli.commands.sweep import sweep
 
 app = typer.Typer(
     name="k3",

@@ -124,10 +124,10 @@ class KimiDeltaAttention(nn.Module):
             qkv.append(y.unflatten(-1, (H, K)))  # [B, T, H, K]
             new_tails.append(t)
         q, k, v = qkv
-        kwargs = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                      initial_state=cache.state if with_cache else None, output_final_state=with_cache,
-                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      cu_seqlens=cu_seqlens)
+        kwargs = {"A_log": self.A_log, "dt_bias": self.dt_bias, "lower_bound": self.lower_bound,
+                  "initial_state": cache.state if with_cache else None, "output_final_state": with_cache,
+                  "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+                  "cu_seqlens": cu_seqlens}
         if with_cache and not self.training and T <= RECURRENT_MAX_TOKENS:
             o, state = fused_recurrent_kda(q, k, v, self.gate_input(x), self.b_proj(x), **kwargs)
         else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,7 +19,7 @@ def generate(
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 = greedy"),
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="nucleus sampling mass"),
     top_k: int = typer.Option(0, "--top-k", min=0, help="keep the k most likely tokens (0 = off)"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed for reproducible output"),
+    seed: int | None = typer.Option(None, "--seed", help="sampling seed for reproducible output"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
 ) -> None:
     """Generate text: one prefill of the prompt, then one decode step per new token (the serving engine; on a GPU

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 import yaml
@@ -17,15 +16,15 @@ def pretrain(
     preset: str = typer.Option("tiny", "--preset", "-p",
                                help="pretrain preset: debug (<60 s on 2 cores), tiny (default, <=10 min on 2 cores), "
                                     "small (one GPU)"),
-    config: Optional[list[Path]] = typer.Option(None, "--config", "-c",
+    config: list[Path] | None = typer.Option(None, "--config", "-c",
                                                 help="YAML file of sections (model:, data:, optim:, train:, ckpt:) "
                                                      "merged over the preset; repeatable"),
-    set_: Optional[list[str]] = typer.Option(None, "--set", "-s",
+    set_: list[str] | None = typer.Option(None, "--set", "-s",
                                              help="override one field, e.g. --set train.max_steps=200 "
                                                   "--set data.source='~/text/*.txt'; repeatable"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="run directory (default runs/<timestamp>)"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="run directory (default runs/<timestamp>)"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out exactly where it stopped"),
-    init: Optional[Path] = typer.Option(None, "--init",
+    init: Path | None = typer.Option(None, "--init",
                                         help="start from a release checkpoint's weights (continued pretraining)"),
 ) -> None:
     """Pretrain a K3 model. With no arguments: k3-tiny on the Python standard library, ~10 min on a 2-core CPU.

@@ -7,9 +7,9 @@ import pytest
 import torch
 import typer
 import yaml
+from typer.testing import CliRunner
 
 from k3.cli.commands.scaling_fit import scaling_fit
-from typer.testing import CliRunner
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,9 @@ import pytest
 import safetensors.torch
 import torch
 import yaml
+from safetensors import safe_open
+from torch import nn
+
 from k3.model.checkpoint import (
     SAFETENSORS_INDEX,
     CheckpointError,
@@ -17,8 +20,6 @@ from k3.model.checkpoint import (
     validate_state_dict,
 )
 from k3.model.config import K3_FORMAT_VERSION, ModelConfig
-from safetensors import safe_open
-from torch import nn
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

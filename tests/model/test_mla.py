@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from k3.model.cache import MLACache
 from k3.model.config import ModelConfig
 from k3.model.mla import GatedMLA, mla_absorbed_attention

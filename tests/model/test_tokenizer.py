@@ -9,8 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models
 
-from k3.model.tokenizer import (CHAT_TEMPLATE, EOT, IM_END, IM_START, PAD, IncrementalDecoder, K3Tokenizer,
-                                TokenizerError, train_bpe)
+from k3.model.tokenizer import (
+    CHAT_TEMPLATE,
+    EOT,
+    IM_END,
+    IM_START,
+    PAD,
+    IncrementalDecoder,
+    K3Tokenizer,
+    TokenizerError,
+    train_bpe,
+)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 MULTIBYTE = "naïve café — 日本語のテキスト 🙂🚀 e\u0301 Ωμέγα Привет 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u200d👩\u200d💻"

@@ -11,8 +11,17 @@ import torch
 from k3.model.config import ConfigError
 from k3.model.tokenizer import EOT, K3Tokenizer, train_bpe
 from k3.train.config import DataConfig
-from k3.train.data import (BatchLoader, DataError, TokenShard, _FileSource, _make_plan, _split_records,
-                           _StdlibSource, _tokenizer_sample, prepare_data)
+from k3.train.data import (
+    BatchLoader,
+    DataError,
+    TokenShard,
+    _FileSource,
+    _make_plan,
+    _split_records,
+    _StdlibSource,
+    _tokenizer_sample,
+    prepare_data,
+)
 
 V = 300  # small vocab: trains in well under a second
 

@@ -5,6 +5,8 @@ import io
 
 import pytest
 import torch
+from torch import nn
+
 from k3.model.config import ModelConfig
 from k3.model.layers import GatedMLP, RMSNorm
 from k3.train.config import OptimConfig
@@ -19,7 +21,6 @@ from k3.train.optim import (
     qk_clip_model_,
     zeropower_via_newtonschulz5,
 )
-from torch import nn
 
 A, B, C = 3.4445, -4.7750, 2.0315
 

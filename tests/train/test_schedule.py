@@ -5,6 +5,7 @@ import itertools
 import math
 
 import pytest
+
 from k3.model.config import ConfigError
 from k3.train.config import OptimConfig
 from k3.train.schedule import lr_at, mtp_lambda_at, warmup_steps_for

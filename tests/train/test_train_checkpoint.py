@@ -11,10 +11,11 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from k3.model.checkpoint import CheckpointError
 from k3.train.checkpoint import COMPLETE, Checkpointer, load_checkpoint, restore_rng
 from k3.train.config import CheckpointConfig
-from torch import nn
 
 
 def make_model_and_opt():
