@@ -3,19 +3,30 @@ CUDA graphs like the plain decode steps of k3.serve.graphs (serving.md 2.4 and 2
 machinery, shape buckets, graph cap, memory pool and torch.compile option are graphs.StaticGraphs'.
 
 Verify steps (`VerifyGraphs`). A step qualifies when every sequence is a verify sequence (spec, "all" logits, no
-snapshot) of the same T = 1 + drafts tokens, 2 <= T <= 1 + spec_tokens; other steps (mixed lengths, a prefill in
-the batch) run ModelRunner's eager path. Shape (Bb, T, Gb). Per row: T tokens at positions start..start+T-1.
+snapshot) of T_n = 1 + drafts tokens, 2 <= T_n <= 1 + spec_tokens; the lengths may differ (drafts cut near
+max_tokens or max_model_len, a token budget). Other steps (a prefill or a plain decode in the batch) run
+ModelRunner's eager path. Shape (Bb, T, Gb) with T = max T_n; row n holds its T_n tokens at positions
+start..start+T_n-1, then T - T_n padded tokens that are inert for everything kept:
+  - a padded token repeats the row's last real token (token id, position, latent row, src_tok = that token), so
+    its latent write puts the identical value at the identical place (deterministic with duplicate indices; a
+    live = 0 write-back there would race with the real write in the same scatter); its query attends like the last
+    real token and its outputs are dropped;
+  - its per-token KDA slot is -1: the kernel writes nothing there, and the real tokens' states are written before
+    the recurrence reaches it;
+  - its pre-conv inputs exist in the static output, but the commit reads rows < kept <= T_n only.
 - KDA: the conv of each row's T pre-conv inputs starting from its working slot's tails, which are NOT written: the
   static outputs (tail0 [Bb, W-1, C], pre-conv inputs [Bb * T, C]) per KDA layer and projection are what
   `ModelRunner.commit_spec` needs to set the tails (and any snapshot at a boundary) to the accepted length. The
   recurrence runs `fused_recurrent_kda_pool_trusted` with per-token slots [Bb, T] = StatePool.token_slot(slot, t),
   exactly as the runner's eager verify path; padded rows name slot -1 (start from zeros, write nothing).
 - MLA: the latents of all T tokens go into the pages, then `paged_mla_decode` with T queries per row.
-- Outputs: logits [Bb * T, V_] fp32 and the final hidden [Bb * T, D]; the runner keeps (sequences, cu, hidden,
+- Outputs: logits [Bb * T, V_] fp32 and the final hidden [Bb * T, D] (padded layout, row n at n * T). The
+  StepOutput is the eager path's: logits[n] [T_n, V_], hidden [sum T_n, D] of the real rows packed (gathered with
+  the static `real_rows`), cu the packed offsets. The runner keeps (sequences, padded offsets n * T, padded hidden,
   pre-conv inputs) as its `_last` for commit_spec, which writes any snapshot at once (from the per-token states
-  and the pre-conv inputs, as on the eager path) and collects the accepted lengths; once every sequence of the step
-  has one, `VerifyGraphs.commit` sets all working states and conv tails in one batched call (a second small graph
-  per verify shape) instead of ~7 small ops per KDA layer and sequence.
+  and the pre-conv inputs, as on the eager path; it reads rows < kept <= T_n of each row) and collects the accepted
+  lengths; once every sequence of the step has one, `VerifyGraphs.commit` sets all working states and conv tails in
+  one batched call (a second small graph per verify shape) instead of ~7 small ops per KDA layer and sequence.
 
 MTP draft steps (`MTPGraphs`, runner.mtp_step). The recursive drafts bring one pair per sequence, the catch-up call
 1..k+2 pairs (the committed tokens and the first draft pair). Shape (Bb, T, Gb) with T = the longest row; a
@@ -47,22 +58,24 @@ from k3.model.kda import KimiDeltaAttention
 from .graphs import COMMON_BATCHES, MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, bucket, write_and_attend
 from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output
 
-_TOKEN_FIELDS = ("tokens", "kda_slots", "positions", "slot_mapping", "src_tok", "live")  # [N] each
+_TOKEN_FIELDS = ("tokens", "kda_slots", "positions", "slot_mapping", "src_tok", "live", "real_rows")  # [N] each
 _PAIR_FIELDS = ("tokens", "positions", "slot_mapping", "src_tok", "live", "hid_rows")  # [N] each
 _COMMIT_FIELDS = ("slots", "src", "rows", "kept", "live")  # [Bb] each
 
 
 class VerifyBuffers(StaticBuffers):
     """Static inputs of one verify shape (Bb, T, Gb), views of one int64 buffer: per token [N] tokens, kda_slots
-    (per-token state slot, -1 for padded rows), positions, slot_mapping (flat latent row), src_tok (the token whose
-    latent is written at this token's row), live (0 = write back what was read); per row tail_slots [Bb] (conv
-    tails read); block_table [Bb, Gb]. `commit`: the static inputs of the shape's commit function (per row [Bb]:
-    working slot, the state row to copy into it, the row whose conv inputs give its tails, accepted tokens, live);
-    `pre`: the last step's (tail0, pre-conv inputs) per KDA layer and projection, which the commit reads."""
+    (per-token state slot, -1 for padded tokens and rows), positions, slot_mapping (flat latent row), src_tok (the
+    token whose latent is written at this token's row), live (0 = write back what was read), real_rows (the real
+    tokens' rows, packed, then zeros: gathers the StepOutput's hidden); per row tail_slots [Bb] (conv tails read),
+    last_rows [Bb] (each row's last real token); block_table [Bb, Gb]. `commit`: the static inputs of the shape's
+    commit function (per row [Bb]: working slot, the state row to copy into it, the row whose conv inputs give its
+    tails, accepted tokens, live); `pre`: the last step's (tail0, pre-conv inputs) per KDA layer and projection,
+    which the commit reads."""
 
     def __init__(self, Bb: int, T: int, Gb: int, device: torch.device):
         N = Bb * T
-        super().__init__([(name, (N,)) for name in _TOKEN_FIELDS] + [("tail_slots", (Bb,)),
+        super().__init__([(name, (N,)) for name in _TOKEN_FIELDS] + [("tail_slots", (Bb,)), ("last_rows", (Bb,)),
                                                                       ("block_table", (Bb, Gb))], device)
         self.Bb, self.T, self.Gb = Bb, T, Gb
         self.commit = StaticBuffers([(name, (Bb,)) for name in _COMMIT_FIELDS], device)
@@ -88,7 +101,7 @@ class VerifyBatch:
     plus the accepted lengths it collects: once every sequence has one, VerifyGraphs.commit sets them all."""
 
     seqs: list[StepSeq]
-    cu: list[int]  # [B + 1] packed row offsets (multiples of T)
+    cu: list[int]  # [B + 1] row offsets in the padded layout (n * T): row n's first T_n rows are real
     buf: VerifyBuffers
     kept: list[int | None]  # [B] accepted tokens per sequence, None until commit_spec names it
 
@@ -112,20 +125,21 @@ class VerifyGraphs(StaticGraphs):
             raise ValueError("verify graphs need a state pool with speculative scratch states (spec_tokens >= 1)")
 
     def accepts(self, seqs: list[StepSeq]) -> bool:
-        """True when every sequence verifies the same T = 1 + drafts tokens (2 <= T <= 1 + spec_tokens) with "all"
-        logits and no snapshot to write."""
-        if not 0 < len(seqs) <= self.max_seqs:
-            return False
-        T = len(seqs[0].tokens)
-        return 2 <= T <= 1 + self.spec_tokens and all(
-            s.spec and s.logits == "all" and not s.snapshots and len(s.tokens) == T for s in seqs)
+        """True when every sequence verifies T_n = 1 + drafts tokens (2 <= T_n <= 1 + spec_tokens; lengths may
+        differ) with "all" logits and no snapshot to write."""
+        return 0 < len(seqs) <= self.max_seqs and all(
+            s.spec and s.logits == "all" and not s.snapshots and 2 <= len(s.tokens) <= 1 + self.spec_tokens
+            for s in seqs)
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> tuple[StepOutput, tuple] | None:
         """Run one verify step: per-token KDA states into the scratch slots, latents into the pages (the conv tails
         are left to commit_spec). Returns (StepOutput as ModelRunner.step gives for it, the runner's `_last` for
-        commit_spec), or None when this shape must run the eager path."""
-        B, T = len(seqs), len(seqs[0].tokens)
+        commit_spec), or None when this shape must run the eager path. Rows are padded to T = max T_n; the
+        StepOutput holds the real rows only, packed as the eager path's (logits[n] [T_n, V_], hidden [sum T_n, D],
+        cu)."""
+        lens = [len(s.tokens) for s in seqs]  # [B] T_n
+        B, T = len(seqs), max(lens)
         G = max(len(s.block_table) for s in seqs)
         if G > self.max_pages:
             return None
@@ -133,25 +147,29 @@ class VerifyGraphs(StaticGraphs):
         if buf is None:
             return None
         outs = self._launch(buf, self._host_inputs(seqs, buf))
-        n = B * T
-        logits, hidden = outs[0][:n], outs[1][:n]  # [n, V_], [n, D]
+        logits, hidden_pad = outs[0][:B * T], outs[1]  # [B * T, V_], [Bb * T, D] padded layout (row n at n * T)
         if self.capture:
-            logits, hidden = logits.clone(), hidden.clone()  # the static outputs get overwritten
+            logits = logits.clone()  # the static outputs get overwritten by the next replay
         buf.pre = outs[2:]
         pre = {li: [(outs[2 + 6 * li + 2 * c], outs[3 + 6 * li + 2 * c]) for c in range(3)]
                for li in range(len(self.runner.states.state))}
-        cu = list(range(0, n + 1, T))
-        out = StepOutput(logits=[logits[i:i + T] for i in cu[:-1]], hidden_last=hidden[T - 1::T], hidden=hidden,
-                         cu=cu)
-        return out, (VerifyBatch(seqs, cu, buf, [None] * B), hidden, pre)
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+        # gathers (new tensors, so no clone): the real rows packed as on the eager path, each row's last real token
+        out = StepOutput(logits=[logits[n * T:n * T + L] for n, L in enumerate(lens)],
+                         hidden_last=hidden_pad.index_select(0, buf.last_rows[:B]),
+                         hidden=hidden_pad.index_select(0, buf.real_rows[:cu[-1]]), cu=cu)
+        # commit_spec reads the padded layout before the next step (as buf.pre): offsets n * T, the static hidden
+        return out, (VerifyBatch(seqs, list(range(0, B * T + 1, T)), buf, [None] * B), hidden_pad, pre)
 
     @torch.no_grad()
     def commit(self, batch: VerifyBatch) -> None:
-        """Roll every sequence of a graph verify step back to its accepted length (batch.kept, all set) in one call:
-        working state <- the per-token state after token kept - 1, conv tails <- the last W-1 pre-conv inputs up to
-        it (what ModelRunner.commit_spec does per sequence on the eager path, ~7 small ops per KDA layer). On CUDA
-        a graph per verify shape, captured on first use (beyond the graph cap or if capture fails: the same
-        function eagerly)."""
+        """Roll every sequence of a graph verify step back to its own accepted length (batch.kept, all set, 1 <= kept
+        <= T_n) in one call: working state <- the per-token state after token kept - 1, conv tails <- the last W-1
+        pre-conv inputs up to it, real rows only (what ModelRunner.commit_spec does per sequence on the eager path,
+        ~7 small ops per KDA layer). On CUDA a graph per verify shape, captured on first use (beyond the graph cap
+        or if capture fails: the same function eagerly)."""
         buf = batch.buf
         c = buf.commit
         host = self._commit_inputs(batch)
@@ -170,6 +188,9 @@ class VerifyGraphs(StaticGraphs):
         """The commit's inputs as one CPU int64 tensor in `_COMMIT_FIELDS` order; padded rows repeat row 0 (the same
         values written twice to row 0's slot)."""
         B, Bb = len(batch.seqs), batch.buf.Bb
+        if not all(a is not None and 1 <= a <= len(s.tokens) for s, a in zip(batch.seqs, batch.kept)):
+            raise ValueError(f"verify commit: accepted lengths {batch.kept} must lie in 1..T_n "
+                             f"{[len(s.tokens) for s in batch.seqs]} (every sequence committed)")
         slots = [s.slot for s in batch.seqs]
         src = [self.runner.states.token_slot(s.slot, a - 1) for s, a in zip(batch.seqs, batch.kept)]
         pad = Bb - B
@@ -215,29 +236,38 @@ class VerifyGraphs(StaticGraphs):
         buf.kda_slots.fill_(-1)
 
     def _host_inputs(self, seqs: list[StepSeq], buf: VerifyBuffers) -> torch.Tensor:
-        """The step's inputs as one CPU int64 tensor in VerifyBuffers' layout, padded to Bb rows (copies of row 0)
-        and Gb pages, after the checks the trusted kernels no longer make (slots distinct and in range, tokens in
-        the vocabulary, positions inside the block table, page ids inside the pool)."""
+        """The step's inputs as one CPU int64 tensor in VerifyBuffers' layout: row n's T_n real tokens, then T - T_n
+        copies of its last real token (same token, position, latent row and src_tok, so the repeated write puts the
+        same value at the same place) that name no KDA slot; Bb rows (copies of row 0) and Gb pages. The real
+        tokens pass the checks the trusted kernels no longer make first (slots distinct and in range, tokens in the
+        vocabulary, positions inside the block table, page ids inside the pool)."""
         B, T, Gb, ps = len(seqs), buf.T, buf.Gb, self.page_size
         slots = [s.slot for s in seqs]
         if len(set(slots)) != B or not all(0 <= x < self.max_seqs for x in slots):
             raise ValueError(f"verify step: KDA slots must be distinct and in [0, {self.max_seqs}), got {slots}")
-        tokens, kslots, pos, smap, table = [], [], [], [], []
-        for s in seqs:
-            bt = s.block_table
+        tokens, kslots, pos, smap, src, real, last, table = [], [], [], [], [], [], [], []
+        for n, s in enumerate(seqs):
+            L, bt = len(s.tokens), s.block_table
+            if not 1 <= L <= T:
+                raise ValueError(f"verify step: sequence {n} brings {L} tokens, the shape holds 1..{T}")
             if not all(0 <= t < self.vocab for t in s.tokens):
                 raise ValueError(f"verify step: a token of {s.tokens} is outside the vocabulary ({self.vocab})")
-            self.check_table(bt, s.start, s.start + T - 1, "verify step")
-            tokens += s.tokens
-            kslots += [self.runner.states.token_slot(s.slot, t) for t in range(T)]
-            for p in range(s.start, s.start + T):
+            self.check_table(bt, s.start, s.start + L - 1, "verify step")
+            for t in range(T):
+                j = min(t, L - 1)  # tokens past the row's length repeat its last real token
+                p = s.start + j
+                tokens.append(s.tokens[j])
+                kslots.append(self.runner.states.token_slot(s.slot, t) if t < L else -1)
                 pos.append(p)
                 smap.append(bt[p // ps] * ps + p % ps)
+                src.append(n * T + j)
+            real += range(n * T, n * T + L)
+            last.append(n * T + L - 1)
             table += bt + [0] * (Gb - len(bt))  # pages past the sequence are masked (key > position)
-        pad = buf.Bb - B
+        pad, N = buf.Bb - B, buf.Bb * T
         fields = [_pad(tokens, tokens[:T], pad), kslots + [-1] * (T * pad), _pad(pos, pos[:T], pad),
-                  _pad(smap, smap[:T], pad), _pad(list(range(B * T)), list(range(T)), pad), [1] * (buf.Bb * T),
-                  _pad(slots, slots[:1], pad), _pad(table, table[:Gb], pad)]
+                  _pad(smap, smap[:T], pad), _pad(src, src[:T], pad), [1] * N, real + [0] * (N - len(real)),
+                  _pad(slots, slots[:1], pad), _pad(last, last[:1], pad), _pad(table, table[:Gb], pad)]
         return torch.tensor([x for f in fields for x in f], dtype=torch.long)
 
     def verify_forward(self, buf: VerifyBuffers) -> tuple[torch.Tensor, ...]:

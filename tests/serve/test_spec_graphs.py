@@ -1,10 +1,11 @@
 """Speculative fast path (k3.serve.spec_graphs): the static-buffer verify step and MTP draft step, run eagerly on the
 CPU (the functions CUDA captures), equal ModelRunner's eager verify step and mtp_step (logits, hidden, pools after
-commit_spec, snapshots, MTP pages); padded rows and padded pairs touch nothing else; the functions do no host sync;
-an engine speculating through them gives plain greedy output and takes the fast path; on CUDA the captured graphs
-replay the eager steps.
+commit_spec, snapshots, MTP pages), verify steps of mixed lengths included (rows padded to the longest); padded
+rows, padded tokens and padded pairs touch nothing else; the functions do no host sync; an engine speculating
+through them gives plain greedy output and serves every all-verify step on the fast path; on CUDA the captured
+graphs replay the eager steps.
 
-Legend: B sequences in a step, Bb batch bucket, T tokens (pairs) per row, K drafts."""
+Legend: B sequences in a step, Bb batch bucket, T tokens (pairs) per row (T_n: sequence n's), K drafts."""
 
 import copy
 import math
@@ -63,9 +64,11 @@ class _Verifier:
             self.next.append(int(out.logits[0][-1].argmax()))
 
     def batch(self, drafts):
-        """Verify StepSeqs (first token + K drafts); block tables cover [0, start + T) as the engine's _grow."""
-        return [StepSeq(tokens=[t] + d, start=p, slot=s, block_table=bt[:math.ceil((p + T) / PAGE)], logits="all",
-                        spec=True) for t, d, p, s, bt in zip(self.next, drafts, self.pos, self.slots, self.tables)]
+        """Verify StepSeqs (first token + drafts[n], any count); block tables cover [0, start + T_n) as the engine's
+        _grow."""
+        return [StepSeq(tokens=[t] + d, start=p, slot=s, block_table=bt[:math.ceil((p + 1 + len(d)) / PAGE)],
+                        logits="all", spec=True)
+                for t, d, p, s, bt in zip(self.next, drafts, self.pos, self.slots, self.tables)]
 
     def commit(self, out, kept, snaps):
         """commit_spec of every sequence (snaps[n]: its (boundary, entry) list); the next token is the target's at
@@ -88,11 +91,12 @@ def _snapshot_requests(eng, ver, kept, rnd):
     return out
 
 
-def _twin_verify(model_tok, lengths, rounds, capture=False, device="cpu", tol=1e-5):
-    """The same verify steps (random drafts, kept cycling over 1, 2, T) through ModelRunner's eager verify step
+def _twin_verify(model_tok, lengths, rounds, capture=False, device="cpu", tol=1e-5, num_drafts=None):
+    """The same verify steps (random drafts, kept cycling over 1, 2, T_n) through ModelRunner's eager verify step
     (engine A) and the verify fast path (engine B): logits per position, hidden, pools after commit_spec and the
     snapshots it writes agree; in B the step itself touches only the batch's per-token state rows and new latent
-    rows (the conv tails are left to commit_spec). Returns engine B."""
+    rows of its real tokens (the conv tails are left to commit_spec). num_drafts[r][n]: drafts of sequence n in
+    round r (None: K each; unequal counts give a mixed-length step, rows padded to the longest). Returns engine B."""
     eng_a = _engine(model_tok, device=device)
     eng_b = _engine(model_tok, device=device)
     eng_b.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=capture)
@@ -103,21 +107,23 @@ def _twin_verify(model_tok, lengths, rounds, capture=False, device="cpu", tol=1e
     g = torch.Generator().manual_seed(3)
     crossed = 0
     for rnd in range(rounds):
-        drafts = torch.randint(4, 512, (len(lengths), K), generator=g).tolist()
+        counts = [K] * len(lengths) if num_drafts is None else num_drafts[rnd]
+        drafts = [d[:c] for d, c in zip(torch.randint(4, 512, (len(lengths), K), generator=g).tolist(), counts)]
         batch = b.batch(drafts)
+        lens = [1 + c for c in counts]  # T_n
         assert vg.accepts(batch) and not eng_b.runner.graphs.accepts(batch)
         before = _state_tensors(eng_b) + [t.clone() for t in eng_b.pages.kv]
         calls = vg.calls
         out_a, out_b = eng_a.runner.step(a.batch(drafts)), eng_b.runner.step(batch)
         assert vg.calls == calls + 1  # the fast path served it
-        assert out_b.cu == out_a.cu == [n * T for n in range(len(lengths) + 1)]
-        for la, lb in zip(out_a.logits, out_b.logits, strict=True):
-            assert lb.shape == la.shape == (T, eng_a.model.config.vocab_size) and lb.dtype == torch.float32
+        assert out_b.cu == out_a.cu == [sum(lens[:n]) for n in range(len(lengths) + 1)]  # the real rows, packed
+        for la, lb, L in zip(out_a.logits, out_b.logits, lens, strict=True):
+            assert lb.shape == la.shape == (L, eng_a.model.config.vocab_size) and lb.dtype == torch.float32
             torch.testing.assert_close(lb, la, atol=tol, rtol=0)
         torch.testing.assert_close(out_b.hidden, out_a.hidden, atol=tol, rtol=0)
         torch.testing.assert_close(out_b.hidden_last, out_a.hidden_last, atol=tol, rtol=0)
         _check_verify_untouched(eng_b, before, batch)
-        kept = [(1, 2, T)[(rnd + n) % 3] for n in range(len(lengths))]
+        kept = [(1, min(2, L), L)[(rnd + n) % 3] for n, L in enumerate(lens)]
         snaps_a, snaps_b = _snapshot_requests(eng_a, a, kept, rnd), _snapshot_requests(eng_b, b, kept, rnd)
         crossed += sum(map(len, snaps_b))
         a.commit(out_a, kept, snaps_a)
@@ -136,18 +142,19 @@ def _twin_verify(model_tok, lengths, rounds, capture=False, device="cpu", tol=1e
 
 
 def _check_verify_untouched(eng, before, batch):
-    """Bit-identity of every state row outside the batch's per-token slots, of every conv tail, and of every latent
-    row outside the batch's new positions (the MTP layer entirely)."""
+    """Bit-identity of every state row outside the batch's per-token slots (those of padded tokens included), of
+    every conv tail, and of every latent row outside the batch's new positions (the MTP layer entirely)."""
     n_kda = len(eng.states.state)
     after = _state_tensors(eng) + list(eng.pages.kv)
     own = torch.zeros(eng.states.state[0].shape[0], dtype=torch.bool, device=eng.device)
-    own[[eng.states.token_slot(s.slot, t) for s in batch for t in range(T)]] = True
+    own[[eng.states.token_slot(s.slot, t) for s in batch for t in range(len(s.tokens))]] = True
     for x, y in zip(before[:n_kda], after[:n_kda]):
         assert torch.equal(x[~own], y[~own])
     for x, y in zip(before[n_kda:4 * n_kda], after[n_kda:4 * n_kda]):
         assert torch.equal(x, y)  # commit_spec writes the tails
     rows = torch.ones(eng.pages.num_pages * PAGE, dtype=torch.bool, device=eng.device)
-    rows[[s.block_table[p // PAGE] * PAGE + p % PAGE for s in batch for p in range(s.start, s.start + T)]] = False
+    rows[[s.block_table[p // PAGE] * PAGE + p % PAGE for s in batch
+          for p in range(s.start, s.start + len(s.tokens))]] = False
     n_mla = eng.runner.mtp_layer
     for x, y in zip(before[4 * n_kda:4 * n_kda + n_mla], after[4 * n_kda:4 * n_kda + n_mla]):
         assert torch.equal(x.flatten(0, 1)[rows], y.flatten(0, 1)[rows])
@@ -218,6 +225,21 @@ def test_verify_path_equals_eager_verify(model_tok, lengths):
     assert {key[:2] for key in eng.runner.verify_graphs.shapes} == {(bucket(len(lengths), MAX_SEQS), T)}
 
 
+@pytest.mark.parametrize(("lengths", "num_drafts"), [([62, 5], [[2, 1], [3, 1], [1, 3]]),
+                                                     ([62, 130, 5], [[2, 1, 2], [3, 1, 2], [1, 3, 1]])],
+                         ids=["B2", "B3-pad4"])
+def test_mixed_length_verify_path_equals_eager_verify(model_tok, lengths, num_drafts):
+    """Verify steps whose sequences bring different token counts (T_n = [3, 2, 3], [4, 2, 3], [2, 4, 2], ...) run
+    through the fast path, rows padded to the longest (repeated last token, no KDA slot), and equal the eager
+    varlen verify step: per-sequence logits [T_n, V], the real hidden rows, and after commit_spec with kept = 1,
+    between and T_n (short padded rows included) the states, conv tails, latent pages and snapshots; padded tokens
+    touch no scratch state row and no latent row past their row's real tokens."""
+    eng = _twin_verify(model_tok, lengths, rounds=3, num_drafts=num_drafts)
+    vg = eng.runner.verify_graphs
+    Bb = bucket(len(lengths), MAX_SEQS)
+    assert vg.calls == 3 and {key[:2] for key in vg.shapes} == {(Bb, 3), (Bb, 4)}  # T = the step's longest row
+
+
 def test_mtp_path_equals_eager_mtp_step(model_tok):
     _twin_mtp(model_tok)
 
@@ -246,10 +268,27 @@ def test_host_layout_of_padded_rows_and_pairs(model_tok):
     c = buf.commit  # padded commit rows repeat row 0: its slot, source state, conv-input row and kept count
     assert c.slots.tolist() == [3, 1, 3, 3] and c.src.tolist() == [st.token_slot(3, 1), 1] + [st.token_slot(3, 1)] * 2
     assert c.rows.tolist() == [0, 1, 0, 0] and c.kept.tolist() == [2, 1, 2, 2] and c.live.tolist() == [1] * 4
-    # mixed lengths, a plain decode in the batch or too many drafts: the eager path
-    assert not vg.accepts([seqs[0], StepSeq(tokens=[1, 2, 3], start=5, slot=1, block_table=[2], logits="all",
-                                            spec=True)])
+    # mixed lengths: row 0 (2 tokens) padded to T = 3 by repeating its last token, which names no KDA slot;
+    # the StepOutput gathers the real rows (real_rows) and each row's last real one (last_rows)
+    mixed = [seqs[0], StepSeq(tokens=[13, 14, 15], start=5, slot=1, block_table=[2], logits="all", spec=True)]
+    assert vg.accepts(mixed)
+    buf = VerifyBuffers(4, 3, 2, eng.device)
+    buf.ints.copy_(vg._host_inputs(mixed, buf))
+    assert buf.tokens.tolist() == [11, 12, 12, 13, 14, 15] + [11, 12, 12] * 2
+    assert buf.positions.tolist() == [63, 64, 64, 5, 6, 7] + [63, 64, 64] * 2
+    assert buf.kda_slots.tolist() == [3, st.token_slot(3, 1), -1, 1, st.token_slot(1, 1), st.token_slot(1, 2)] + [
+        -1] * 6
+    assert buf.slot_mapping.tolist() == [4 * PAGE + 63, 9 * PAGE, 9 * PAGE, 2 * PAGE + 5, 2 * PAGE + 6,
+                                         2 * PAGE + 7] + [4 * PAGE + 63, 9 * PAGE, 9 * PAGE] * 2
+    assert buf.src_tok.tolist() == [0, 1, 1, 3, 4, 5] + [0, 1, 1] * 2 and buf.live.tolist() == [1] * 12
+    assert buf.real_rows.tolist() == [0, 1, 3, 4, 5] + [0] * 7 and buf.last_rows.tolist() == [1, 5, 1, 1]
+    assert buf.tail_slots.tolist() == [3, 1, 3, 3]
+    buf.commit.ints.copy_(vg._commit_inputs(VerifyBatch(mixed, [0, 3, 6], buf, [2, 3])))
+    assert buf.commit.kept.tolist() == [2, 3, 2, 2]  # each sequence's own accepted length
+    assert buf.commit.src.tolist() == [st.token_slot(3, 1), st.token_slot(1, 2)] + [st.token_slot(3, 1)] * 2
+    # a plain decode or a prefill in the batch, or too many drafts: the eager path
     assert not vg.accepts([seqs[0], StepSeq(tokens=[1], start=5, slot=1, block_table=[2])])
+    assert not vg.accepts([seqs[0], StepSeq(tokens=[1, 2, 3], start=5, slot=1, block_table=[2], logits="last")])
     assert not vg.accepts([StepSeq(tokens=[1] * (K + 2), start=5, slot=1, block_table=[2], logits="all", spec=True)])
     with pytest.raises(ValueError, match="distinct"):
         vg._host_inputs([seqs[0], seqs[0]], buf)
@@ -354,11 +393,40 @@ def test_engine_speculating_through_the_fast_path_equals_plain_greedy(model_tok)
     assert m.get("k3:prefix_cache_hits") > 0
 
 
+def test_engine_mixed_draft_counts_take_the_fast_path(model_tok):
+    """k = 3 at batch > 1 with max_tokens that cut the drafts near each request's end, once all admitted together and
+    once joining a running batch: greedy output equals the non-speculative engine's, and every all-verify step,
+    mixed draft counts included, is served by the verify fast path (none runs eagerly)."""
+    for lens, max_tokens, seed, stagger in (([21, 42, 15, 12, 45], (7, 9, 7, 6, 14), 1, False),
+                                            ([29, 64, 59, 69], (13, 6, 10, 11), 2, True)):
+        prompts = _prompts(lens, seed=seed)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        plain = _serve(_engine(model_tok, k=0), prompts, params, stagger)
+        eng = _engine(model_tok, k=3)
+        eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
+        vg, runner_step = eng.runner.verify_graphs, eng.runner.step
+        steps = []  # per all-verify step: (distinct token counts, batch size, steps the fast path served)
+
+        def counting_step(seqs, vg=vg, runner_step=runner_step, steps=steps):
+            calls = vg.calls
+            out = runner_step(seqs)
+            if all(s.spec for s in seqs):
+                steps.append((len({len(s.tokens) for s in seqs}), len(seqs), vg.calls - calls))
+            return out
+
+        eng.runner.step = counting_step
+        assert _serve(eng, prompts, params, stagger) == plain
+        mixed = [st for st in steps if st[0] > 1]
+        assert len(mixed) >= 1 and all(b > 1 for _, b, _ in mixed)  # the case this fast path exists for
+        assert [served for *_, served in steps] == [1] * len(steps)  # eager all-verify steps: 0
+
+
 def _serve(eng, prompts, params, stagger=True):
-    """Submit one prompt per engine step when staggered; {prompt index: token ids}."""
+    """Submit one prompt per engine step when staggered; params: one SamplingParams or one per prompt;
+    {prompt index: token ids}."""
     out = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        eng.submit(p, params, lambda ev, i=i: out[i].extend(ev.token_ids))
+        eng.submit(p, params[i] if isinstance(params, list) else params, lambda ev, i=i: out[i].extend(ev.token_ids))
         if stagger:
             eng.step()
     while eng.has_work():
@@ -367,10 +435,13 @@ def _serve(eng, prompts, params, stagger=True):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lengths", [[62], [62, 130, 5]], ids=["B1", "B3-pad4"])
-def test_cuda_verify_graph_replay_equals_eager(model_tok, lengths):
+@pytest.mark.parametrize(("lengths", "num_drafts"), [([62], None), ([62, 130, 5], None),
+                                                     ([62, 130, 5], [[2, 1, 2], [3, 1, 2], [1, 3, 1]])],
+                         ids=["B1", "B3-pad4", "B3-pad4-mixed"])
+def test_cuda_verify_graph_replay_equals_eager(model_tok, lengths, num_drafts):
     model, tok = model_tok
-    eng = _twin_verify((copy.deepcopy(model), tok), lengths, rounds=3, capture=True, device="cuda", tol=1e-4)
+    eng = _twin_verify((copy.deepcopy(model), tok), lengths, rounds=3, capture=True, device="cuda", tol=1e-4,
+                       num_drafts=num_drafts)
     vg = eng.runner.verify_graphs
     assert vg.num_graphs >= 1 and all(b.graph is not None and not b.failed for b in vg.shapes.values())
     assert all(b.commit.graph is not None for b in vg.shapes.values())  # the batched rollback replays too
