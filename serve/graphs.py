@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -197,6 +198,7 @@ class StaticGraphs:
         fn, inert = fn or self.forward, inert or self.fill_inert
         inert(buf)
         dev = self.runner.device
+        t0 = time.monotonic()
         try:
             with torch.cuda.device(dev), torch.no_grad():
                 side = torch.cuda.Stream()
@@ -213,6 +215,8 @@ class StaticGraphs:
             buf.graph = graph
             self.num_graphs += 1
             self.budget.used += 1
+            log.info("captured the %s graph of shape %s in %.1f s%s", self.kind, key, time.monotonic() - t0,
+                     " (compiled)" if fn == self.forward and self._compiled_fn is not None else "")
         except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
             buf.failed, buf.graph, buf.outputs = True, None, None
             log.warning("%s CUDA graph capture failed for shape %s (%s: %s); that shape runs eagerly from now on",

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,8 @@ from .protocol import (
     usage,
 )
 from .request import SeqEvent
+
+log = logging.getLogger("k3.serve")
 
 
 @dataclass
@@ -540,12 +544,21 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = None if cfg.dtype == "auto" and dev != "cpu" else ("float32" if cfg.dtype == "auto" else cfg.dtype)
+        log.info("loading %s on %s", cfg.ckpt, dev)
         model, _ = load_model(cfg.ckpt, device=dev, dtype=dtype)
         tok = K3Tokenizer.from_file(cfg.ckpt)
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info("loaded %.1fM parameters (%s) in %.1f s; warming up%s", n_params / 1e6,
+                 next(model.parameters()).dtype, time.monotonic() - t0,
+                 " (CUDA graphs%s)" % (", compiled: minutes" if cfg.compile_decode else "")
+                 if dev.startswith("cuda") and cfg.cuda_graphs else "")
         attach_engine(state, Engine(model, tok, cfg, state.metrics), ChatTemplate(tok, cfg.ckpt))
         state.metrics.set("k3:time_to_ready_seconds", time.monotonic() - t0)
+        log.info("ready in %.1f s: http://%s:%d/v1 (model %r)", time.monotonic() - t0, cfg.host, cfg.port,
+                 state.model_name)
     except Exception as e:
         state.load_error = f"{type(e).__name__}: {e}"
+        log.error("loading failed: %s", state.load_error)
         raise
 
 
@@ -600,9 +613,21 @@ def make_state(cfg: ServeConfig) -> ServerState:
     return ServerState(cfg=cfg, model_name=name, metrics=Metrics(name))
 
 
+def _startup_log(level: str) -> None:
+    """Progress lines of the k3.serve logger (loading, warm-up and graph captures, ready) on stderr, at INFO unless
+    the uvicorn log level asks for less (error, critical)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("k3 serve: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if level.lower() in ("trace", "debug", "info", "warning") else logging.ERROR)
+
+
 def run_server(cfg: ServeConfig) -> None:
     """Serve `cfg.ckpt` until interrupted: HTTP comes up at once (503 on /health), the model loads and warms in
-    the background, then /health turns 200; SIGTERM drains (module docstring)."""
+    the background, then /health turns 200; SIGTERM drains (module docstring). Startup progress goes to stderr."""
+    _startup_log(cfg.log_level)
     if not Path(cfg.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {cfg.ckpt}; pass a release directory "
                                 "(e.g. runs/<name>/final)")

@@ -51,3 +51,5 @@ def test_serve_process_end_to_end(ckpt):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    log = proc.stdout.read().decode()
+    assert "k3 serve: loading" in log and "k3 serve: ready in" in log, log  # startup progress on stderr
