@@ -38,6 +38,8 @@ def serve(
     cpu_small_step_threads: int = typer.Option(1, "--cpu-small-step-threads", min=0,
                                                help="CPU only: intra-op threads for steps of <= 64 tokens (decode); "
                                                     "0 = torch's default (try it for large models on many cores)"),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level (critical, error, warning, "
+                                  "info, debug, trace); k3's startup progress lines show unless error or critical"),
     cuda_graph_batches: str = typer.Option("1,8,32", "--cuda-graph-batches", help="batch sizes whose CUDA graphs are "
                                            "captured (and with --compile-decode compiled) before the server reports "
                                            "ready, comma-separated; other sizes are captured on first use"),
@@ -56,6 +58,9 @@ def serve(
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated positive batch sizes such as 1,8,32, got "
                                  f"{cuda_graph_batches!r}", param_hint="--cuda-graph-batches") from None
+    if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise typer.BadParameter(f"unknown log level {log_level!r}; use critical, error, warning, info, debug or "
+                                 "trace", param_hint="--log-level")
     keys = list(api_key or [])
     if not keys and os.environ.get("K3_API_KEY"):
         keys = [os.environ["K3_API_KEY"]]
@@ -66,4 +71,4 @@ def serve(
                            enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
                            num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
                            compile_decode=compile_decode, cpu_small_step_threads=cpu_small_step_threads,
-                           cuda_graph_batches=graph_batches))
+                           cuda_graph_batches=graph_batches, log_level=log_level))
