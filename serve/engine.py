@@ -199,9 +199,10 @@ class Engine:
                                      ignore_eos=True, logprobs=2, presence_penalty=0.5, prompt_logprobs=1)
             L = min(self.block_size + 3, self.max_model_len - 4)
             bos = self.tok.bos_id
+            # first: a shape the generate calls below meet would be captured plain (uncompiled, k3.serve.graphs)
+            self.runner.capture_decode_graphs(self.cfg.cuda_graph_batches)  # CUDA graphs on: before /health is 200
             for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
                 self.generate(prompt, p, n=2)
-            self.runner.capture_decode_graphs(self.cfg.cuda_graph_batches)  # CUDA graphs on: before /health is 200
             self.reset_prefix_cache()
         finally:
             self.record_metrics = True

@@ -348,3 +348,22 @@ def test_compile_applies_to_warmup_shapes_only(model_tok, monkeypatch):
     g.capture_common((1,))
     g._buffers(2, 1)
     assert used[(1, 1)] == g._compiled and used[(2, 1)] == g.decode_forward
+
+
+def test_warmup_compiles_its_shapes_before_serving_any(model_tok, monkeypatch):
+    """Engine.warmup captures the configured batch sizes first, so with compile_decode those shapes are the compiled
+    ones, although the warm-up's own requests (n = 2) decode at batch 2 too (a shape first met by a step is captured
+    plain). Captures are recorded, then marked failed so the steps run eagerly on this CPU."""
+    eng = _engine(model_tok, cuda_graph_batches=[1, 2])
+    eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
+    g, used = eng.runner.graphs, {}
+
+    def fake_capture(buf, key, fn=None, inert=None):
+        used.setdefault(key, fn or g.forward)
+        buf.failed = True
+
+    monkeypatch.setattr(g, "capture", True)
+    monkeypatch.setattr(g, "_capture", fake_capture)
+    eng.warmup()
+    g1 = g.page_bucket(1)
+    assert used[(1, g1)] == g._compiled and used[(2, g1)] == g._compiled
