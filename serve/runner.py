@@ -97,7 +97,9 @@ class ModelRunner:
         k3.serve.graphs (batch buckets up to the state pool's slots, page buckets up to `max_pages`); `capture`
         records CUDA graphs (CUDA only), else the same function runs eagerly (CPU tests); `compile` runs it through
         torch.compile first. With `spec` and a pool that holds speculative scratch states (and an MTP head), verify
-        steps and MTP draft steps get the same treatment (k3.serve.spec_graphs), sharing the graph pool and cap."""
+        steps and MTP draft steps get the same treatment (k3.serve.spec_graphs), sharing the graph pool and cap;
+        `compile` covers the verify steps (a whole-model forward like decode) but not the MTP draft calls (one
+        layer, yet k + 2 lengths per batch size: compiling them would add minutes of startup for little)."""
         from .graphs import DecodeGraphs  # graphs imports this module's helpers
 
         self.graphs = DecodeGraphs(self, max_pages, capture=capture, compile=compile)
@@ -105,9 +107,9 @@ class ModelRunner:
         if spec and self.states.spec_tokens and self.model.mtp is not None and len(self.pages.kv) > self.mtp_layer:
             from .spec_graphs import MTPGraphs, VerifyGraphs
 
-            kw = {"capture": capture, "compile": compile, "budget": self.graphs.budget}
-            self.verify_graphs = VerifyGraphs(self, max_pages, **kw)
-            self.mtp_graphs = MTPGraphs(self, max_pages, **kw)
+            kw = {"capture": capture, "budget": self.graphs.budget}
+            self.verify_graphs = VerifyGraphs(self, max_pages, compile=compile, **kw)
+            self.mtp_graphs = MTPGraphs(self, max_pages, compile=False, **kw)
 
     def capture_decode_graphs(self, batches=None) -> None:
         """Capture the decode (and verify / MTP draft) buckets of `batches` now (engine warmup, before /health turns

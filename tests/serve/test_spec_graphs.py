@@ -453,3 +453,12 @@ def test_cuda_mtp_graph_replay_equals_eager(model_tok):
     eng = _twin_mtp((copy.deepcopy(model), tok), capture=True, device="cuda", tol=1e-4)
     mg = eng.runner.mtp_graphs
     assert mg.num_graphs >= 3 and all(b.graph is not None and not b.failed for b in mg.shapes.values())
+
+
+def test_compile_covers_verify_not_mtp_graphs(model_tok):
+    """compile_decode compiles the verify step (a whole-model forward) but not the MTP draft calls (one layer, k + 2
+    lengths per batch size: minutes of startup for little)."""
+    eng = _engine(model_tok)
+    eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
+    assert eng.runner.graphs._compiled_fn is not None and eng.runner.verify_graphs._compiled_fn is not None
+    assert eng.runner.mtp_graphs._compiled_fn is None
