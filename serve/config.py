@@ -47,7 +47,8 @@ class ServeConfig:
     compile_decode: bool = False  # torch.compile each graph-captured step before its capture (fused kernels: k3-small
     #                               decode at batch 1 went 7.1 -> 2.5 ms/step on an H200, 2026-11-29), at the cost of
     #                               one to two minutes of compilation per captured shape at startup (every batch
-    #                               bucket warmed up; with speculation also its verify shape; MTP draft graphs stay uncompiled), so off by default
+    #                               bucket warmed up; with speculation also its verify shape; MTP draft graphs stay
+    #                               uncompiled), so off by default
     log_level: str = "warning"  # uvicorn log level
 
     def __post_init__(self) -> None:
