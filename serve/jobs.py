@@ -1,0 +1,308 @@
+"""Request jobs of `k3 serve` (k3.serve.server): one HTTP request's sequences from submission to the response,
+streamed (SSE in OpenAI's chunk format) or collected, and the hand-over of engine events to the event loop.
+
+The engine thread emits one SeqEvent per sequence per step; `Delivery` moves them to the requests' asyncio queues
+with one loop wake-up per burst; `Job.events` yields them (None = an SSE ping after sse_ping_interval_s of
+silence) and notices a client that disconnected, which aborts its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .engine import EngineDead, QueueFull
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    merge_completion_logprobs,
+    now,
+    usage,
+)
+from .request import SeqEvent
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+class Delivery:
+    """Hands engine events to the event loop's per-request queues with one loop wake-up per burst: the engine thread
+    emits one event per running sequence each step, and waking the loop once per event (call_soon_threadsafe
+    writes to the loop's self-pipe every time) cost a system call and a callback per token at high concurrency."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, SeqEvent]] = []
+
+    def put(self, queue: asyncio.Queue, ev: SeqEvent) -> None:  # engine thread
+        with self.lock:
+            self.pending.append((queue, ev))
+            wake = len(self.pending) == 1  # the first of a burst schedules the drain; the rest ride along
+        if wake:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # event loop
+        with self.lock:
+            items, self.pending = self.pending, []
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
+def sse_response(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Job:
+    """One HTTP request's sequences: submission, the event queue, abort on disconnect, response assembly."""
+
+    def __init__(self, state: ServerState, request: Request, rid: str):
+        self.state, self.request, self.rid = state, request, rid
+        self.engine = state.engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.seq_ids: list[str] = []
+        self.n_seqs = 0
+        self.created = now()
+        self.fmt = LogprobFormatter(self.engine.tok)
+        if state.delivery is None or state.delivery.loop is not self.loop:
+            state.delivery = Delivery(self.loop)
+        self.delivery = state.delivery
+
+    def _sink(self, ev: SeqEvent) -> None:  # engine thread
+        self.delivery.put(self.queue, ev)
+
+    def submit(self, id_lists: list[list[int]], params: list, n: int) -> None:
+        try:
+            for k, (ids, p) in enumerate(zip(id_lists, params)):
+                self.seq_ids += self.engine.submit(ids, p, self._make_sink(k * n), n=n, request_id=f"{self.rid}-{k}")
+                self.n_seqs += n
+        except QueueFull as e:
+            self.abort()
+            self.state.metrics.inc("k3:requests_rejected", reason="queue_full")
+            raise APIError(503, f"server busy: {e}; retry later", type_="unavailable_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except EngineDead as e:
+            self.abort()
+            raise APIError(503, str(e), type_="unavailable_error", code="engine_dead") from None
+        except ValueError as e:
+            self.abort()
+            raise APIError(400, str(e), code="invalid_parameter") from None
+
+    def _make_sink(self, offset: int):
+        def sink(ev: SeqEvent) -> None:
+            ev.index += offset  # choice index across prompts x n
+            self._sink(ev)
+        return sink
+
+    def abort(self) -> None:
+        if self.seq_ids:
+            self.engine.abort(self.seq_ids)
+
+    async def events(self):
+        """Engine events until every sequence finished; None (an SSE ping) when nothing arrived for
+        sse_ping_interval_s. Raises ClientGone when the client disconnected."""
+        left = self.n_seqs
+        ping = self.state.cfg.sse_ping_interval_s
+        idle = 0.0
+        while left:
+            try:  # an event already queued needs no wait (wait_for costs a timer, and a task before Python 3.12)
+                ev = self.queue.get_nowait() if not self.queue.empty() else \
+                    await asyncio.wait_for(self.queue.get(), timeout=min(ping, 0.5))
+            except TimeoutError:
+                if await self.request.is_disconnected():
+                    raise ClientGone() from None
+                idle += min(ping, 0.5)
+                if idle >= ping:
+                    idle = 0.0
+                    yield None
+                continue
+            idle = 0.0
+            if ev.finish_reason is not None:
+                left -= 1
+            yield ev
+
+    # ---------------------------------------------------------------------------------------------- non-streaming
+
+    async def _collect(self) -> dict[int, list[SeqEvent]]:
+        by_index: dict[int, list[SeqEvent]] = {}
+        try:
+            async for ev in self.events():
+                if ev is None:
+                    continue
+                if ev.error:
+                    raise APIError(500, ev.error, type_="server_error")
+                by_index.setdefault(ev.index, []).append(ev)
+        except ClientGone:
+            self.abort()
+            raise APIError(499, "client closed the request", code="client_closed_request") from None
+        except BaseException:
+            self.abort()
+            raise
+        return by_index
+
+    def _usage(self, by_index: dict[int, list[SeqEvent]], n_prompts: int) -> dict:
+        firsts = [evs[-1] for _, evs in sorted(by_index.items())]
+        n = max(1, len(firsts) // max(1, n_prompts))
+        prompt = sum(e.num_prompt_tokens for e in firsts[::n])
+        cached = sum(e.num_cached_tokens for e in firsts[::n])
+        return usage(prompt, sum(e.num_output_tokens for e in firsts), cached)
+
+    async def collect_completion(self, req: CompletionRequest, prompts, id_lists) -> dict:
+        by_index = await self._collect()
+        choices = []
+        for i, evs in sorted(by_index.items()):
+            k = i // req.n
+            text = "".join(e.text for e in evs)
+            lp = None
+            if req.logprobs is not None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                if req.echo:
+                    lp = self._prompt_logprobs(evs[0], id_lists[k])
+                start = sum(len(t) for t in lp["tokens"])
+                lp = merge_completion_logprobs(lp, self.fmt.completion([x for e in evs for x in (e.logprobs or [])],
+                                                                       start))
+            if req.echo:
+                text = self._prompt_text(prompts[k], id_lists[k]) + text
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(evs[-1])})
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.state.model_name,
+                "choices": choices, "usage": self._usage(by_index, len(id_lists))}
+
+    def _prompt_text(self, prompt, ids) -> str:
+        """Echoed prompt: the decoded prompt ids, special tokens (the BOS added to string prompts) included, so
+        text_offset indexes the returned text."""
+        return self.engine.tok.decode(ids)
+
+    def _prompt_logprobs(self, first: SeqEvent, ids: list[int]) -> dict:
+        lp = self.fmt.first_prompt(ids[0])
+        rest = self.fmt.completion((first.prompt_logprobs or [])[1:], len(lp["tokens"][0]))
+        return merge_completion_logprobs(lp, rest)
+
+    @staticmethod
+    def _echo_prefix(req: ChatRequest) -> str:
+        """vLLM's chat `echo`: the reply is prefixed with the last message when that message is the assistant's
+        (the turn being continued, e.g. with continue_final_message); otherwise nothing."""
+        if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+            return ""
+        content = req.messages[-1].content
+        if isinstance(content, list):  # content parts: their text, in order
+            return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        return content or ""
+
+    async def collect_chat(self, req: ChatRequest) -> dict:
+        by_index = await self._collect()
+        choices = []
+        echo = self._echo_prefix(req)
+        for i, evs in sorted(by_index.items()):
+            lp = None
+            if req.logprobs:
+                lp = {"content": self.fmt.chat([x for e in evs for x in (e.logprobs or [])])}
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                    "content": echo + "".join(e.text for e in evs)},
+                            "logprobs": lp, "finish_reason": _reason(evs[-1])})
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
+                "choices": choices, "usage": self._usage(by_index, 1)}
+
+    # ---------------------------------------------------------------------------------------------- streaming
+
+    async def _stream(self, req, chunk_fn, first_fn=None):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+        last: dict[int, SeqEvent] = {}
+        try:
+            if first_fn is not None:
+                for c in first_fn():
+                    yield _data({**c, **extra})
+            async for ev in self.events():
+                if ev is None:
+                    yield ": ping\n\n"
+                    continue
+                if ev.error:
+                    yield _data({"error": APIError(500, ev.error, type_="server_error").body()["error"]})
+                    break
+                last[ev.index] = ev
+                for c in chunk_fn(ev):
+                    yield _data({**c, **extra})
+            if include_usage:
+                u = self._usage({i: [e] for i, e in last.items()}, getattr(self, "_n_prompts", 1))
+                yield _data({**self._chunk_head(), "choices": [], "usage": u})
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            self.abort()
+        except BaseException:
+            self.abort()  # client gone (cancelled) or failure: free the slots now
+            raise
+
+    def _chunk_head(self) -> dict:
+        obj = "chat.completion.chunk" if self.rid.startswith("chatcmpl") else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.state.model_name}
+
+    def stream_completion(self, req: CompletionRequest, prompts, id_lists):
+        self._n_prompts = len(id_lists)
+        offsets: dict[int, int] = {}
+
+        def chunks(ev: SeqEvent):
+            k = ev.index // req.n
+            first = ev.index not in offsets
+            text, lp = ev.text, None
+            if req.echo and first:
+                text = self._prompt_text(prompts[k], id_lists[k]) + text
+            if req.logprobs is not None:
+                lp = self._prompt_logprobs(ev, id_lists[k]) if (req.echo and first) else None
+                start = offsets.get(ev.index, 0) + (sum(len(t) for t in lp["tokens"]) if lp else 0)
+                gen = self.fmt.completion(ev.logprobs or [], start)
+                lp = merge_completion_logprobs(lp, gen) if lp else gen
+                offsets[ev.index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
+            else:
+                offsets[ev.index] = 0
+            if not text and lp is None and ev.finish_reason is None:
+                return []
+            return [{**self._chunk_head(), "choices": [{"index": ev.index, "text": text, "logprobs": lp,
+                                                         "finish_reason": _reason(ev)}]}]
+
+        return self._stream(req, chunks)
+
+    def stream_chat(self, req: ChatRequest):
+        echo = self._echo_prefix(req)
+
+        def first():
+            return [{**self._chunk_head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": echo},
+                                                        "logprobs": None, "finish_reason": None}]}
+                    for i in range(req.n)]
+
+        def chunks(ev: SeqEvent):
+            out = []
+            lp = {"content": self.fmt.chat(ev.logprobs)} if req.logprobs and ev.logprobs else None
+            if ev.text or lp is not None:
+                out.append({**self._chunk_head(), "choices": [{"index": ev.index, "delta": {"content": ev.text},
+                                                               "logprobs": lp, "finish_reason": None}]})
+            if ev.finish_reason is not None:
+                out.append({**self._chunk_head(), "choices": [{"index": ev.index, "delta": {}, "logprobs": None,
+                                                               "finish_reason": _reason(ev)}]})
+            return out
+
+        return self._stream(req, chunks, first)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its request finished."""
+
+
+def _reason(ev: SeqEvent) -> str | None:
+    if ev.finish_reason in (None, "stop", "length"):
+        return ev.finish_reason
+    return "abort"
+
+
+# ---------------------------------------------------------------------------------------------- startup
