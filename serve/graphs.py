@@ -64,7 +64,7 @@ from .runner import (
 log = logging.getLogger("k3.serve")
 
 MAX_GRAPHS = 64  # captured graphs at most, decode + verify + MTP together (they share one memory pool); beyond: eager
-COMMON_BATCHES = (1, 8, 32)  # batch buckets captured by Engine.warmup (those <= max_num_seqs), smallest page bucket
+COMMON_BATCHES = (1, 8, 32)  # capture_common's default batches (the engine passes ServeConfig.cuda_graph_batches)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, Triton compilation, MoE probe)
 _FIELDS = ("tokens", "kda_slots", "tail_slots", "src_rows", "live", "positions", "slot_mapping")
 
