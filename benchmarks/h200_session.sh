@@ -9,7 +9,8 @@
 #            (registers, spills), the k3-small training step by kernel (top kernels by name)
 #   serve1:  CUDA serving tests (decode / verify / MTP graphs, compiled decode, --cuda-graph-batches) in the
 #            background while k3 pretrain --preset small trains STEPS steps; then benchmarks/serve.py on that trained
-#            checkpoint: concurrency 1, the 2k-token prefix hit, the MTP speculative row (k = 2)
+#            checkpoint: concurrency 1, the 2k-token prefix hit, the MTP speculative row (k = 2); then the paged MLA
+#            decode kernel, single pass vs split keys (flash-decoding)
 #   serve2:  the compiled server (--compile-decode --cuda-graph-batches 1 32) against the Hugging Face anchors at
 #            batch 1 and 32 through HTTP (random weights), then the compiled engine step at batch 32
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
@@ -28,7 +29,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | t
 
 case "$MODE" in
 kernels)
-  timeout 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py -q \
+  timeout 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+    tests/kernels/test_mla_decode.py -q \
     -p no:cacheprovider -n 4 > "$OUT/ktests.log" 2>&1
   echo "kernel tests rc=$?"; tail -3 "$OUT/ktests.log"
   timeout 240 python3 benchmarks/kda.py --intra chunk rows --bwd-inter-bk 256 64 > "$OUT/kda.log" 2>&1
@@ -58,6 +60,8 @@ serve1)
       > "$OUT/serve1.log" 2>&1
     echo "serve rc=$?"; grep -v "Warn\|warn" "$OUT/serve1.log" | tail -12
   fi
+  timeout 45 python3 benchmarks/mla_decode.py --split-keys 256 512 > "$OUT/mla.log" 2>&1
+  echo "mla rc=$?"; cat "$OUT/mla.log"
   ;;
 serve2)
   timeout 360 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \

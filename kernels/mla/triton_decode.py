@@ -10,6 +10,12 @@ Per sequence: rows m = t * H + h; key blocks j0 = 0, 64, ... up to max_t qpos + 
   s = scale (q_lat c_kv^T + q_rope k_rope^T) [BM, BS] fp32, masked to min_key <= j <= qpos[row];
   running max m, normaliser l and accumulator acc [BM, BC] fp32 (online softmax, Milakov & Gimelshein 2018);
   o_lat = acc / l, stored in q's dtype.
+Split keys (flash-decoding, Dao et al. 2023 "Flash-Decoding for long-context inference"): with few sequences and
+long contexts one program per sequence leaves most SMs idle, so the keys of each sequence can be split into S
+ranges of KPS keys (a multiple of 64) over a grid (N, S); each program writes its partial (m, l, acc) to an fp32
+workspace, and a combine step (PyTorch ops: M = max_s m_s, o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s)
+forms o_lat. S is a function of the static shapes (N and the block-table width), so CUDA graphs capture it; it is
+1 (the single pass above) unless LAUNCH["split_keys"] is set, untimed yet.
 The twin is naive.paged_mla_decode_torch (gather + one fp32 softmax).
 """
 
@@ -23,13 +29,19 @@ from ..dispatch import check_device
 from .naive import _check, paged_mla_decode_torch
 
 BLOCK_KEYS = 64
+# split_keys: 0 = one program per sequence (measured: 4-10x the gather twin on an H200); N = split a sequence's keys
+# into ranges of N keys (a multiple of 64) when there are fewer than `split_below` sequences (benchmarks/mla_decode.py
+# --split-keys compares). Off until timed.
+LAUNCH: dict[str, int] = {"split_keys": 0, "split_below": 32}
 
 
 @triton.jit
-def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, scale, min_key, G, T: tl.constexpr, H: tl.constexpr,
-                      C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                      BR: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, ws_m, ws_l, ws_acc, scale, min_key, G, KPS,
+                      T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr,
+                      BM: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+                      SPLIT: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1).to(tl.int64)  # key range [i_s * KPS, (i_s + 1) * KPS) with SPLIT, else all keys
     scale = tl.full([], scale, tl.float32)  # fp64 when launched by inductor (torch.compile of the decode step)
     o_m = tl.arange(0, BM)
     m_row = o_m < T * H
@@ -50,10 +62,14 @@ def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, scale, min_key, G, T: tl.c
     b_acc = tl.zeros([BM, BC], dtype=tl.float32)
     o_s = tl.arange(0, BS)
     j0 = 0
-    while j0 < n_keys:  # while, not range(): Triton's interpreter cannot range() over a runtime scalar
+    j_end = n_keys
+    if SPLIT:
+        j0 = i_s * KPS
+        j_end = tl.minimum(n_keys, j0 + KPS)
+    while j0 < j_end:  # while, not range(): Triton's interpreter cannot range() over a runtime scalar
         page = tl.load(bt + i_n * G + j0 // PS).to(tl.int64)
         key = j0 + o_s  # [BS] absolute key positions
-        m_key = key < n_keys
+        m_key = key < j_end
         p_kv = (page * PS + (j0 % PS) + o_s[:, None]) * (C + R)
         b_ckv = tl.load(kv + p_kv + o_c[None, :], mask=m_key[:, None] & m_c[None, :], other=0.0)  # [BS, BC]
         b_s = tl.dot(b_q, tl.trans(b_ckv.to(b_q.dtype)), input_precision=PREC)
@@ -70,9 +86,25 @@ def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, scale, min_key, G, T: tl.c
         b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_ckv.dtype), b_ckv, input_precision=PREC).to(tl.float32)
         b_m = m_new
         j0 += BS
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(o + (i_n * T * H + o_m[:, None]) * C + o_c[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_row[:, None] & m_c[None, :])
+    if SPLIT:  # partial results of this key range, combined outside (rows without keys here: m = -inf, l = 0)
+        w = (i_n * tl.num_programs(1) + i_s) * BM + o_m  # [BM] workspace rows
+        tl.store(ws_m + w, b_m)
+        tl.store(ws_l + w, b_l)
+        tl.store(ws_acc + w[:, None] * BC + o_c[None, :], b_acc)
+    else:
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        tl.store(o + (i_n * T * H + o_m[:, None]) * C + o_c[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_row[:, None] & m_c[None, :])
+
+
+def num_splits(N: int, G: int, PS: int) -> tuple[int, int]:
+    """(S, keys per split) for N sequences over block tables of G pages of PS keys: (1, 0) = single pass. A function
+    of the static shapes only, so a captured graph keeps its split."""
+    kps = LAUNCH["split_keys"]
+    if not kps or N >= LAUNCH["split_below"] or kps % BLOCK_KEYS:
+        return 1, 0
+    S = triton.cdiv(G * PS, kps)
+    return (S, kps) if S > 1 else (1, 0)
 
 
 def paged_mla_decode_triton(q_lat_NTHC: torch.Tensor, q_rope_NTHR: torch.Tensor, kv_pool_PSX: torch.Tensor,
@@ -99,8 +131,23 @@ def paged_mla_decode_triton(q_lat_NTHC: torch.Tensor, q_rope_NTHR: torch.Tensor,
     if N == 0 or T == 0:
         return o
     BM = max(16, triton.next_power_of_2(T * H))
-    _paged_mla_kernel[(N,)](q, qr, kv, bt, pos, o, float(scale), int(min_key), bt.shape[1], T=T, H=H, C=C, R=R, PS=PS,
-                            BM=BM, BC=max(16, triton.next_power_of_2(C)), BR=max(16, triton.next_power_of_2(max(R, 1))),
-                            BS=BLOCK_KEYS, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                            num_warps=4 if C <= 256 else 8)
+    BC = max(16, triton.next_power_of_2(C))
+    S, kps = num_splits(N, bt.shape[1], PS)
+    ws_m = ws_l = ws_acc = o  # placeholders when not split (never dereferenced: SPLIT is a constexpr)
+    if S > 1:
+        f32 = torch.float32
+        ws_m = torch.empty(N, S, BM, dtype=f32, device=q.device)
+        ws_l = torch.empty(N, S, BM, dtype=f32, device=q.device)
+        ws_acc = torch.empty(N, S, BM, BC, dtype=f32, device=q.device)
+    _paged_mla_kernel[(N, S)](q, qr, kv, bt, pos, o, ws_m, ws_l, ws_acc, float(scale), int(min_key), bt.shape[1], kps,
+                              T=T, H=H, C=C, R=R, PS=PS, BM=BM, BC=BC, BR=max(16, triton.next_power_of_2(max(R, 1))),
+                              BS=BLOCK_KEYS, PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=S > 1,
+                              num_warps=4 if C <= 256 else 8)
+    if S > 1:  # combine the key ranges: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s
+        M = ws_m.amax(dim=1, keepdim=True)  # [N, 1, BM]
+        w = torch.exp(ws_m - torch.where(M == float("-inf"), 0.0, M))  # [N, S, BM]; empty ranges weigh 0
+        num = (w[..., None] * ws_acc).sum(1)  # [N, BM, BC]
+        den = (w * ws_l).sum(1)  # [N, BM]
+        o_rows = num / torch.where(den > 0, den, 1.0)[..., None]
+        o.copy_(o_rows[:, :T * H, :C].view(N, T, H, C))
     return o

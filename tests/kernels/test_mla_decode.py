@@ -68,11 +68,17 @@ def test_twin_matches_reference(case):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the `triton` package")
+@pytest.mark.parametrize("split", [0, 64], ids=["one-pass", "split64"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference(case, dtype):
+def test_triton_matches_reference(case, dtype, split, monkeypatch):
+    """split64: every sequence's keys in ranges of 64 over a (N, S) grid, partial results combined (flash-decoding);
+    ranges past a sequence's keys and rows with no key at all (the MTP's min_key) must weigh nothing."""
+    from k3.kernels.mla import triton_decode
     from k3.kernels.mla.triton_decode import paged_mla_decode_triton
 
+    monkeypatch.setitem(triton_decode.LAUNCH, "split_keys", split)
+    monkeypatch.setitem(triton_decode.LAUNCH, "split_below", 1 << 20)
     N, T, H, C, R, PS, lens, mk = case
     q, qr, pool, bt, pos = make(N, T, H, C, R, PS, lens, dtype)
     scale = 1 / math.sqrt(C)
