@@ -94,7 +94,9 @@ def main() -> None:
         if graphs and not cuda:  # the same static-buffer step, run eagerly (compiled with --compile-decode)
             engine.runner.enable_decode_graphs(math.ceil(cfg.max_model_len / cfg.kv_block_size), capture=False,
                                                compile=graphs == "compiled")
-        engine.warmup()
+        t_warm = time.perf_counter()
+        engine.warmup()  # captures (and with compiled, compiles) the --batch buckets
+        print(f"# graphs={graphs}: warm-up {time.perf_counter() - t_warm:.1f} s", flush=True)
         for b in args.batch:
             # a first pass per batch size compiles whatever is new for it (Triton specialises on sizes, graphs are
             # captured on first use); the second is timed
