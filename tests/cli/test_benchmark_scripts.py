@@ -1,0 +1,34 @@
+"""Every benchmark script imports and parses its arguments (`--help`) on a CPU machine: the GPU sessions run them
+from benchmarks/h200_session.sh with little device time, so a broken import or option must fail here first."""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def test_there_are_benchmark_scripts():
+    assert {"kda.py", "serve.py", "serve_step.py", "mla_decode.py"} <= set(SCRIPTS)
+
+
+# environment a script may set at import (kda_tune.py selects the Triton backend): restored after each test
+ENV = ("K3_KERNELS", "K3_KDA_BWD", "K3_KDA_INTRA", "FLA_FLASH_KDA", "TRITON_INTERPRET")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_help(name, monkeypatch, capsys):
+    for key in ENV:  # registering the current value (or its absence) makes monkeypatch put it back afterwards
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(BENCH / name), "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(BENCH / name), run_name="__main__")
+    assert e.value.code == 0, capsys.readouterr().err
+    assert "usage:" in capsys.readouterr().out
