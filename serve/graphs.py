@@ -46,7 +46,6 @@ import torch
 
 from k3.kernels.conv import causal_conv1d
 from k3.kernels.dispatch import kernel_backend
-from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.kernels.mla import paged_mla_decode
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -57,6 +56,7 @@ from .runner import (
     StepSeq,
     final_logits,
     kda_output,
+    kda_pool_step,
     mla_output,
     mla_project,
 )
@@ -383,8 +383,5 @@ class DecodeGraphs(StaticGraphs):
             qkv.append(y.unflatten(-1, (H, K)))  # [Bb, 1, H, K]
         q, k, v = qkv
         z, b = attn.gate_input(x).transpose(0, 1), attn.b_proj(x).transpose(0, 1)  # [Bb, 1, H, K], [Bb, 1, H]
-        o = fused_recurrent_kda_pool_trusted(
-            q, k, v, z, b, pool=self.runner.states.state[li], ssm_state_indices=buf.kda_slots, A_log=attn.A_log,
-            dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)  # [Bb, 1, H, V]
+        o = kda_pool_step(attn, q, k, v, z, b, self.runner.states.state[li], buf.kda_slots)  # [Bb, 1, H, V]
         return kda_output(attn, x, o.transpose(0, 1))

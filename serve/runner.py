@@ -232,9 +232,7 @@ class ModelRunner:
 
     @staticmethod
     def _kda_kwargs(attn: KimiDeltaAttention, cu_t: torch.Tensor) -> dict:
-        return {"A_log": attn.A_log, "dt_bias": attn.dt_bias, "lower_bound": attn.lower_bound,
-                "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-                "cu_seqlens": cu_t}
+        return {**kda_gate_kwargs(attn), "cu_seqlens": cu_t}
 
     def _kda_plain(self, li, attn, inputs, ctx: _StepContext, group: list[int] | None, pre) -> torch.Tensor:
         """KDA of the sequences `group` (None = all) from/to their slots; writes requested snapshots.
@@ -263,10 +261,7 @@ class ModelRunner:
         if max(lens) == 1 and not interior:
             # one token per sequence: the trusted pool entry (slots checked on the host by _StepContext), no host
             # reads; [1, N, ...] packed rows are N sequences of one token
-            o = fused_recurrent_kda_pool_trusted(
-                *(t.transpose(0, 1) for t in (q, k, v, z, b)), pool=pool_state, ssm_state_indices=slots,
-                A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True).transpose(0, 1)
+            o = kda_pool_step(attn, *(t.transpose(0, 1) for t in (q, k, v, z, b)), pool_state, slots).transpose(0, 1)
             hs = None
         elif max(lens) <= RECURRENT_MAX_TOKENS and not interior:
             # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot);
@@ -303,10 +298,8 @@ class ModelRunner:
         idx, cu_t, ones = ctx.memo[key]
         N, S_max = idx.shape
         if N * S_max == q.shape[1]:  # every sequence verifies S_max tokens: [N, S_max] rows, the trusted entry
-            o = fused_recurrent_kda_pool_trusted(
-                *(t.view(N, S_max, *t.shape[2:]) for t in (q, k, v, z, b)), pool=self.states.state[li],
-                ssm_state_indices=idx, A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+            o = kda_pool_step(attn, *(t.view(N, S_max, *t.shape[2:]) for t in (q, k, v, z, b)),
+                              self.states.state[li], idx)
             return o.view(1, N * S_max, *o.shape[2:])
         kw = self._kda_kwargs(attn, cu_t)
         with trusted_inputs():  # per-token slots are distinct by construction (StatePool.token_slot)
@@ -402,6 +395,21 @@ class ModelRunner:
 def final_logits(model: K3Model, hidden_ND: torch.Tensor) -> torch.Tensor:
     """LM head over the final norm: hidden [N, D] (pre-norm) -> fp32 logits [N, V_]."""
     return model.lm_head(model.model.norm(hidden_ND)).float()
+
+
+def kda_gate_kwargs(attn: KimiDeltaAttention) -> dict:
+    """The KDA kernels' in-kernel gate, beta sigmoid and q/k L2 norm settings of layer `attn` (what every engine
+    call passes)."""
+    return {"A_log": attn.A_log, "dt_bias": attn.dt_bias, "lower_bound": attn.lower_bound,
+            "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+
+
+def kda_pool_step(attn: KimiDeltaAttention, q, k, v, z, b, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Recurrent KDA of B rows of T tokens ([B, T, ...] inputs) in place on the state pool, through the trusted
+    entry (the caller checked `slots` on the host): slots [B] (state after the last token) or [B, T] (per token,
+    speculative verification). Returns o [B, T, H, V]."""
+    return fused_recurrent_kda_pool_trusted(q, k, v, z, b, pool=pool, ssm_state_indices=slots,
+                                            **kda_gate_kwargs(attn))
 
 
 def kda_output(attn: KimiDeltaAttention, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -52,11 +52,10 @@ from dataclasses import dataclass
 import torch
 
 from k3.kernels.conv import causal_conv1d
-from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.model.kda import KimiDeltaAttention
 
 from .graphs import COMMON_BATCHES, MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, bucket, write_and_attend
-from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output
+from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output, kda_pool_step
 
 _TOKEN_FIELDS = ("tokens", "kda_slots", "positions", "slot_mapping", "src_tok", "live", "real_rows")  # [N] each
 _PAIR_FIELDS = ("tokens", "positions", "slot_mapping", "src_tok", "live", "hid_rows")  # [N] each
@@ -303,10 +302,7 @@ class VerifyGraphs(StaticGraphs):
             pre += [tail0, p]
         q, k, v = qkv
         z, b = attn.gate_input(x).view(Bb, T, H, K), attn.b_proj(x).view(Bb, T, H)
-        o = fused_recurrent_kda_pool_trusted(
-            q, k, v, z, b, pool=self.runner.states.state[li], ssm_state_indices=buf.kda_slots.view(Bb, T),
-            A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)  # [Bb, T, H, V]
+        o = kda_pool_step(attn, q, k, v, z, b, self.runner.states.state[li], buf.kda_slots.view(Bb, T))  # [Bb, T, H, V]
         return kda_output(attn, x, o.view(1, Bb * T, *o.shape[2:]))
 
 
