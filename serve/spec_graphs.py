@@ -110,6 +110,20 @@ def _pad(rows: list, first: list, pad: int) -> list:
     return rows + first * pad
 
 
+def _padded_row(g: StaticGraphs, s: StepSeq, n: int, T: int, what: str) -> tuple[list[int], ...]:
+    """Row n of a (Bb, T, Gb) shape from sequence s, after checking its tokens (vocabulary) and block table: for each
+    position t < T the index j = min(t, L - 1) of the real token it carries (past the row's L tokens the last one
+    repeats, so its latent write puts the same value at the same place), that token, its position, its flat latent
+    row and its src_tok row n * T + j. Returns (js, tokens, positions, slot_mapping, src_tok), [T] each."""
+    L, bt, ps = len(s.tokens), s.block_table, g.page_size
+    if not all(0 <= t < g.vocab for t in s.tokens):
+        raise ValueError(f"{what}: a token of {s.tokens} is outside the vocabulary ({g.vocab})")
+    g.check_table(bt, s.start, s.start + L - 1, what)
+    js = [min(t, L - 1) for t in range(T)]
+    pos = [s.start + j for j in js]
+    return (js, [s.tokens[j] for j in js], pos, [bt[p // ps] * ps + p % ps for p in pos], [n * T + j for j in js])
+
+
 class VerifyGraphs(StaticGraphs):
     """Verify steps of a ModelRunner: `accepts(seqs)`, then `step(seqs)` -> (StepOutput, commit context) or None."""
 
@@ -240,7 +254,7 @@ class VerifyGraphs(StaticGraphs):
         same value at the same place) that name no KDA slot; Bb rows (copies of row 0) and Gb pages. The real
         tokens pass the checks the trusted kernels no longer make first (slots distinct and in range, tokens in the
         vocabulary, positions inside the block table, page ids inside the pool)."""
-        B, T, Gb, ps = len(seqs), buf.T, buf.Gb, self.page_size
+        B, T, Gb = len(seqs), buf.T, buf.Gb
         slots = [s.slot for s in seqs]
         if len(set(slots)) != B or not all(0 <= x < self.max_seqs for x in slots):
             raise ValueError(f"verify step: KDA slots must be distinct and in [0, {self.max_seqs}), got {slots}")
@@ -249,17 +263,12 @@ class VerifyGraphs(StaticGraphs):
             L, bt = len(s.tokens), s.block_table
             if not 1 <= L <= T:
                 raise ValueError(f"verify step: sequence {n} brings {L} tokens, the shape holds 1..{T}")
-            if not all(0 <= t < self.vocab for t in s.tokens):
-                raise ValueError(f"verify step: a token of {s.tokens} is outside the vocabulary ({self.vocab})")
-            self.check_table(bt, s.start, s.start + L - 1, "verify step")
-            for t in range(T):
-                j = min(t, L - 1)  # tokens past the row's length repeat its last real token
-                p = s.start + j
-                tokens.append(s.tokens[j])
-                kslots.append(self.runner.states.token_slot(s.slot, t) if t < L else -1)
-                pos.append(p)
-                smap.append(bt[p // ps] * ps + p % ps)
-                src.append(n * T + j)
+            _, tok_n, pos_n, smap_n, src_n = _padded_row(self, s, n, T, "verify step")
+            tokens += tok_n
+            pos += pos_n
+            smap += smap_n
+            src += src_n
+            kslots += [self.runner.states.token_slot(s.slot, t) if t < L else -1 for t in range(T)]
             real += range(n * T, n * T + L)
             last.append(n * T + L - 1)
             table += bt + [0] * (Gb - len(bt))  # pages past the sequence are masked (key > position)
@@ -367,22 +376,17 @@ class MTPGraphs(StaticGraphs):
     def _host_inputs(self, seqs: list[StepSeq], buf: MTPBuffers) -> torch.Tensor:
         """The call's inputs as one CPU int64 tensor in MTPBuffers' layout: rows padded to T pairs by repeating their
         last real pair, Bb rows (copies of row 0), Gb pages; tokens and positions checked first."""
-        T, Gb, ps = buf.T, buf.Gb, self.page_size
+        T, Gb = buf.T, buf.Gb
         tokens, pos, smap, src, hid, out_rows, table = [], [], [], [], [], [], []
         off = 0  # packed row of the sequence's first pair in the caller's hidden
         for n, s in enumerate(seqs):
             L, bt = len(s.tokens), s.block_table
-            if not all(0 <= t < self.vocab for t in s.tokens):
-                raise ValueError(f"MTP step: a token of {s.tokens} is outside the vocabulary ({self.vocab})")
-            self.check_table(bt, s.start, s.start + L - 1, "MTP step")
-            for t in range(T):
-                j = min(t, L - 1)  # pairs past the row's length repeat its last real pair
-                p = s.start + j
-                tokens.append(s.tokens[j])
-                pos.append(p)
-                smap.append(bt[p // ps] * ps + p % ps)
-                src.append(n * T + j)
-                hid.append(off + j)
+            js, tok_n, pos_n, smap_n, src_n = _padded_row(self, s, n, T, "MTP step")
+            tokens += tok_n
+            pos += pos_n
+            smap += smap_n
+            src += src_n
+            hid += [off + j for j in js]
             out_rows.append(n * T + L - 1)
             table += bt + [0] * (Gb - len(bt))
             off += L
