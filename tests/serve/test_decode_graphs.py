@@ -122,16 +122,22 @@ def test_buckets():
     assert bucket(5, 6) == 6 and bucket(3, 3) == 3
 
 
-def test_trusted_recurrent_equals_public_function():
-    """fused_recurrent_kda_pool_trusted == fused_recurrent_kda on a pool, unnamed (-1) rows included, and slots
-    not named stay bit-identical."""
-    g = torch.Generator().manual_seed(0)
-    B, T, H, K, P = 4, 2, 2, 8, 6
+def _recurrent_case(seed: int, B: int, T: int, P: int, H: int = 2, K: int = 8):
+    """Random q, k, v, z [B, T, H, K], beta [B, T, H], a pool [P, H, K, K] and the in-kernel gate settings."""
+    g = torch.Generator().manual_seed(seed)
     q, k, v, z = (torch.randn(B, T, H, K, generator=g) for _ in range(4))
     beta = torch.randn(B, T, H, generator=g)
     pool = torch.randn(P, H, K, K, generator=g)
     kw = {"A_log": torch.randn(H, generator=g), "dt_bias": torch.randn(H * K, generator=g), "lower_bound": -5.0,
           "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    return (q, k, v, z, beta), pool, kw
+
+
+def test_trusted_recurrent_equals_public_function():
+    """fused_recurrent_kda_pool_trusted == fused_recurrent_kda on a pool, unnamed (-1) rows included, and slots
+    not named stay bit-identical."""
+    P = 6
+    (q, k, v, z, beta), pool, kw = _recurrent_case(0, B=4, T=2, P=P)
     for idx in ([3, -1, 0, -1], [-1, -1, -1, -1], [5, 1, 2, 4]):
         idx = torch.tensor(idx)
         ref_pool, new_pool = pool.clone(), pool.clone()
@@ -147,13 +153,8 @@ def test_trusted_recurrent_per_token_slots_equal_public_function():
     """Per-token slots [B, T] (speculative verification): the trusted entry == the public function with
     num_accepted_tokens = 1 (start from slot [:, 0], the state after token t in slot [:, t]), unnamed rows included;
     other slots bit-identical."""
-    g = torch.Generator().manual_seed(1)
-    B, T, H, K, P = 3, 3, 2, 8, 12
-    q, k, v, z = (torch.randn(B, T, H, K, generator=g) for _ in range(4))
-    beta = torch.randn(B, T, H, generator=g)
-    pool = torch.randn(P, H, K, K, generator=g)
-    kw = {"A_log": torch.randn(H, generator=g), "dt_bias": torch.randn(H * K, generator=g), "lower_bound": -5.0,
-          "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    B, P = 3, 12
+    (q, k, v, z, beta), pool, kw = _recurrent_case(1, B=B, T=3, P=P)
     for idx in ([[0, 6, 7], [1, 8, 9], [2, 10, 11]], [[4, 5, 3], [-1, -1, -1], [2, 10, 11]]):
         idx = torch.tensor(idx)
         ref_pool, new_pool = pool.clone(), pool.clone()
