@@ -90,44 +90,28 @@ class K3Backbone(nn.Module):
                 x_BTD = x_BTD + layer.mlp(layer.post_attention_layernorm(x_BTD))
             return x_BTD
         eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
-        if not torch.is_grad_enabled():  # inference: the blocks as one stack, a fixed kernel count per mixture
-            return self._run_layers_stacked(x_BTD, mixer, eps, bsz)
-        blocks: list[AttnResSource] = []
-        partial = x_BTD
-        for i, layer in enumerate(self.layers):
-            if blocks:
-                x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.attn_res_norm.weight,
-                                 layer.attn_res_proj.weight)
-            else:
-                x = partial
-            if i % bsz == 0:
-                blocks.append(AttnResSource(partial, eps))
-                partial = None
-            a = mixer(i, layer, layer.input_layernorm(x))
-            partial = a if partial is None else partial + a
-            x = attn_res_mix(blocks + [AttnResSource(partial, eps)], layer.mlp_res_norm.weight,
-                             layer.mlp_res_proj.weight)
-            partial = partial + layer.mlp(layer.post_attention_layernorm(x))
-        return attn_res_mix(blocks + [AttnResSource(partial, eps)], self.output_attn_res_norm.weight,
-                            self.output_attn_res_proj.weight)
+        # inference stacks the completed blocks once (a fixed kernel count per mixture); under autograd the list
+        # form keeps no re-stacked copies alive for the backward
+        stacked = not torch.is_grad_enabled()
+        blocks = AttnResBlocks() if stacked else []
 
-    def _run_layers_stacked(self, x_BTD: torch.Tensor, mixer, eps: float, bsz: int) -> torch.Tensor:
-        """run_layers' Block AttnRes loop with the completed blocks stacked (AttnResBlocks), for inference."""
-        blocks = AttnResBlocks()
+        def mix(partial, norm: RMSNorm, proj: PseudoQuery):
+            src = AttnResSource(partial, eps)
+            if stacked:
+                return attn_res_mix_blocks(blocks, src, norm.weight, proj.weight)
+            return attn_res_mix(blocks + [src], norm.weight, proj.weight)
+
         partial = x_BTD
         for i, layer in enumerate(self.layers):
-            x = attn_res_mix_blocks(blocks, AttnResSource(partial, eps), layer.attn_res_norm.weight,
-                                    layer.attn_res_proj.weight) if len(blocks) else partial
+            x = mix(partial, layer.attn_res_norm, layer.attn_res_proj) if len(blocks) else partial
             if i % bsz == 0:
                 blocks.append(AttnResSource(partial, eps))
                 partial = None
             a = mixer(i, layer, layer.input_layernorm(x))
             partial = a if partial is None else partial + a
-            x = attn_res_mix_blocks(blocks, AttnResSource(partial, eps), layer.mlp_res_norm.weight,
-                                    layer.mlp_res_proj.weight)
+            x = mix(partial, layer.mlp_res_norm, layer.mlp_res_proj)
             partial = partial + layer.mlp(layer.post_attention_layernorm(x))
-        return attn_res_mix_blocks(blocks, AttnResSource(partial, eps), self.output_attn_res_norm.weight,
-                                   self.output_attn_res_proj.weight)
+        return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj)
 
 
 class K3Model(nn.Module):
