@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, _chunk_bounds, _seq_bounds, chunk_fwd_pipeline, chunk_layout
+from .triton_chunk import RCP_LN2, chunk_fwd_pipeline, chunk_layout
+from .triton_common import _chunk_bounds, _seq_bounds
 
 # 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
 # cuobjdump --dump-resource-usage) at BT = 64, K = V = 128 shows all three kernels at 255 registers with per-thread

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_chunk import _chunk_bounds, _diag_block
+from .triton_common import _chunk_bounds, _diag_block
 
 # Launch settings of the two kernels (swept by benchmarks/kda_tune.py as triton_chunk.LAUNCH is), and the cap on
 # the rows kernel's K block. Not yet timed on a GPU: 4 warps as v1's intra kernel; 2 stages let the K-block loop
