@@ -70,10 +70,16 @@ def profile_step(model, cfg, tokens, amp, dev) -> None:
     by_cat: dict[str, float] = collections.defaultdict(float)
     by_name: dict[str, float] = collections.defaultdict(float)  # kernel name -> device time
     calls: dict[str, int] = collections.defaultdict(int)
+    ranges: dict[str, float] = collections.defaultdict(float)  # annotated range -> its span on the device timeline
     n_kernels = 0
     busy = 0.0
     for evt in prof.events():
         on_device = evt.device_type.name == "CUDA" if cuda else (evt.key.startswith("aten::") and not evt.cpu_children)
+        # user annotations (the optimizers' "Optimizer.step#Muon.step" ranges) also appear on the device timeline;
+        # they span kernels counted on their own, so counting them too would double the time
+        if on_device and (getattr(evt, "is_user_annotation", False) or evt.key.startswith("Optimizer.")):
+            ranges[evt.key] += evt.time_range.elapsed_us() * 1e-6
+            continue
         if not on_device:
             continue
         t = evt.time_range.elapsed_us() * 1e-6  # the kernel (or leaf op) duration, µs -> s
@@ -88,6 +94,8 @@ def profile_step(model, cfg, tokens, amp, dev) -> None:
     print(f"{'category':<40} {'ms':>9} {'share of busy':>14}")
     for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"{k:<40} {v * 1e3:>9.1f} {v / max(busy, 1e-12) * 100:>13.1f}%")
+    for name, v in sorted(ranges.items(), key=lambda kv: -kv[1]):
+        print(f"range {name}: spans {v * 1e3:.1f} ms of the device timeline ({v / wall * 100:.0f}% of wall)")
     print(f"\n{'top kernels (name cut to 90 characters)':<92} {'calls':>6} {'ms':>8}")
     for name, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]:
         print(f"{name[:90]:<92} {calls[name]:>6} {v * 1e3:>8.1f}")

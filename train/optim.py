@@ -20,7 +20,8 @@ Limits (read before scaling up):
 - Packed [gate | up] weights (`*gate_up_proj*`, 2-D [2F, D] or 3-D experts [E, 2F, D]) are orthogonalized as two
   blocks, which is exactly Muon on the unpacked W_gate and W_up (what Moonlight trained); packing is a runtime layout
   and must not change the math.
-- One Python loop over parameters; NS5 is batched only within a parameter (heads, experts, gate/up blocks).
+- NS5 is batched across the whole step: every [a, b] block (heads, experts, gate/up halves, whole matrices) of
+  equal shape is orthogonalized in one stacked call.
 
 Legend: A, B matrix rows and columns; H heads; E experts; leading dims of a batched matrix stack are written `...`.
 """
@@ -151,26 +152,61 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One Muon update of every parameter that has a gradient; returns closure() if given."""
+        """One Muon update of every parameter that has a gradient; returns closure() if given.
+
+        Batched across parameters: momentum, decay and the update use foreach ops, and every [a, b] block of every
+        parameter of the step with the same (a, b, dtype, ns_steps) is orthogonalized in ONE stacked NS5 call (each
+        block is normalized and iterated on its own, so this equals the per-parameter loop). On a GPU the per-
+        parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small training step
+        (benchmarks/RESULTS.md, session 4).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo = []  # (param, group, direction)
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(p.grad)  # M ← μM + G
-                direction = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf  # Ĝ = G + μM
-                update = muon_update(direction, group["num_heads"], group["head_axis"], group["ns_steps"])
-                p.mul_(1.0 - lr * wd)  # decoupled decay with the unscaled lr (Moonlight)
-                p.add_(update.to(p.dtype), alpha=-lr)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            bufs = []
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(self.state[p]["momentum_buffer"])
+            grads = [p.grad for p in params]
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, grads)  # M <- mu M + G
+            # G^ = G + mu M (Nesterov), else M
+            dirs = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
+            todo += [(p, group, d) for p, d in zip(params, dirs, strict=True)]
+        updates = _batched_muon_updates([(d, g["num_heads"], g["head_axis"], g["ns_steps"]) for _, g, d in todo])
+        for group in self.param_groups:  # decoupled decay with the unscaled lr (Moonlight), then the step
+            mine = [(p, u) for (p, g, _), u in zip(todo, updates, strict=True) if g is group]
+            if mine:
+                ps = [p for p, _ in mine]
+                torch._foreach_mul_(ps, 1.0 - group["lr"] * group["weight_decay"])
+                torch._foreach_add_(ps, [u.to(p.dtype) for p, u in mine], alpha=-group["lr"])
         return loss
+
+
+def _batched_muon_updates(items: list[tuple[torch.Tensor, int | None, int, int]]) -> list[torch.Tensor]:
+    """muon_update(d, num_heads, head_axis, ns_steps) for every item, with all [a, b] blocks of equal shape, dtype,
+    device and step count stacked into one NS5 call [n, a, b]. Returns the updates in order, shaped like each d."""
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    views = []
+    for i, (d, heads, axis, steps) in enumerate(items):
+        blocks = _block_view(d, heads, axis)  # [..., a, b]
+        views.append(blocks)
+        buckets[(tuple(blocks.shape[-2:]), d.dtype, d.device, steps)].append(i)
+    out: list[torch.Tensor | None] = [None] * len(items)
+    for (ab, _, _, steps), idx in buckets.items():
+        stacked = torch.cat([views[i].reshape(-1, *ab) for i in idx])  # [n, a, b]
+        ortho = zeropower_via_newtonschulz5(stacked, steps) * (MOONLIGHT_SCALE * math.sqrt(max(ab)))
+        for i, part in zip(idx, ortho.split([views[i].numel() // (ab[0] * ab[1]) for i in idx]), strict=True):
+            d, heads, axis, _ = items[i]
+            out[i] = _unblock(part.reshape(views[i].shape), d.shape, heads, axis)
+    return out
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -150,6 +150,33 @@ def test_expert_stack_equals_per_slice_muon():
         torch.testing.assert_close(W[e], ref, rtol=0, atol=1e-10)
 
 
+def test_step_batches_blocks_across_parameters_exactly():
+    """The step stacks equal-shape blocks of different parameters and groups into one NS5 call; every parameter must
+    still get its own float64 reference update (own norm, own scale, own lr/decay), and a parameter without a
+    gradient must stay untouched."""
+    shapes = [(12, 20), (3, 12, 20), (20, 12), (12, 20), (6, 10)]
+    W0 = [torch.randn(*s, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(*s, dtype=torch.float64) for s in shapes] for _ in range(3)]
+    params = [nn.Parameter(w.clone()) for w in W0]
+    opt = Muon([{"params": params[:3]}, {"params": params[3:], "lr": 0.01, "weight_decay": 0.0}],
+               lr=0.05, momentum=0.9, weight_decay=0.3)
+    for step in grads:
+        for i, (p, g) in enumerate(zip(params, step)):
+            p.grad = None if i == 4 else g.clone()
+        opt.step()
+    for i, (p, w) in enumerate(zip(params, W0)):
+        lr, wd = (0.05, 0.3) if i < 3 else (0.01, 0.0)
+        if i == 4:
+            assert torch.equal(p.detach(), w)
+        elif p.ndim == 3:
+            for e in range(p.shape[0]):
+                ref = reference_muon(w[e], [g[i][e] for g in grads], lr, 0.9, wd)
+                torch.testing.assert_close(p.detach()[e], ref, rtol=0, atol=1e-10)
+        else:
+            torch.testing.assert_close(p.detach(), reference_muon(w, [g[i] for g in grads], lr, 0.9, wd),
+                                       rtol=0, atol=1e-10)
+
+
 def test_muon_rejects_bad_params():
     with pytest.raises(ValueError, match="AdamW"):
         Muon([nn.Parameter(torch.zeros(8))])
