@@ -20,6 +20,9 @@ def _poisoned_empty(*args, **kwargs):
     return t
 
 
+_poisoned_empty.real = _real_empty  # for tests that must trace allocations (torch.compile), see test_decode_compile
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_poison(monkeypatch):
     torch.manual_seed(42)

@@ -50,9 +50,10 @@ NUM_WARPS = 8
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py).
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
-    # BK: the K block of the inter kernel's outer loop (next_pow2(K) = one pass, as measured; 64 halves its
-    # per-key accumulators at K = 128, untimed yet: benchmarks/kda_tune.py --bwd-inter-bk 64 128)
-    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 32, "BK": 256},
+    # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
+    # accumulators at K = 128: 4,378 us per fwd+bwd at (8, 4096, 16, 128) with BV 64, against 5,260 for the best
+    # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
+    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64},
     "bwd_intra": {"num_warps": 8, "num_stages": 1},
 }
 
