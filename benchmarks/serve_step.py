@@ -6,6 +6,13 @@ in bf16 by `k3.serve.engine.Engine`; B greedy requests of `--prompt-len` random 
 stepped until every sequence has its first token, then the remaining `--new-tokens` - 1 decode steps are timed
 (wall clock, synchronised; after an untimed pass at the same batch size, so JIT compilation is excluded): ms per step = what a streaming client sees as inter-token latency at concurrency B,
 minus the HTTP layer. `graphs` = ServeConfig.cuda_graphs (k3.serve.graphs), the rest of the engine identical.
+
+`--prefill-lens N [N ...]` times eager PREFILL steps instead (prefix caching on, as a server runs): per N, the step
+that prefills a single prompt of N random tokens (an untimed pass first, then the median of 3, synchronised; one
+`Engine.step()`, sampling included) and the prefix-hit step (the same prompt again after it finished: the step
+that prefills the tail after the deepest cached block). `--profile` adds, per case, torch.profiler's top 15 ops by
+self CPU time and the count of host waits (cudaStreamSynchronize / cudaDeviceSynchronize calls, device -> host
+memcpys) and kernel launches, over one more step.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import datetime
 import importlib.util
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +65,82 @@ def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, voca
     return (time.perf_counter() - t0) / max(steps, 1) * 1e3
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prefill_step(engine: Engine, prompt: list[int], device: str, profile: bool = False):
+    """Submit `prompt` (greedy, one token), run the one step that prefills it (the whole prompt, or the tail after a
+    prefix hit) and samples; returns (ms, cached prompt tokens, the profiler or None)."""
+    events = []
+    engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), events.append)
+    prof = None
+    _sync(device)
+    t0 = time.perf_counter()
+    if profile:
+        from torch.profiler import ProfilerActivity
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            engine.step()
+            _sync(device)
+    else:
+        engine.step()
+        _sync(device)
+    ms = (time.perf_counter() - t0) * 1e3
+    if engine.has_work() or not events or events[-1].finish_reason is None:
+        raise RuntimeError(f"the prefill of {len(prompt)} tokens took more than one step; raise "
+                           f"max_num_batched_tokens")
+    return ms, events[-1].num_cached_tokens, prof
+
+
+def _print_profile(label: str, prof) -> None:
+    """torch.profiler's top 15 ops by self CPU time, then the step's host waits and kernel launches."""
+    evs = prof.events()
+
+    def count(pred) -> int:
+        return sum(1 for e in evs if pred(e.name))
+
+    syncs = count(lambda n: n in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    d2h = count(lambda n: n.startswith("Memcpy DtoH"))
+    launches = count(lambda n: n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"))
+    aten = count(lambda n: n.startswith("aten::"))
+    print(f"# profile {label}: cudaStreamSynchronize/cudaDeviceSynchronize {syncs}, Memcpy DtoH {d2h}, kernel "
+          f"launches {launches}, aten op calls (nested included) {aten}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def prefill_bench(engine: Engine, lens: list[int], vocab: int, device: str, profile: bool) -> None:
+    """Time eager single-sequence prefill steps, a miss and a prefix hit per length (see the module docstring)."""
+    rng = random.Random(0)
+    rows = []
+    for n in lens:
+        times = []
+        for rep in range(4):  # the first pass compiles what is new for this length (Triton specialises on sizes)
+            engine.reset_prefix_cache()  # a miss every time
+            ms, _, _ = _prefill_step(engine, [rng.randrange(4, vocab) for _ in range(n)], device)
+            times.append(ms)
+        miss = statistics.median(times[1:])
+        if profile:
+            engine.reset_prefix_cache()
+            _print_profile(f"miss {n}", _prefill_step(engine, [rng.randrange(4, vocab) for _ in range(n)], device,
+                                                      profile=True)[2])
+        engine.reset_prefix_cache()
+        prompt = [rng.randrange(4, vocab) for _ in range(n)]
+        _prefill_step(engine, prompt, device)  # fills the cache: pages and KDA snapshots of every full block
+        hits = [_prefill_step(engine, prompt, device) for _ in range(4)]  # again: the tail after the cached blocks
+        hit, cached = statistics.median(h[0] for h in hits[1:]), hits[-1][1]
+        if profile:
+            _print_profile(f"hit {n} ({cached} cached)", _prefill_step(engine, prompt, device, profile=True)[2])
+        rows.append((n, miss, cached, hit))
+        print(f"# prefill {n}: miss {miss:.2f} ms, hit ({cached} cached, {n - cached} computed) {hit:.2f} ms",
+              flush=True)
+    print("| prompt tokens | miss ms/step | cached tokens | hit ms/step | miss / hit |")
+    print("|---:|---:|---:|---:|---:|")
+    for n, miss, cached, hit in rows:
+        print(f"| {n} | {miss:.2f} | {cached} | {hit:.2f} | {miss / hit:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="k3-small")
@@ -71,17 +155,34 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=["eager", "graphs", "compiled"], help="which engines to time "
                     "(default: eager and graphs, plus compiled with --compile-decode); each engine's warm-up captures "
                     "only the --batch buckets, so a compiled run compiles no more shapes than it times")
+    ap.add_argument("--prefill-lens", type=int, nargs="+", metavar="N", help="time eager prefill steps of these "
+                    "prompt lengths (a miss and a prefix hit each) instead of the decode steps")
+    ap.add_argument("--profile", action="store_true", help="with --prefill-lens: torch.profiler's top 15 ops and the "
+                    "host waits of each prefill case")
     args = ap.parse_args()
+    if args.profile and not args.prefill_lens:
+        ap.error("--profile profiles the --prefill-lens steps; give --prefill-lens N [N ...]")
+    if args.prefill_lens and min(args.prefill_lens) < 1:
+        ap.error(f"--prefill-lens must be positive token counts, got {args.prefill_lens}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("serve_step.py --device cuda needs a CUDA GPU; use --device cpu for the eager static-buffer path")
     name = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    what = (f"prefill lengths {args.prefill_lens}" if args.prefill_lens
+            else f"prompt {args.prompt_len}, {args.new_tokens} tokens")
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {name}, torch "
-          f"{torch.__version__}; {args.ckpt or args.model}, bf16, prompt {args.prompt_len}, {args.new_tokens} tokens")
+          f"{torch.__version__}; {args.ckpt or args.model}, bf16, {what}")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or _random_release(args.model, Path(tmp), args.device)
         model, _ = load_model(ckpt, device=args.device, dtype="bfloat16")
         tok = K3Tokenizer.from_file(ckpt)
+    if args.prefill_lens:
+        top = max(args.prefill_lens)
+        cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=2, max_model_len=top + 64,
+                          max_num_batched_tokens=max(top, 64), enable_prefix_caching=True, cuda_graphs=False)
+        print(f"# eager prefill steps, prefix caching on, max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        prefill_bench(Engine(model, tok, cfg), args.prefill_lens, tok.vocab_size, args.device, args.profile)
+        return
     rows = {}
     names = args.modes or (["eager", "graphs"] + (["compiled"] if args.compile_decode else []))
     modes = [{"eager": False, "graphs": True, "compiled": "compiled"}[m] for m in names]

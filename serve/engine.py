@@ -437,7 +437,7 @@ class Engine:
                 for p in range((start // bs + 1) * bs, end + 1, bs):  # block boundaries in (start, end]
                     h = self._hash(seq, p // bs - 1)
                     publish.append(("page", h, seq.block_table[p // bs - 1]))
-                    if p == end or start % bs == 0:  # a state the kernels expose there (runner._write_snapshots)
+                    if p == end or start % bs == 0:  # a state the kernels expose there (serve/prefill.py)
                         entry = self.snaps.reserve(h)
                         if entry is not None:
                             st.snapshots.append((p, entry))

@@ -5,7 +5,9 @@ counts: 1 for a decode, up to a chunk for a prefill), so norms, MLPs, MoE and At
 the token mixers need per-sequence context:
 - KDA: varlen kernels (`cu_seqlens`) starting from each sequence's pool slot; decode-sized steps use
   `fused_recurrent_kda` on the pool in place (`ssm_state_indices`), longer ones `chunk_kda`, which also yields the
-  fp32 per-chunk states used as prefix snapshots at 64-token boundaries (kda.md section 8).
+  fp32 per-chunk states used as prefix snapshots at 64-token boundaries (kda.md section 8); every layer writes all
+  of a step's snapshots with a fixed number of ops (k3.serve.prefill), and the chunk kernel gets the offsets as
+  host ints too (`cu_seqlens_cpu`), so a prefill step's host work does not grow with its block boundaries.
 - MLA: the new latents [c_kv ; k_rope] are written into each sequence's pages, then absorbed ("MQA") attention runs
   over the pages gathered by block table, with per-sequence causal masks (architecture.md 6.2). The same formula as
   `k3.model.mla.mla_absorbed_attention`, with a per-row query position and key length.
@@ -43,6 +45,7 @@ from k3.model.transformer import K3Model
 
 from .cache import PagePool, SnapshotStore, StatePool
 from .config import ServeConfig
+from .prefill import snapshot_table, to_device, write_hidden, write_snapshots
 
 
 @dataclass
@@ -138,15 +141,15 @@ class ModelRunner:
                 return out
         dev = self.device
         lens = [len(s.tokens) for s in seqs]
-        ctx = _StepContext(seqs, lens, dev, self.pages.page_size)
+        ctx = _StepContext(seqs, lens, dev, self.pages.page_size,
+                           snap_geometry=(self.cfg.kda_conv_kernel - 1, self.cfg.kda_chunk_size))
         x = self.model.model.embed_tokens(ctx.tokens)[None]  # [1, T, D]
         self._pre: dict[int, list] = {}
         hidden = self._backbone(x, ctx)[0]  # [T, D]
         ends = ctx.cu_t[1:] - 1
-        if self.snaps is not None and self.snaps.hidden is not None:
-            for n, s in enumerate(seqs):  # the hidden of the token before each boundary, for the MTP drafter
-                for p, entry in s.snapshots:
-                    self.snaps.write_hidden(entry, hidden[ctx.cu[n] + p - s.start - 1])
+        if self.snaps is not None and self.snaps.hidden is not None and ctx.num_snapshots:
+            # the hidden of the token before each boundary, for the MTP drafter
+            write_hidden(self.snaps, ctx.snap["snap_entry"], ctx.snap["snap_hidden"], hidden)
         self._last = (ctx, hidden, self._pre) if any(s.spec for s in seqs) else None
         want = [i for i, s in enumerate(seqs) if s.logits != "none"]
         logits: list[torch.Tensor | None] = [None] * len(seqs)
@@ -258,25 +261,29 @@ class ModelRunner:
         slots = ctx.slots if group is None else ctx.slots[idx]
         kw = self._kda_kwargs(attn, cu_t)
         interior = any(p < ctx.seqs[n].start + lens[i] for i, n in enumerate(idx) for p, _ in ctx.seqs[n].snapshots)
-        if max(lens) == 1 and not interior:
-            # one token per sequence: the trusted pool entry (slots checked on the host by _StepContext), no host
-            # reads; [1, N, ...] packed rows are N sequences of one token
-            o = kda_pool_step(attn, *(t.transpose(0, 1) for t in (q, k, v, z, b)), pool_state, slots).transpose(0, 1)
-            hs = None
+        final = hs = None
+        if len(set(lens)) == 1 and lens[0] <= RECURRENT_MAX_TOKENS and not interior:
+            # N sequences of Tn tokens (decode, or one prefill tail): the trusted pool entry on [N, Tn] rows (slots
+            # checked on the host by _StepContext), in place, no host reads
+            N, Tn = len(idx), lens[0]
+            o = kda_pool_step(attn, *(t.reshape(N, Tn, *t.shape[2:]) for t in (q, k, v, z, b)), pool_state, slots)
+            o = o.view(1, N * Tn, *o.shape[2:])
         elif max(lens) <= RECURRENT_MAX_TOKENS and not interior:
             # decode-sized: in place on the pool (the state after each sequence's last token lands in its slot);
             # trusted: offsets and slots were built and checked on the host (_StepContext), no device reads
             with trusted_inputs():
                 o, _ = fused_recurrent_kda(q, k, v, z, b, initial_state=pool_state, ssm_state_indices=slots, **kw)
-            hs = None
         else:
-            with trusted_inputs():
+            with trusted_inputs():  # cu_seqlens_cpu: the kernel's chunk layout needs no read of the offsets
                 o, final, hs = chunk_kda(q, k, v, z, b, initial_state=pool_state[slots], output_final_state=True,
                                          chunk_size=attn.chunk_size, safe_gate=attn.lower_bound is not None,
-                                         return_intermediate_states=True, **kw)
+                                         return_intermediate_states=True, cu_seqlens_cpu=cu, **kw)
             pool_state[slots] = final
-        if self.snaps is not None:
-            self._write_snapshots(li, attn, ctx, idx, pool_state, hs, pre)
+        if self.snaps is not None and ctx.num_snapshots:
+            # every boundary of the step at once (k3.serve.prefill); interior ones come from the chunk states
+            src, rows = ((pool_state, ctx.snap["snap_slot"]) if hs is None
+                         else (torch.cat([hs[0], final]), ctx.snap["snap_chunk"]))
+            write_snapshots(self.snaps, li, ctx.snap["snap_entry"], src, rows, ctx.snap["snap_tail"], pre)
         return o
 
     def _kda_verify(self, li, attn, inputs, ctx: _StepContext, group: list[int]) -> torch.Tensor:
@@ -344,27 +351,6 @@ class ModelRunner:
             batched[n] = kept
             if None not in batched:  # the last one: every working slot and tail at once
                 self.verify_graphs.commit(ctx)
-
-    def _write_snapshots(self, li, attn, ctx, group, pool_state, hs, pre) -> None:
-        """Copy the state + conv tails at each requested boundary p of the sequences `group` (the ones the kernel
-        call that produced `hs` covered) into its reserved snapshot entry."""
-        W1 = pre[0][0].shape[1]
-        chunk_off = 0
-        for n in group:
-            s = ctx.seqs[n]
-            Tn = len(s.tokens)
-            for p, entry in s.snapshots:
-                j = p - s.start  # tokens of this step consumed at the boundary
-                if j == Tn:
-                    st = pool_state[s.slot]
-                else:  # interior boundary: the chunk kernel's state entering chunk j / chunk_size (start aligned)
-                    st = hs[0, chunk_off + j // attn.chunk_size]
-                tails = []
-                for tail0, p_TC in pre:
-                    xp = torch.cat([tail0[n], p_TC[ctx.cu[n]:ctx.cu[n + 1]].to(tail0.dtype)])  # [W-1 + Tn, C]
-                    tails.append(xp[j:j + W1])
-                self.snaps.write(entry, li, st, tuple(tails))
-            chunk_off += -(-Tn // attn.chunk_size)
 
     # ---------------------------------------------------------------------------------------------------- MLA
 
@@ -453,10 +439,12 @@ class _StepContext:
 
     A `torch.tensor(list, device="cuda")` is a blocking copy that waits for the queued GPU work; a step used to make
     several per layer. Here every index of the step (cu, slots, positions, latent slot mapping, each attention
-    group's block table and packed rows) goes into one int64 host buffer, pinned on CUDA and copied without
-    blocking, and the per-layer code slices it."""
+    group's block table and packed rows, the KDA snapshot table) goes into one int64 host buffer, pinned on CUDA and
+    copied without blocking (k3.serve.prefill.to_device), and the per-layer code slices it.
+    snap_geometry: (conv width - 1, KDA chunk size) for a step that may write snapshots, else None."""
 
-    def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int):
+    def __init__(self, seqs: list[StepSeq], lens: list[int], dev, page_size: int,
+                 snap_geometry: tuple[int, int] | None = None):
         self.seqs, self.max_len = seqs, max(lens)
         self.uniform = len(set(lens)) == 1  # every sequence brings the same number of tokens (decode, verify)
         self.memo: dict = {}  # per-step tensors the layers share (verify slot tables, group offsets)
@@ -470,10 +458,9 @@ class _StepContext:
             raise ValueError(f"step: two sequences share a KDA slot: {slots}")
         pos, slot_map = [], []
         for s in seqs:
-            for j in range(len(s.tokens)):
-                p = s.start + j
-                pos.append(p)
-                slot_map.append(s.block_table[p // page_size] * page_size + p % page_size)
+            ps, bt = range(s.start, s.start + len(s.tokens)), s.block_table
+            pos += ps
+            slot_map += [bt[p // page_size] * page_size + p % page_size for p in ps]
         by_len: dict = {}  # decodes (L = 1) and verify steps (L = 1 + drafts) of equal length attend together
         for n, L in enumerate(lens):
             by_len.setdefault(L if L <= _BATCHED_MAX_LEN else ("solo", n), []).append(n)
@@ -485,15 +472,11 @@ class _StepContext:
             parts[f"bt{gi}"] = [b for n in ns for b in seqs[n].block_table + [0] * (G - len(seqs[n].block_table))]
             parts[f"rows{gi}"] = [r for n in ns for r in range(cu[n], cu[n + 1])]
             group_meta.append((ns, lens[ns[0]], G))
-        flat, spans = [], {}
-        for name, vals in parts.items():
-            spans[name] = (len(flat), len(flat) + len(vals))
-            flat += vals
-        host = torch.tensor(flat, dtype=torch.long)
-        if torch.device(dev).type == "cuda":
-            host = host.pin_memory()
-        dev_t = host.to(dev, non_blocking=True)
-        get = {name: dev_t[a:b] for name, (a, b) in spans.items()}
+        self.num_snapshots = sum(len(s.snapshots) for s in seqs) if snap_geometry is not None else 0
+        if self.num_snapshots:  # which rows every KDA layer copies into the snapshot store (k3.serve.prefill)
+            parts.update(snapshot_table(seqs, cu, *snap_geometry))
+        get = to_device(parts, dev)
+        self.snap = {name: t for name, t in get.items() if name.startswith("snap_")}
         self.tokens, self.cu_t, self.slots = get["tokens"], get["cu"], get["slots"]
         self.positions, self.slot_mapping = get["positions"], get["slot_mapping"]
         # (packed rows [sum Tn], sequence ids, tokens per sequence, block table [n, G]) per attention group

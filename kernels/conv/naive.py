@@ -88,7 +88,9 @@ def causal_conv1d(
             in_tail = seq * (W - 1) + (W - 1) + pos + T
             return torch.where(pos >= 0, starts[seq] + pos, in_tail)
 
-        seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)  # [T]
+        # output_size: the lengths sum to T (checked above, or promised by a trusted caller); without it the
+        # output size is read back from the device, a host wait per call on a GPU
+        seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)  # [T]
         local = torch.arange(T, device=x.device) - starts[seq]
         offs = torch.arange(W, device=x.device) - (W - 1)  # [W]: -(W-1) .. 0
         idx = rows(seq.unsqueeze(1), local.unsqueeze(1) + offs)  # [T, W]

@@ -45,9 +45,25 @@ SAFE_GATE_FLOOR = -5.0  # safe_gate needs every g >= lower_bound (>= -5 when low
 # boundary validation (shared with fused_recurrent.py)
 
 
+def host_offsets(cu_seqlens_cpu) -> list[int] | None:
+    """`cu_seqlens_cpu` (a list/tuple of ints or a CPU integer tensor [N+1], or None) as a list of ints."""
+    if cu_seqlens_cpu is None or isinstance(cu_seqlens_cpu, list):
+        return cu_seqlens_cpu
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.is_floating_point() or cu_seqlens_cpu.dim() != 1:
+            raise ValueError(f"cu_seqlens_cpu must be a 1-D integer CPU tensor or a list of ints, got a "
+                             f"{cu_seqlens_cpu.dtype} tensor of shape {tuple(cu_seqlens_cpu.shape)} on "
+                             f"{cu_seqlens_cpu.device}; pass cu_seqlens.cpu() or the offsets as a list")
+        return cu_seqlens_cpu.tolist()  # a host tensor: no device wait
+    return list(cu_seqlens_cpu)
+
+
 def check_kda_args(fn, q, k, v, g, beta, *, initial_state, cu_seqlens, state_v_first, use_gate_in_kernel, A_log,
-                   dt_bias, lower_bound, state_is_pool=False) -> int:
-    """Validate the public arguments of `fn` loudly; return N, the number of sequences (rows of the state)."""
+                   dt_bias, lower_bound, state_is_pool=False, cu_seqlens_cpu: list[int] | None = None) -> int:
+    """Validate the public arguments of `fn` loudly; return N, the number of sequences (rows of the state).
+
+    cu_seqlens_cpu: the offsets of `cu_seqlens` as host ints (see `host_offsets`), or None. With them the offset
+    checks read no device value, and outside dispatch.trusted_inputs() they must equal cu_seqlens."""
     def need(cond, msg):
         if not cond:
             raise ValueError(f"{fn}: {msg}")
@@ -73,10 +89,20 @@ def check_kda_args(fn, q, k, v, g, beta, *, initial_state, cu_seqlens, state_v_f
         need(B == 1, f"cu_seqlens requires B == 1 (sequences packed along T), got B={B}; flatten the batch to "
                      f"[1, total_tokens, ...] or pass cu_seqlens=None")
         N = cu_seqlens.numel() - 1
-        if not (cu_seqlens.is_cuda and inputs_trusted()):  # a trusted caller built the offsets on the host itself
+        cu = None
+        if cu_seqlens_cpu is not None:  # the caller's host copy: checked for free, against the device tensor only
+            cu = cu_seqlens_cpu  # for untrusted callers (that read waits for the GPU queue)
+            need(len(cu) == N + 1, f"cu_seqlens_cpu must have the N+1={N + 1} entries of cu_seqlens, got {len(cu)}")
+            if not inputs_trusted():
+                need(cu == cu_seqlens.tolist(), f"cu_seqlens_cpu {cu} differs from cu_seqlens "
+                                                f"{cu_seqlens.tolist()}; pass the same offsets (cu_seqlens.cpu())")
+        elif not (cu_seqlens.is_cuda and inputs_trusted()):  # a trusted caller built the offsets on the host itself
             cu = cu_seqlens.tolist()
+        if cu is not None:
             need(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in itertools.pairwise(cu)),
                  f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu}")
+    else:
+        need(cu_seqlens_cpu is None, "cu_seqlens_cpu was given without cu_seqlens; pass both or neither")
     if lower_bound is not None:
         need(-5.0 <= lower_bound < 0.0, f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. -5.0, "
                                         f"or lower_bound=None for the softplus gate")
@@ -126,11 +152,13 @@ class SeqLayout:
     scatter: torch.Tensor | None  # [T_total] row-major position of each token in [N, Tp]
 
 
-def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, multiple: int, device) -> SeqLayout:
-    """Layout for fixed-length [B, T] (pad at the end) or varlen cu_seqlens (one padded row per sequence)."""
+def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, multiple: int, device,
+                cu_host: list[int] | None = None) -> SeqLayout:
+    """Layout for fixed-length [B, T] (pad at the end) or varlen cu_seqlens (one padded row per sequence);
+    `cu_host`: the same offsets as host ints, read instead of cu_seqlens when given."""
     if cu_seqlens is None:
         return SeqLayout(B, math.ceil(T / multiple) * multiple, [T] * B, None, None)
-    cu = cu_seqlens.tolist()
+    cu = cu_host if cu_host is not None else cu_seqlens.tolist()
     lengths = [b - a for a, b in itertools.pairwise(cu)]
     N, Tp = len(lengths), max(math.ceil(n / multiple) * multiple for n in lengths)
     t = torch.arange(Tp, device=device)
@@ -348,8 +376,9 @@ def chunk_core(q, k, v, g, beta, h0, safe_shift: float | None):
 
 def chunk_kda_torch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, chunk_size,
-                    cu_seqlens, return_intermediate_states, state_v_first):
-    """PyTorch implementation behind `chunk_kda` (arguments already validated; see chunk_kda)."""
+                    cu_seqlens, return_intermediate_states, state_v_first, cu_seqlens_cpu=None):
+    """PyTorch implementation behind `chunk_kda` (arguments already validated; see chunk_kda; cu_seqlens_cpu is a
+    list of ints or None here)."""
     B, T, _, K = q.shape
     HV = v.shape[2]
     out_dtype = v.dtype
@@ -371,7 +400,7 @@ def chunk_kda_torch(q, k, v, g, beta, *, scale, initial_state, output_final_stat
         safe_shift = (SUB_CHUNK - 1) * s / 2  # C = Gamma_0 - (BC - 1) s / 2 (kda.md 3.3)
     scale = K**-0.5 if scale is None else scale
     q, k = _expand_heads(q * scale, k, HV)
-    lay = make_layout(B, T, cu_seqlens, SUB_CHUNK, q.device)
+    lay = make_layout(B, T, cu_seqlens, SUB_CHUNK, q.device, cu_seqlens_cpu)
     q, k, v, g, beta = (to_padded(x, lay) for x in (q, k, v.to(dt), g, beta))
     h0 = None
     if initial_state is not None:
@@ -415,6 +444,7 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     return_intermediate_states: bool = False,
     state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     **unsupported,
 ):
     """Chunkwise KDA (kda.md sections 3 and 5), autograd-capable.
@@ -427,14 +457,18 @@ def chunk_kda(
     (A_log optional), else the softplus gate (A_log required).
     safe_gate: fixed-anchor diagonal blocks; needs every g >= lower_bound (>= -5 if unset); lower_bound in [-5, 0).
     chunk_size: 16, 32 or 64. cu_seqlens: [N+1] offsets with B == 1; chunks never straddle sequences.
+    cu_seqlens_cpu: the same offsets on the host (CPU integer tensor or list of ints), from callers that have them:
+    the varlen layout is then built without reading cu_seqlens back (a wait for the GPU queue). Checked against
+    cu_seqlens, except inside dispatch.trusted_inputs() (the serving engine builds both from one host list).
     Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None), plus with
     `return_intermediate_states` h [B, NT, HV, K, V] fp32, the state entering each chunk (varlen: [1, total chunks,
     ...] in sequence order). States are float64 when the inputs are float64.
     """
     _reject_unsupported("chunk_kda", unsupported)
+    cu_host = host_offsets(cu_seqlens_cpu)
     check_kda_args("chunk_kda", q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                    state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                   lower_bound=lower_bound)
+                   lower_bound=lower_bound, cu_seqlens_cpu=cu_host)
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_kda: chunk_size must be one of {SUPPORTED_CHUNK_SIZES}, got {chunk_size}")
     if safe_gate and use_gate_in_kernel and lower_bound is None:
@@ -445,4 +479,5 @@ def chunk_kda(
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                 dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,
                 lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                return_intermediate_states=return_intermediate_states, state_v_first=state_v_first)
+                return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+                cu_seqlens_cpu=cu_host)

@@ -313,39 +313,50 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
 _LAYOUT_CACHE: list = []  # [(weakref to cu_seqlens, its _version, chunk_size, device, layout)], the latest few
 
 
-def chunk_layout(B, T, chunk_size, cu_seqlens, device):
+def chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host=None):
     """Chunk bookkeeping shared by forward and backward: (N, NT, NT_all, chunk_indices [NT_all, 2] int32,
     chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen.
 
-    The varlen layout needs the sequence lengths on the host (one read of cu_seqlens, which waits for the GPU queue,
-    and two copies back); a model calls this with the same cu_seqlens tensor in every layer, forward and backward,
-    so the result is reused while that very tensor object is alive and unmodified (identity + _version)."""
+    The varlen layout needs the sequence lengths on the host: `cu_host` (the offsets as host ints, from callers that
+    have them) or else one read of cu_seqlens, which waits for the GPU queue. The two index tables then go to the
+    device in one copy that does not wait. A model calls this with the same cu_seqlens tensor in every layer, forward
+    and backward, so the result is reused while that very tensor object is alive and unmodified (identity +
+    _version)."""
     if cu_seqlens is None:
         NT = triton.cdiv(T, chunk_size)
         return B, NT, B * NT, None, None, None
     for ref, version, bt, dev, layout in _LAYOUT_CACHE:
         if ref() is cu_seqlens and version == cu_seqlens._version and bt == chunk_size and dev == str(device):
             return layout
-    layout = _chunk_layout_varlen(chunk_size, cu_seqlens, device)
+    layout = _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host)
     _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, chunk_size, str(device), layout))
     del _LAYOUT_CACHE[4:]
     return layout
 
 
-def _chunk_layout_varlen(chunk_size, cu_seqlens, device):
-    lens = [b - a for a, b in itertools.pairwise(cu_seqlens.tolist())]
+def _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host=None):
+    lens = [b - a for a, b in itertools.pairwise(cu_host if cu_host is not None else cu_seqlens.tolist())]
     per = [triton.cdiv(n, chunk_size) for n in lens]
-    chunk_indices = torch.tensor([[n, c] for n, m in enumerate(per) for c in range(m)], dtype=torch.int32,
-                                 device=device).reshape(-1, 2)
-    chunk_offsets = torch.tensor([0, *itertools.accumulate(per)], dtype=torch.int32, device=device)
+    NT_all = sum(per)
+    # one int32 host buffer [chunk_indices (2 * NT_all), padding to 16 bytes | chunk_offsets (N + 1)]: a
+    # `torch.tensor(list, device="cuda")` is a blocking copy (it waits for the queue), pinned + non_blocking is not
+    pad = -2 * NT_all % 4  # chunk_offsets stays 16-byte aligned, like a tensor of its own (Triton pointer hints)
+    host = torch.tensor([v for n, m in enumerate(per) for c in range(m) for v in (n, c)] + [0] * pad
+                        + [0, *itertools.accumulate(per)], dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev_t = host.to(device, non_blocking=True)
+    chunk_indices, chunk_offsets = dev_t[:2 * NT_all].view(NT_all, 2), dev_t[2 * NT_all + pad:]
     cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
-    return len(lens), 0, sum(per), chunk_indices, chunk_offsets, cu
+    return len(lens), 0, NT_all, chunk_indices, chunk_offsets, cu
 
 
-def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, for_backward=False):
+def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, for_backward=False,
+                       cu_host=None):
     """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
-    with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped)."""
+    with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped).
+    cu_host: cu_seqlens as host ints, or None (chunk_layout)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -354,7 +365,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
     prec = "ieee" if dt == torch.float32 else "tf32"
     q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
-    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev)
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
     if cu_seqlens is None:
         chunk_indices = chunk_offsets = cu = q  # unused placeholders (VARLEN=False)
     varlen = cu_seqlens is not None
@@ -406,12 +417,13 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     return r
 
 
-def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32):
+def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, cu_host=None):
     """Run the five kernels. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] fp32 log decay; beta: [B, T, HV];
     h0: [N, HV, K, V] fp32 or None. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32,
-    h [NT_all, HV, K, V] = state entering each chunk, fp32 if h_fp32 else in the input dtype)."""
+    h [NT_all, HV, K, V] = state entering each chunk, fp32 if h_fp32 else in the input dtype). cu_host: cu_seqlens as
+    host ints, or None."""
     r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=scale, safe_shift=safe_shift, chunk_size=chunk_size,
-                           cu_seqlens=cu_seqlens, h_fp32=h_fp32)
+                           cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
     return r["o"], r["ht"], r["hbuf"]
 
 
@@ -426,7 +438,7 @@ class _ChunkKDATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         o, ht, hbuf = chunk_fwd_triton(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                        chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"],
-                                       h_fp32=cfg["h_fp32"])
+                                       h_fp32=cfg["h_fp32"], cu_host=cfg["cu_host"])
         ctx.save_for_backward(q, k, v, g, beta, h0)
         ctx.cfg = cfg
         ctx.mark_non_differentiable(hbuf)
@@ -451,7 +463,7 @@ class _ChunkKDATriton(torch.autograd.Function):
                                     dt_bias=None, use_beta_sigmoid_in_kernel=False, safe_gate=cfg["safe_shift"]
                                     is not None, lower_bound=cfg["lower_bound"], chunk_size=cfg["chunk_size"],
                                     cu_seqlens=cfg["cu_seqlens"], return_intermediate_states=False,
-                                    state_v_first=False)
+                                    state_v_first=False, cu_seqlens_cpu=cfg["cu_host"])
             live = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad((o, ht), live, (do, dht), allow_unused=True))
         out = [next(grads) if x is not None else None for x in leaves]
@@ -470,7 +482,7 @@ def backward_impl() -> str:
 
 def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
-                     chunk_size, cu_seqlens, return_intermediate_states, state_v_first):
+                     chunk_size, cu_seqlens, return_intermediate_states, state_v_first, cu_seqlens_cpu=None):
     """Triton implementation behind `chunk_kda` (arguments validated by the public function; see chunk_kda).
 
     Same inputs and returns as `chunk_kda_torch`: (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or
@@ -482,7 +494,8 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
               "A_log": A_log, "dt_bias": dt_bias, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
               "safe_gate": safe_gate,
               "lower_bound": lower_bound, "chunk_size": chunk_size, "cu_seqlens": cu_seqlens,
-              "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first}
+              "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+              "cu_seqlens_cpu": cu_seqlens_cpu}
     if q.dtype == torch.float64:  # the reference precision stays on the PyTorch implementation
         return chunk_kda_torch(q, k, v, g, beta, **kwargs)
     check_device("chunk_kda", q, k, v, g, beta, initial_state)
@@ -514,7 +527,8 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = initial_state.float()
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
-           "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound}
+           "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
+           "cu_host": cu_seqlens_cpu}
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None
     if output_final_state:

@@ -2,19 +2,26 @@
 (`.item()`, `.tolist()`, `bool(t)`, `int(t)`) waits for the whole queue, so a handful per layer used to make an
 eager decode step ~100 host waits. Counted here on the CPU by patching those methods, for a plain decode step of 3
 greedy sequences: only the sampled tokens (serve/sampling.py, one read for all greedy rows) and the CPU-only value
-checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for trusted CUDA callers) may read values."""
+checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for trusted CUDA callers) may read values.
+Prefill steps (always eager) are held to the same rule, and the serving code's own op count in a prefill step must
+not grow with the block boundaries it crosses (each op is host time on a GPU; counted with a TorchFunctionMode)."""
 
 import collections
+import sys
 import traceback
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+import k3.serve.runner
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
 
 READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+SERVE = Path(k3.serve.runner.__file__).parent
+ROOT = SERVE.parent
 
 
 def test_eager_decode_step_reads_only_sampled_tokens(model_tok, monkeypatch):
@@ -40,3 +47,91 @@ def test_eager_decode_step_reads_only_sampled_tokens(model_tok, monkeypatch):
     files = {f for f, _ in where}
     assert files <= {"serve/engine.py", "serve/sampling.py", "conv/naive.py"}, dict(where)
     assert sum(v for (f, _), v in where.items() if f.startswith("serve/")) == 1, dict(where)  # one batched argmax
+
+
+def _spy_reads(monkeypatch) -> collections.Counter:
+    """Count every tensor -> host value read from now on by (calling file, method); see the module docstring."""
+    where = collections.Counter()
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **kw):
+            frame = traceback.extract_stack(limit=2)[0]
+            where[(Path(frame.filename).parent.name + "/" + Path(frame.filename).name, _name)] += 1
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return where
+
+
+def _prefill_engine(model, tok) -> Engine:
+    return Engine(model, tok, ServeConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=512,
+                                          enable_prefix_caching=True, warmup=False))
+
+
+def test_eager_prefill_steps_read_only_sampled_tokens(model_tok, monkeypatch):
+    """Prefill steps (prefix caching on) read no tensor value but the sampled tokens: a 200-token miss (chunk kernel,
+    three interior snapshots; its varlen layout comes from the host offsets, `cu_seqlens_cpu`), the 8-token tail of a
+    prefix hit (the trusted recurrent pool entry) and a step mixing a decode with a new prompt's prefill (only the
+    conv's CPU-only offset check, kernels/conv/naive.py, may read there). Each step is spied on its own."""
+    model, tok = model_tok
+    eng = _prefill_engine(model, tok)
+    prompt = [(7 * i) % 300 + 10 for i in range(200)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seen = []
+    for case, prompts in (("miss", [prompt]), ("hit", [prompt[:192] + [5, 6, 7, 8, 9, 10, 11, 12]]),
+                          ("mixed", [prompt[:20], prompt[100:190]])):
+        events = []
+        eng.submit(prompts[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True) if case == "mixed"
+                   else one, events.append)
+        if case == "mixed":
+            assert eng.step()  # the first prompt's prefill; the spied step decodes it while the second one prefills
+            eng.submit(prompts[1], one, events.append)
+        with monkeypatch.context() as m:
+            where = _spy_reads(m)
+            assert eng.step()
+        if case == "hit":
+            assert events[-1].num_cached_tokens == 192, "the tail step must start from the cached blocks"
+        files = {f for f, _ in where}
+        assert files <= {"serve/engine.py", "serve/sampling.py", "conv/naive.py"}, (case, dict(where))
+        assert sum(v for (f, _), v in where.items() if f.startswith("serve/")) == 1, (case, dict(where))
+        seen.append(case)
+        while eng.has_work():
+            eng.step()
+    assert seen == ["miss", "hit", "mixed"]
+
+
+class _ServeOps(TorchFunctionMode):
+    """Counts torch calls whose innermost k3 frame is in serve/ (the engine and runner's own tensor work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        while f is not None and not (f.f_code.co_filename.startswith(str(ROOT)) and "/.venv/" not in
+                                     f.f_code.co_filename):
+            f = f.f_back
+        if f is not None and f.f_code.co_filename.startswith(str(SERVE)):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_prefill_step_ops_do_not_grow_with_block_boundaries(model_tok):
+    """The serving code's own tensor ops in a prefill step (prefix caching on) are the same for a prompt crossing 2
+    block boundaries and one crossing 7: every KDA layer writes all of a step's snapshots at once (k3.serve.prefill).
+    Written one boundary at a time they grew by ~30 ops per boundary and layer, on a GPU ~15 us of host time each."""
+    model, tok = model_tok
+    eng = _prefill_engine(model, tok)
+    counts = {}
+    for n in (130, 450):  # 2 and 7 boundaries, both interior to the chunk kernel call and not at its end
+        eng.reset_prefix_cache()
+        eng.submit([(5 * i) % 400 + 10 for i in range(n)], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                           ignore_eos=True), lambda ev: None)
+        mode = _ServeOps()
+        with mode:
+            assert eng.step()
+        assert not eng.has_work()
+        counts[n] = mode.count
+    assert counts[130] == counts[450] > 0, counts
