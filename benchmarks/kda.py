@@ -1,10 +1,8 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
-Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla] [--intra chunk rows]`.
-`--intra` times k3 once per intra-chunk variant (triton_chunk.LAUNCH["intra"]["variant"]: "chunk" = v1, "rows" =
-triton_intra.py) in the same process, one table row each; default: the library default only. `--bwd-inter-bk 256 64`
-does the same for the K block of the backward inter kernel (triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]); with both,
-every combination is timed.
+Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
+[--bwd-inter-bk 256 64]`. `--bwd-inter-bk` times k3 once per K block of the backward inter kernel
+(triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]) in the same process, one table row each; default: the library default.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -37,7 +35,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk_bwd
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -137,13 +135,13 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
 
     saved = dict(triton_recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
-    print("| B | BV | num_warps | streaming hints | us | fraction |")
-    print("|---|---|---|---|---|---|")
+    print("| B | BV | num_warps | us | fraction |")
+    print("|---|---|---|---|---|")
     for B in (64, 256):  # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
-        for bv, nw, stream in itertools.product((32, 64, 128), (2, 4), (0, 1)):
-            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw, stream=stream)
+        for bv, nw in itertools.product((32, 64, 128), (2, 4)):
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
             t = time_decode(fused_recurrent_kda, B, H, D)
-            print(f"| {B} | {bv} | {nw} | {'yes' if stream else 'no'} | {t:.1f} | "
+            print(f"| {B} | {bv} | {nw} | {t:.1f} | "
                   f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} |", flush=True)
     triton_recurrent.LAUNCH.update(saved)
 
@@ -165,17 +163,11 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
-    ap.add_argument("--intra", nargs="+", choices=["chunk", "rows"], default=None,
-                    help="intra-chunk variants of the k3 forward to time side by side (default: the library default)")
     ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     args = ap.parse_args()
-    default_intra = triton_chunk.LAUNCH["intra"]["variant"]
     default_bk = triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]
     bks = args.bwd_inter_bk or [default_bk]
-    if args.intra and os.environ.pop("K3_KDA_INTRA", None):  # the env var would override the LAUNCH switch below
-        print("# K3_KDA_INTRA unset for this run: --intra selects the variants", file=sys.stderr)
-    intras = args.intra or [triton_chunk.intra_variant()]
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -189,7 +181,7 @@ def main():
     print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 intra / bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
@@ -205,18 +197,16 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        for intra, bk in itertools.product(intras, bks):  # k3 per variant, same inputs, same process
-            triton_chunk.LAUNCH["intra"]["variant"] = intra
+        for bk in bks:  # k3 per K block, same inputs, same process
             triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = bk
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {intra} / {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
-        triton_chunk.LAUNCH["intra"]["variant"] = default_intra
         triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = default_bk
         del xs, do, o_fla
         torch.cuda.empty_cache()

@@ -1,16 +1,14 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--intra chunk|rows] [--intra-bkb 64]`. Every configuration (num_warps,
-num_stages, V block) is applied to all forward (triton_chunk.LAUNCH, triton_intra.LAUNCH) and backward
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64]`. Every configuration (num_warps,
+num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
 (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
 table gives each kernel's mean device time per fwd+bwd in microseconds (forward kernels run twice per fwd+bwd: the
 forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts, reductions). The
 best configuration per kernel is starred, and its registers / spilled bytes per thread are printed, so the defaults
-in LAUNCH can be set from one run. `--intra` picks the forward's intra-chunk variant (triton_chunk.LAUNCH["intra"]
-["variant"]): "chunk" runs `_intra_kernel`, "rows" runs `_intra_gamma_kernel` + `_intra_rows_kernel` (triton_intra.py,
-whose K block cap `--intra-bkb` sets).
+in LAUNCH can be set from one run.
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ from torch.profiler import ProfilerActivity, profile
 from k3.kernels.kda import chunk_kda
 from k3.kernels.kda import triton_chunk as fwd_mod
 from k3.kernels.kda import triton_chunk_bwd as bwd_mod
-from k3.kernels.kda import triton_intra as intra_mod
 
-KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_intra_gamma_kernel": (intra_mod, "intra_gamma"),
-           "_intra_rows_kernel": (intra_mod, "intra_rows"), "_solve_kernel": (fwd_mod, "solve"),
-           "_wu_kernel": (fwd_mod, "wu"),
+KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
            "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
            "_bwd_intra_kernel": (bwd_mod, "bwd_intra")}
@@ -102,19 +97,11 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--intra", choices=["chunk", "rows"], default=None,
-                    help="intra-chunk variant of the forward (default: the library default)")
-    ap.add_argument("--intra-bkb", type=int, default=None, help="K block cap of the rows intra kernel (16, 32, 64)")
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     args = ap.parse_args()
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
-    if args.intra:
-        os.environ.pop("K3_KDA_INTRA", None)  # it would override LAUNCH
-        fwd_mod.LAUNCH["intra"]["variant"] = args.intra
-    if args.intra_bkb:
-        intra_mod.LAUNCH["intra_rows"]["BKB"] = args.intra_bkb
     B, T, H, D = ints(args.shape)
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -124,7 +111,7 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"intra variant {fwd_mod.intra_variant()} (rows BKB cap {intra_mod.LAUNCH['intra_rows']['BKB']})")
+          f"backward inter K block {bwd_mod.LAUNCH['bwd_inter']['BK']}")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
     results = {}
     names = [*KERNELS, "torch ops", "total"]

@@ -12,8 +12,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
      diagonal 16 x 16 block: with `safe_gate` one dot with the fixed anchor C = Gamma_n - (BC - 1) s / 2 (in log2
        units), s = -lower_bound (2 if unset), so appending tokens cannot move C; otherwise exact pairwise exponents,
        one column at a time in fp32 (any g, including -1000).
-   LAUNCH["intra"]["variant"] = "rows" (or K3_KDA_INTRA=rows) runs this step as two kernels instead: the Gamma
-   cumsum, then one program per (chunk, sub-chunk, value head) looping over K blocks (triton_intra.py).
+   (Tried and measured on an H200, then removed: block-by-block Gamma re-reads (v2), reloaded tiles (v4), and one
+   program per 16-row sub-chunk looping over K blocks ("rows"): all slower, benchmarks/RESULTS.md sessions 2-4.)
 2. `_solve_kernel`: M = (I + L)^-1 by fp32 forward substitution on each diagonal 16 x 16 block and block-inverse
    merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
 3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v).
@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from ..dispatch import check_device
-from . import triton_intra
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .gate import naive_kda_gate, naive_kda_lowerbound_gate
 from .triton_common import _chunk_bounds, _diag_block, _seq_bounds
@@ -54,9 +53,8 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 
 # Launch settings per forward kernel: Triton's num_warps / num_stages, and the V block "BV" (capped at
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
-# LAUNCH["intra"]["variant"]: "chunk" (`_intra_kernel`) or "rows" (triton_intra.py); see intra_variant().
-LAUNCH: dict[str, dict[str, int | str]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    "intra": {"num_warps": 4, "num_stages": 2, "variant": "chunk"},
+LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
+    "intra": {"num_warps": 4, "num_stages": 2},
     "solve": {"num_warps": 4, "num_stages": 1},
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
     "scan": {"num_warps": 4, "num_stages": 2, "BV": 64},
@@ -67,16 +65,6 @@ LAUNCH: dict[str, dict[str, int | str]] = {  # tuned on an H200 at (8, 4096, 16,
 def launch_opts(name: str) -> dict[str, int]:
     """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
-
-
-def intra_variant() -> str:
-    """The intra-chunk implementation chunk_fwd_pipeline runs, read at call time: K3_KDA_INTRA when set, else
-    LAUNCH["intra"]["variant"]; "chunk" (v1, `_intra_kernel`) or "rows" (triton_intra.py)."""
-    name = os.environ.get("K3_KDA_INTRA", "").strip().lower() or str(LAUNCH["intra"]["variant"])
-    if name not in ("chunk", "rows"):
-        raise ValueError(f"intra-chunk variant (K3_KDA_INTRA or LAUNCH['intra']['variant']) must be 'chunk' or "
-                         f"'rows', got {name!r}; unset K3_KDA_INTRA for the default")
-    return name
 
 
 def v_block(name: str, V: int, BK: int) -> int:
@@ -390,14 +378,9 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
                                                                  "hbuf", "o", "ht"))
     Akk = r["Akk"] if for_backward else Lkk
-    if intra_variant() == "rows":
-        triton_intra.intra_rows(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, scale=float(scale), shift=shift,
-                                T=T, NT=NT, NT_all=NT_all, BT=BT, BC=BC, safe=safe_shift is not None,
-                                store_akk=for_backward, varlen=varlen, prec=prec)
-    else:
-        _intra_kernel[(NT_all, HV)](
-            q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK,
-            BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None, STORE_AKK=for_backward, **common, **launch_opts("intra"))
+    _intra_kernel[(NT_all, HV)](
+        q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK,
+        BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None, STORE_AKK=for_backward, **common, **launch_opts("intra"))
     _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
                                 **launch_opts("solve"))
     BVu = v_block("wu", V, BK)

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the chunkwise KDA kernels (triton_chunk.py forward, triton_intra.py, triton_chunk_bwd.py
+"""Triton helpers shared by the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py
 backward): a program's chunk or sequence bounds (padded and varlen layouts) and the diagonal 16 x 16 block of the
 intra-chunk step. Legend as in triton_chunk.py.
 """

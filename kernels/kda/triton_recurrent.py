@@ -37,9 +37,9 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # BV_DEFAULT below WIDE_FROM sequence-heads, BV_WIDE from there), and num_warps (None: 4 when the [BK, BV] state tile
 # has >= 4096 elements, else 2). H200 sweep at H=16, D=128, 2026-11-29 (RESULTS.md): at B=256, BV 32 -> 64 (4 warps)
 # went 0.80 -> 0.87 of copy bandwidth, at B=64 0.69 -> 0.72; at B=1 the 2x more programs of BV=32 keep the latency.
-# "stream": load and store the pool state with streaming cache hints (evict-first; each state is touched once per
-# step), untimed yet: the B=256 sweep of benchmarks/kda.py compares both.
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "stream": 0}
+# Streaming cache hints on the pool state (evict-first loads, .cs stores) were slower in every configuration of the
+# same sweep (B=256, BV 64, 4 warps: 154.7 vs 146.9 us; RESULTS.md session 4) and were removed.
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
@@ -58,7 +58,7 @@ def _recurrent_kda_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr, STREAM: tl.constexpr = False,
+    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
@@ -84,10 +84,7 @@ def _recurrent_kda_kernel(
         if POOL:
             slot = tl.load(slots + i_n).to(tl.int64)
         p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        if STREAM:
-            b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
+        b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
 
     if GATE:
         if HAS_A_LOG:
@@ -131,10 +128,7 @@ def _recurrent_kda_kernel(
 
     if POOL and not PER_TOKEN:  # write the final state back to the sequence's own slot, in place
         p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        if STREAM:
-            tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0), cache_modifier=".cs")
-        else:
-            tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
+        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
     if STORE_HT:
         p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
         tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
@@ -210,7 +204,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             L2NORM=use_qk_l2norm_in_kernel, GATE=use_gate_in_kernel, LOWER_BOUND_GATE=lower_bound is not None,
             HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
-            VARLEN=cu_seqlens is not None, STREAM=bool(LAUNCH["stream"]),
+            VARLEN=cu_seqlens is not None,
             num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
         )
     return o, ht

@@ -17,7 +17,7 @@ def test_there_are_benchmark_scripts():
 
 
 # environment a script may set at import (kda_tune.py selects the Triton backend): restored after each test
-ENV = ("K3_KERNELS", "K3_KDA_BWD", "K3_KDA_INTRA", "FLA_FLASH_KDA", "TRITON_INTERPRET")
+ENV = ("K3_KERNELS", "K3_KDA_BWD", "FLA_FLASH_KDA", "TRITON_INTERPRET")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -55,31 +55,6 @@ def _triton_backend(monkeypatch, triton_cpu):
 
 
 
-@pytest.fixture
-def intra(request, monkeypatch):
-    """The intra-chunk variant of the Triton forward (triton_chunk.LAUNCH["intra"]["variant"], restored after; "chunk"
-    unless parametrized indirectly), with a spy that checks, after the test, that "rows" ran triton_intra.intra_rows
-    (both kernels) and "chunk" did not."""
-    from k3.kernels.kda import triton_chunk, triton_intra
-
-    variant = getattr(request, "param", "chunk")
-    monkeypatch.delenv("K3_KDA_INTRA", raising=False)
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "variant", variant)
-    calls = []
-    real = triton_intra.intra_rows
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_intra, "intra_rows", spy)
-    yield variant
-    assert bool(calls) == (variant == "rows"), f"intra variant {variant!r}: triton_intra.intra_rows ran {len(calls)}x"
-
-
-INTRA = pytest.mark.parametrize("intra", ["chunk", "rows"], indirect=True)
-
-
 def make_inputs(B, T, H, HV, K, V, dtype, N=None):
     """fla recipe (kda.md 6.2), drawn on the CPU in fp32: q, k ~ U(0,1) L2-normalized, v ~ U(0,1),
     g = logsigmoid(N(0,1)), beta = sigmoid(N(0,1)); h0 ~ N(0,1) fp32. Inputs cast to `dtype` on DEV."""
@@ -197,24 +172,6 @@ def test_recurrent_state_pool_in_place(state_v_first, wide, monkeypatch):
         assert torch.equal(pool[untouched], before[untouched]), f"pool slot {untouched} changed"
 
 
-def test_recurrent_streaming_hints_change_nothing(monkeypatch):
-    """triton_recurrent.LAUNCH["stream"] (evict-first / streaming cache hints on the pool state) gives the same
-    outputs and pool as the default launch."""
-    from k3.kernels.kda import triton_recurrent
-
-    q, k, v, g, beta, _ = make_inputs(3, 1, 1, 2, 32, 32, torch.float32)
-    pool0 = torch.randn(5, 2, 32, 32, device=DEV)
-    idx = torch.tensor([3, -1, 0], device=DEV, dtype=torch.int32)
-    outs = []
-    for stream in (0, 1):
-        monkeypatch.setitem(triton_recurrent.LAUNCH, "stream", stream)
-        pool = pool0.clone()
-        o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx)
-        outs.append((o, pool))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert not torch.equal(outs[0][1][3], pool0[3])  # the named slot was written
-
-
 def test_recurrent_speculative_slots_match_torch():
     """num_accepted_tokens: same semantics as the PyTorch twin (which test_kda.py checks against the recurrence)."""
     N, S_max, HV, D = 2, 3, 2, 32
@@ -245,17 +202,16 @@ CHUNK_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate)
     (1, 37, 1, 1, 32, 64, True),
     (1, 70, 1, 2, 60, 32, True),
     (2, 40, 1, 2, 32, 64, False),
-    (1, 45, 1, 1, 128, 64, True),  # two K blocks of 64 in the "rows" intra kernel
+    (1, 45, 1, 1, 128, 64, True),  # D = 128: the backward inter kernel's two K blocks of 64
     (1, 50, 1, 1, 100, 32, False),  # two K blocks, the second one masked (100 = 64 + 36)
     (1, 24, 1, 1, 64, 16, True),  # one sub-chunk per chunk: no off-diagonal columns
 ]
 
 
-@INTRA
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe", CHUNK_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in CHUNK_CASES])
-def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype, intra):
+def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype)
     ro, rs = naive64(q, k, v, g, beta, h0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=BT, safe_gate=safe,
@@ -303,16 +259,12 @@ GRAD_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, initial state, loss th
 ]
 
 
-GRAD_RUNS = [(*c, "chunk") for c in GRAD_CASES] + [(*GRAD_CASES[i], "rows") for i in (1, 3)]  # + intra variant
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final,intra", GRAD_RUNS, indirect=["intra"],
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final", GRAD_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}-{'h0' if c[7] else 'noh0'}-"
-                              f"{'dht' if c[8] else 'nodht'}-{c[9]}" for c in GRAD_RUNS])
-def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype, intra):
-    """Triton forward + Triton backward: gradients of q, k, v, g, beta and h0 vs autograd through the recurrence
-    (the backward recomputes the forward intermediates with the selected intra variant)."""
+                              f"{'dht' if c[8] else 'nodht'}" for c in GRAD_CASES])
+def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype):
+    """Triton forward + Triton backward: gradients of q, k, v, g, beta and h0 vs autograd through the recurrence."""
     q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
     assert [x.dtype for x in out[2:]] == [q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, torch.float32][: len(out) - 2]
@@ -320,8 +272,7 @@ def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype,
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
-@INTRA
-def test_chunk_gradients_varlen(intra):
+def test_chunk_gradients_varlen():
     """cu_seqlens with an empty sequence and a partial last chunk; dh0 per sequence."""
     cu = [0, 15, 15, 80]
     q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, 32, 32, torch.float32, N=3)
@@ -426,8 +377,7 @@ def test_chunk_in_kernel_flags_forward_and_gate_gradients():
         assert_close(name, r, x, ratio)
 
 
-@INTRA
-def test_chunk_varlen_and_intermediate_states(intra):
+def test_chunk_varlen_and_intermediate_states():
     cu = [0, 15, 80]
     q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 1, 32, 32, torch.float32, N=2)
     ro, rs = naive64(q, k, v, g, beta, h0, cu)
@@ -443,8 +393,7 @@ def test_chunk_varlen_and_intermediate_states(intra):
     assert_close("h[2]", s64[0], h[0, 2], 1e-5)
 
 
-@INTRA
-def test_chunk_extreme_gates_exact_path(intra):
+def test_chunk_extreme_gates_exact_path():
     """Unbounded gate with g = -1000 entries: the exact pairwise diagonal path must stay finite and correct."""
     q, k, v, g, beta, h0 = make_inputs(1, 24, 1, 1, 32, 32, torch.float32)
     g = g.clone()
@@ -482,77 +431,6 @@ def test_recurrent_decode_continues_chunk_prefill():
         outs.append(o_t)
     assert_close("o", ro, torch.cat(outs, 1), 0.005)
     assert_close("ht", rs, s, 0.005)
-
-
-# ---------------------------------------------------------------------------------------------- intra variants
-
-
-INTRA_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
-    (2, 45, 1, 2, 128, 64, True, None),  # GVA, two K blocks, partial last chunk per sequence
-    (1, 50, 1, 1, 100, 32, False, None),  # exact path with g = -1000 entries, masked second K block
-    (1, 80, 1, 1, 32, 32, True, [0, 15, 15, 80]),  # varlen with an empty sequence
-]
-
-
-@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", INTRA_CASES,
-                         ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}-{'cu' if c[7] else 'fixed'}"
-                              for c in INTRA_CASES])
-def test_intra_rows_buffers_equal_chunk(B, T, H, HV, D, BT, safe, cu, monkeypatch):
-    """The "rows" intra kernels (selected by K3_KDA_INTRA=rows, read at call time) fill Gam, Aqk, Lkk and Akk as v1's
-    `_intra_kernel` does (the LAUNCH default), on every row (all T_all rows are valid; both allocate with
-    NaN-poisoned torch.empty, so an element either variant fails to write fails the comparison). fp32; "rows" sums
-    over K in blocks of 64, so equal up to rounding: rtol 1e-5, atol 1e-6 scaled by the buffer's largest value."""
-    from k3.kernels.kda import triton_intra
-    from k3.kernels.kda.triton_chunk import chunk_fwd_pipeline, intra_variant
-
-    calls = []
-    real = triton_intra.intra_rows
-    monkeypatch.setattr(triton_intra, "intra_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    N = B if cu is None else len(cu) - 1
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=N)  # g: [B, T, HV, K]
-    if safe:
-        g = g.clamp(min=-5.0)  # the safe path's contract: g >= lower_bound
-    else:
-        g = g.clone()
-        g[0, 5, :, :7] = -1000.0  # full decay in a few channels, in both K blocks (D = 100)
-        g[0, 40, :, 70:] = -1000.0
-    kw = {"scale": D**-0.5, "safe_shift": (16 - 1) * 5.0 / 2 if safe else None, "chunk_size": BT, "h_fp32": True,
-          "cu_seqlens": None if cu is None else torch.tensor(cu, device=DEV), "for_backward": True}
-    monkeypatch.delenv("K3_KDA_INTRA", raising=False)
-    assert intra_variant() == "chunk"
-    ref = chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
-    assert not calls
-    monkeypatch.setenv("K3_KDA_INTRA", "rows")
-    out = chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
-    assert calls == [1]
-    for name in ("Gam", "Aqk", "Lkk", "Akk"):
-        a, b = ref[name], out[name]
-        assert not a.isnan().any(), f"v1 left {name} partly unwritten"
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * max(1.0, a.abs().max().item()), msg=name)
-
-
-def test_intra_variant_switch(monkeypatch):
-    """LAUNCH["intra"]["variant"] selects the intra kernel, K3_KDA_INTRA (read at each call) overrides it; a bad value
-    from either is a ValueError naming both."""
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.delenv("K3_KDA_INTRA", raising=False)
-    assert triton_chunk.LAUNCH["intra"]["variant"] == "chunk"  # the default stays v1
-    assert triton_chunk.intra_variant() == "chunk"
-    monkeypatch.setenv("K3_KDA_INTRA", " Rows ")
-    assert triton_chunk.intra_variant() == "rows"
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "variant", "rows")
-    monkeypatch.setenv("K3_KDA_INTRA", "chunk")
-    assert triton_chunk.intra_variant() == "chunk"
-    monkeypatch.setenv("K3_KDA_INTRA", "")
-    assert triton_chunk.intra_variant() == "rows"
-    monkeypatch.setenv("K3_KDA_INTRA", "blocks")
-    with pytest.raises(ValueError, match=r"K3_KDA_INTRA or LAUNCH\['intra'\]\['variant'\].*'blocks'"):
-        triton_chunk.intra_variant()
-    monkeypatch.delenv("K3_KDA_INTRA")
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "variant", "v2")
-    with pytest.raises(ValueError, match="'v2'"):
-        triton_chunk.intra_variant()
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
