@@ -16,6 +16,10 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/k3out}
 MODE=${1:-kernels}
 mkdir -p "$OUT"
+# Triton's cache (compiled kernels and, with fla's FLA_CACHE_RESULTS default, its autotuning results) in the repo:
+# carry .triton-cache (from a previous call's $OUT/triton-cache.tgz) to skip fla's ~4-minute first-shape autotuning
+export TRITON_CACHE_DIR="$PWD/.triton-cache"
+mkdir -p "$TRITON_CACHE_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -35,6 +39,7 @@ kernels)
   # fla's autotuner compiles its configurations on the first shape: minutes on a fresh machine
   timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
   ;;
 serve)
   K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_compile.py -k cuda -q \
