@@ -9,7 +9,8 @@
 #   serve:   the compiled server (--compile-decode --cuda-graph-batches 1 32, k3-small, random weights) against the
 #            Hugging Face anchors at batch 1 and 32 through HTTP, the CUDA compiled-decode test alongside; then
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
-#            prefix hit, the MTP speculative row (k = 2)
+#            prefix hit, the MTP speculative row (k = 2); the paged MLA decode kernel (single pass vs split keys)
+#            during the server's start
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -42,14 +43,17 @@ kernels)
   tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
   ;;
 serve)
-  K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_compile.py -k cuda -q \
-    -p no:cacheprovider -rf > "$OUT/serve_tests.log" 2>&1 &
+  # in the background while the server below starts and compiles (CPU work): the paged MLA decode kernel, single
+  # pass vs split keys (flash-decoding), then the CUDA compiled-decode test
+  (timeout 45 python3 benchmarks/mla_decode.py --split-keys 256 512 > "$OUT/mla.log" 2>&1; echo "mla rc=$?" >> "$OUT/mla.log"
+   K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_compile.py -k cuda -q \
+    -p no:cacheprovider -rf > "$OUT/serve_tests.log" 2>&1) &
   serve_tests=$!
   timeout 400 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
     --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 \
     --hf-anchor --hf-batch 1 32 > "$OUT/serve_small.log" 2>&1
   echo "serve k3-small rc=$?"; grep -v "Warn\|warn" "$OUT/serve_small.log" | tail -30
-  wait "$serve_tests"; echo "compile test rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -4
+  wait "$serve_tests"; cat "$OUT/mla.log"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -4
   if [ -f runs/tiny/final/config.json ]; then  # the README's k3-tiny, trained on the CPU (carried)
     timeout 200 python3 benchmarks/serve.py --ckpt runs/tiny/final --subprocess --device cuda --concurrency 1 \
       --input-len 128 --output-len 128 --prefix-len 2048 --speculative-tokens 2 > "$OUT/serve_tiny.log" 2>&1
