@@ -88,6 +88,7 @@ class ModelRunner:
         self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
         self.verify_graphs = None  # k3.serve.spec_graphs.VerifyGraphs / MTPGraphs: the speculative fast path
         self.mtp_graphs = None
+        self.tail_graphs = None  # k3.serve.tail_graphs.TailGraphs: equal-length prefill tails (2..64 tokens)
         if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
             self.enable_decode_graphs(max_pages, capture=True, compile=serve_cfg.compile_decode)
         elif serve_cfg is not None and serve_cfg.compile_decode:
@@ -102,10 +103,14 @@ class ModelRunner:
         torch.compile first. With `spec` and a pool that holds speculative scratch states (and an MTP head), verify
         steps and MTP draft steps get the same treatment (k3.serve.spec_graphs), sharing the graph pool and cap;
         `compile` covers the verify steps (a whole-model forward like decode) but not the MTP draft calls (one
-        layer, yet k + 2 lengths per batch size: compiling them would add minutes of startup for little)."""
-        from .graphs import DecodeGraphs  # graphs imports this module's helpers
+        layer, yet k + 2 lengths per batch size: compiling them would add minutes of startup for little). Steps of
+        equal-length prefill tails (2..64 tokens, k3.serve.tail_graphs) always get it too, never compiled."""
+        from .graphs import DecodeGraphs  # graphs (and tail_graphs) import this module's helpers
+        from .tail_graphs import TailGraphs
 
         self.graphs = DecodeGraphs(self, max_pages, capture=capture, compile=compile)
+        # prefill tails after a prefix hit: same pool and cap, captured on first use, never compiled
+        self.tail_graphs = TailGraphs(self, max_pages, capture=capture, budget=self.graphs.budget)
         self.verify_graphs = self.mtp_graphs = None
         if spec and self.states.spec_tokens and self.model.mtp is not None and len(self.pages.kv) > self.mtp_layer:
             from .spec_graphs import MTPGraphs, VerifyGraphs
@@ -129,11 +134,12 @@ class ModelRunner:
         if self._last is not None and None in getattr(self._last[0], "kept", ()):
             raise RuntimeError("the last verify step was not committed: call commit_spec for each of its sequences "
                                "before the next step")
-        if self.graphs is not None and self.graphs.accepts(seqs):
-            out = self.graphs.step(seqs)  # None: this shape falls back to the eager path below
-            if out is not None:
-                self._last = None
-                return out
+        for g in (self.graphs, self.tail_graphs):  # plain decodes, then equal-length prefill tails
+            if g is not None and g.accepts(seqs):
+                out = g.step(seqs)  # None: this shape falls back to the eager path below
+                if out is not None:
+                    self._last = None
+                    return out
         if self.verify_graphs is not None and self.verify_graphs.accepts(seqs):
             res = self.verify_graphs.step(seqs)  # (StepOutput, the context commit_spec reads) or None: eager
             if res is not None:
