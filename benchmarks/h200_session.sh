@@ -44,13 +44,14 @@ kernels)
   ;;
 serve)
   # in the background while the server below starts and compiles (CPU work): the paged MLA decode kernel, single
-  # pass vs split keys (flash-decoding), then the CUDA compiled-decode test
+  # pass vs split keys (flash-decoding), then the CUDA compiled-decode and tail-graph tests
   (timeout 45 python3 benchmarks/mla_decode.py --split-keys 256 512 > "$OUT/mla.log" 2>&1; echo "mla rc=$?" >> "$OUT/mla.log"
-   K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_compile.py -k cuda -q \
+   K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_compile.py \
+    tests/serve/test_tail_graphs.py -k cuda -q \
     -p no:cacheprovider -rf > "$OUT/serve_tests.log" 2>&1) &
   serve_tests=$!
   timeout 400 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
-    --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 \
+    --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 2048 \
     --hf-anchor --hf-batch 1 32 > "$OUT/serve_small.log" 2>&1
   echo "serve k3-small rc=$?"; grep -v "Warn\|warn" "$OUT/serve_small.log" | tail -30
   wait "$serve_tests"; cat "$OUT/mla.log"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -4
