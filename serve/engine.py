@@ -33,7 +33,7 @@ from k3.model.transformer import K3Model
 from .cache import PagePool, SnapshotStore, StatePool, block_hashes, chain_hash
 from .config import ServeConfig
 from .metrics import Metrics
-from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, find_stop, holdback, token_logprob
+from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, token_logprob
 from .runner import ModelRunner, StepSeq
 from .sampling import apply_penalties, greedy_picks, sample, token_probs
 from .speculative import MTPDrafter, SpecState, verify_tokens
@@ -108,6 +108,7 @@ class Engine:
         self.dead: BaseException | None = None
         self.ready = False
         self.record_metrics = True
+        self._n_gen, self._itl = 0, []  # this step's generated tokens and inter-token latencies (metrics)
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -402,13 +403,14 @@ class Engine:
         budget = self.token_budget
         bs = self.block_size
         batch = []
-        decodes = [s for s in self.running if not s.prefilling]
-        prefills = [s for s in self.running if s.prefilling]
+        decodes, prefills = [], []
+        for s in self.running:
+            (prefills if s.prefilling else decodes).append(s)
         for seq in decodes + prefills:
             if budget <= 0:
                 break
             start = seq.num_computed
-            if seq.prefilling:
+            if pre := start < len(seq.prompt):
                 rem = len(seq.prompt) - start
                 take = rem if rem <= budget else (budget // bs) * bs
                 if take <= 0:
@@ -418,7 +420,7 @@ class Engine:
                 mode = "all" if seq.params.prompt_logprobs is not None else ("last" if last else "none")
             else:
                 tokens, mode = [seq.output[-1]], "last"
-                spec = self._spec.get(id(seq))
+                spec = self._spec.get(id(seq)) if self._spec else None
                 if spec is not None and spec.drafts:  # verify the drafts that fit the budget in one forward
                     tokens += spec.drafts[:budget - 1]
                     mode = "all" if len(tokens) > 1 else mode
@@ -427,14 +429,13 @@ class Engine:
                     spec.drafts, spec.draft_q = [], []
             budget -= len(tokens)
             end = start + len(tokens)
-            self._grow(seq, end)
+            if len(seq.block_table) * bs < end:
+                self._grow(seq, end)
             st = StepSeq(tokens=tokens, start=start, slot=seq.slot, block_table=seq.block_table, logits=mode,
-                         spec=len(tokens) > 1 and not seq.prefilling)
-            publish = []
-            if st.spec:
-                pass  # pages and snapshots of a verify step are published after acceptance (_commit_verify)
-            elif self.snaps is not None:
-                for p in range((start // bs + 1) * bs, end + 1, bs):  # block boundaries in (start, end]
+                         spec=len(tokens) > 1 and not pre)
+            publish = []  # (a verify step's pages and snapshots are published after acceptance: _commit_verify)
+            if self.snaps is not None and not st.spec and (first := (start // bs + 1) * bs) <= end:
+                for p in range(first, end + 1, bs):  # block boundaries in (start, end]
                     h = self._hash(seq, p // bs - 1)
                     publish.append(("page", h, seq.block_table[p // bs - 1]))
                     if p == end or start % bs == 0:  # a state the kernels expose there (serve/prefill.py)
@@ -512,36 +513,25 @@ class Engine:
         p = seq.params
         seq.output.append(tok)
         seq.counts[tok] = seq.counts.get(tok, 0) + 1
-        if self.record_metrics:
-            self.metrics.inc("k3:generation_tokens")
+        if self.record_metrics:  # generation_tokens and the ITLs go to the registry once per step (_gauges)
             if seq.t_first is None:
                 self.metrics.observe("k3:time_to_first_token_seconds", now - seq.arrival)
             else:
-                self.metrics.observe("k3:inter_token_latency_seconds", now - seq.t_last)
+                self._itl.append(now - seq.t_last)
+            self._n_gen += 1
         if seq.t_first is None:
             seq.t_first = now
         seq.t_last = now
-        finish = None
-        if (tok == self.tok.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
-            finish = "stop"  # the stop token counts as output but its text is not shown
-        else:
-            before = len(seq.text)
-            seq.text += seq.decoder.add(tok)
-            if p.stop:
-                cut = find_stop(seq.text, p.stop, before)
-                if cut is not None:
-                    seq.text, finish = seq.text[:cut], "stop"
-        if finish is None and (len(seq.output) >= p.max_tokens or len(seq.all_tokens) >= self.max_model_len):
+        finish = seq.add_text(tok, self.tok.eos_id)
+        n_out = len(seq.output)
+        if finish is None and (n_out >= p.max_tokens or len(seq.prompt) + n_out >= self.max_model_len):
             finish = "length"
         if finish is not None:
             if finish == "length":
                 seq.text += seq.decoder.flush()  # an incomplete trailing character becomes U+FFFD
             self._finish(seq, finish, token=tok, lp=lp)
             return
-        safe = len(seq.text) - holdback(seq.text, p.stop)
-        delta = seq.text[seq.emitted:safe] if safe > seq.emitted else ""
-        seq.emitted += len(delta)
-        self._emit(seq, delta, [tok], [lp] if lp is not None else None, None)
+        self._emit(seq, seq.take_delta(), [tok], [lp] if lp is not None else None, None)
 
     # ------------------------------------------------------------------------------------------------ finishing
 
@@ -592,6 +582,10 @@ class Engine:
         if not self.record_metrics:
             return
         m = self.metrics
+        if self._n_gen:  # the step's per-token series: one registry call each, not two per token
+            m.inc("k3:generation_tokens", self._n_gen)
+            m.observe_many("k3:inter_token_latency_seconds", self._itl)
+            self._n_gen, self._itl = 0, []
         m.set("k3:num_requests_running", len(self.running))
         m.set("k3:num_requests_waiting", len(self.waiting) + len(self._inbox))
         m.set("k3:kv_cache_usage_perc", self.pages.usage())

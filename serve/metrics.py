@@ -3,10 +3,16 @@
 A tiny thread-safe registry (counters, gauges, histograms with labels), rendered as the Prometheus text format
 (https://prometheus.io/docs/instrumenting/exposition_formats/). Counter names are registered without `_total`
 and exposed with it, as the Python client does. Every series carries `model_name`.
+
+The engine records every generated token (a counter and an inter-token latency per token per sequence), so the hot
+calls are cheap: the label-free series key is computed once, a histogram observation finds its bucket by bisection
+and counts it there alone (buckets are made cumulative when rendered), and `observe_many` takes the lock once for a
+step's worth of values.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 
@@ -38,6 +44,7 @@ class Metrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
+        self._key0 = (("model_name", model_name),)  # the key of the label-free series (most calls)
         self._lock = threading.Lock()
         self._meta: dict[str, tuple[str, str, tuple | None]] = {}  # name -> (kind, help, buckets)
         self._values: dict[str, dict[tuple, object]] = {}
@@ -78,6 +85,8 @@ class Metrics:
         self._values[name] = {}
 
     def _key(self, labels: dict) -> tuple:
+        if not labels:
+            return self._key0
         return tuple(sorted({"model_name": self.model_name, **{k: str(v) for k, v in labels.items()}}.items()))
 
     def inc(self, name: str, value: float = 1.0, **labels) -> None:
@@ -91,18 +100,23 @@ class Metrics:
             self._values[name][self._key(labels)] = float(value)
 
     def observe(self, name: str, value: float, **labels) -> None:
+        self.observe_many(name, (value,), **labels)
+
+    def observe_many(self, name: str, values, **labels) -> None:
+        """Observe each of `values` in histogram `name` (one lock acquisition)."""
         buckets = self._meta[name][2]
+        k = self._key(labels)
         with self._lock:
             d = self._values[name]
-            k = self._key(labels)
             h = d.get(k)
             if h is None:
-                h = d[k] = [[0] * len(buckets), 0.0, 0]  # per-bucket counts, sum, count
-            for i, b in enumerate(buckets):
-                if value <= b:
-                    h[0][i] += 1
-            h[1] += value
-            h[2] += 1
+                # per-bucket counts (the last slot: above every bound, in +Inf only), sum, count
+                h = d[k] = [[0] * (len(buckets) + 1), 0.0, 0]
+            counts = h[0]
+            for v in values:
+                counts[bisect.bisect_left(buckets, v)] += 1  # the first bound b with v <= b
+                h[1] += v
+                h[2] += 1
 
     def get(self, name: str, **labels) -> float:
         """Current value of a counter/gauge series (0 if never touched); histograms give their count."""
@@ -124,7 +138,9 @@ class Metrics:
                     if kind != "histogram":
                         lines.append(f"{exposed}{_fmt_labels(labels)} {_num(v)}")
                         continue
-                    for b, c in zip(buckets, v[0]):
+                    c = 0
+                    for b, n in zip(buckets, v[0]):
+                        c += n  # cumulative: observations <= b
                         lines.append(f"{name}_bucket{_fmt_labels({**labels, 'le': _num(b)})} {c}")
                     lines.append(f"{name}_bucket{_fmt_labels({**labels, 'le': '+Inf'})} {v[2]}")
                     lines.append(f"{name}_sum{_fmt_labels(labels)} {_num(v[1])}")

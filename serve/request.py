@@ -93,6 +93,28 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
 
+    def add_text(self, tok: int, eos_id: int) -> str | None:
+        """Detokenize generated token `tok` onto `text`; "stop" when it is a stop token (counted as output, its text
+        not shown) or completes a stop string (`text` is cut where the stop string starts), else None."""
+        p = self.params
+        if (tok == eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        before = len(self.text)
+        self.text += self.decoder.add(tok)
+        if p.stop:
+            cut = find_stop(self.text, p.stop, before)
+            if cut is not None:
+                self.text = self.text[:cut]
+                return "stop"
+        return None
+
+    def take_delta(self) -> str:
+        """The text not sent yet that cannot be the beginning of a stop string (marked sent)."""
+        safe = len(self.text) - (holdback(self.text, self.params.stop) if self.params.stop else 0)
+        delta = self.text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted += len(delta)
+        return delta
+
 
 # ---------------------------------------------------------------------------------------------------- helpers (engine)
 

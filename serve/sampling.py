@@ -83,7 +83,9 @@ def greedy_picks(items: list, logits: list) -> dict[int, int]:
             and seq.params.max_tokens > 0 and plain_greedy(seq.params)]
     if len(rows) < 2:
         return {}
-    return dict(zip(rows, torch.stack([logits[i][-1] for i in rows]).argmax(-1).tolist(), strict=True))
+    # "last" rows are already [1, V]: concatenating them skips a select op per row (~1 µs of host time each)
+    last = torch.cat([logits[i] if items[i][1].logits == "last" else logits[i][-1:] for i in rows])  # [N, V]
+    return dict(zip(rows, last.argmax(-1).tolist(), strict=True))
 
 
 def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,

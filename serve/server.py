@@ -14,6 +14,7 @@ a second signal exits at once. Streams send `: ping` SSE comments every `sse_pin
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import sys
@@ -300,7 +301,7 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
                  next(model.parameters()).dtype, time.monotonic() - t0,
                  " (CUDA graphs%s)" % (", compiled: minutes" if cfg.compile_decode else "")
                  if dev.startswith("cuda") and cfg.cuda_graphs else "")
-        attach_engine(state, Engine(model, tok, cfg, state.metrics), ChatTemplate(tok, cfg.ckpt))
+        attach_engine(state, Engine(model, tok, cfg, state.metrics), ChatTemplate(tok, cfg.ckpt), freeze=True)
         state.metrics.set("k3:time_to_ready_seconds", time.monotonic() - t0)
         log.info("ready in %.1f s: http://%s:%d/v1 (model %r)", time.monotonic() - t0, cfg.host, cfg.port,
                  state.model_name)
@@ -310,13 +311,26 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
         raise
 
 
-def attach_engine(state: ServerState, engine: Engine, chat: ChatTemplate) -> None:
-    """Warm the engine (unless disabled), start its thread and publish it to the routes."""
+def freeze_heap() -> None:
+    """Move every object alive after start-up (modules, the model, the tokenizer, warm-up leftovers) to the garbage
+    collector's permanent generation (gc.freeze, https://docs.python.org/3/library/gc.html#gc.freeze), so the full
+    collections that serving triggers scan only what came after. A k3-debug server tracks ~335k objects (torch,
+    FastAPI, uvicorn imported): a full collection took 157 ms (on 2 CPU cores), stalling the engine thread and every
+    stream with it; 0.2 ms once frozen."""
+    gc.collect()  # garbage found now is freed, not frozen
+    gc.freeze()
+
+
+def attach_engine(state: ServerState, engine: Engine, chat: ChatTemplate, freeze: bool = False) -> None:
+    """Warm the engine (unless disabled), start its thread and publish it to the routes; `freeze`: freeze_heap after
+    the warm-up (the process's start-up, as `k3 serve` does; tests that build many engines in one process do not)."""
     state.chat = chat
     if state.cfg.warmup:
         engine.warmup()
     else:
         engine.ready = True
+    if freeze:
+        freeze_heap()
     engine.start()
     state.engine = engine
 
@@ -398,6 +412,7 @@ __all__ = [
     "attach_engine",
     "build_app",
     "drain",
+    "freeze_heap",
     "load_state",
     "make_server",
     "make_state",
