@@ -1,8 +1,9 @@
 """Decode fast path: one engine step of plain decodes as a fixed-shape function of static buffers, replayed from
 CUDA graphs (serving.md 2.5, "Decode runs as whole-step CUDA graphs per batch-size bucket"; issue 5).
 
-A step qualifies when every scheduled sequence decodes exactly one token with "last" logits, no speculative verify
-and no snapshot to write (`DecodeGraphs.accepts`); every other step runs ModelRunner's eager path.
+A step qualifies when every scheduled sequence decodes exactly one token with "last" logits and no speculative verify
+(`DecodeGraphs.accepts`); the prefix-cache snapshots of tokens that complete a block are copied from the pools after
+the replay. Every other step runs ModelRunner's eager path.
 
 Shapes. Batch buckets Bb = 1, 2, 4, 8, ... capped at max_num_seqs (the state pool's slots). Page buckets Gb = 1, 2,
 4, ... capped at the pages of one sequence at max_model_len, on the PyTorch attention path; with the Triton paged
@@ -50,6 +51,7 @@ from k3.kernels.mla import paged_mla_decode
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 
+from .prefill import ends_at_step_end, write_step_end_snapshots
 from .runner import (
     ModelRunner,
     StepOutput,
@@ -279,9 +281,11 @@ class DecodeGraphs(StaticGraphs):
     # ------------------------------------------------------------------------------------------------ engine side
 
     def accepts(self, seqs: list[StepSeq]) -> bool:
-        """True when every sequence is a plain decode: 1 new token, "last" logits, no verify, no snapshots."""
+        """True when every sequence is a plain decode: 1 new token, "last" logits, no verify. A snapshot (the token
+        completes a block) is written after the replay from the pools (k3.serve.prefill.write_step_end_snapshots):
+        with prefix caching on, staggered sequences cross a block boundary in a large share of steps."""
         return 0 < len(seqs) <= self.max_seqs and all(
-            len(s.tokens) == 1 and s.logits == "last" and not s.spec and not s.snapshots for s in seqs)
+            len(s.tokens) == 1 and s.logits == "last" and not s.spec for s in seqs) and ends_at_step_end(seqs)
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> StepOutput | None:
@@ -297,6 +301,8 @@ class DecodeGraphs(StaticGraphs):
         logits, hidden = (t[:B] for t in self._launch(buf, self._host_inputs(seqs, buf.Bb, buf.Gb)))
         if self.capture:
             logits, hidden = logits.clone(), hidden.clone()  # the static outputs get overwritten
+        if self.runner.snaps is not None:
+            write_step_end_snapshots(self.runner.snaps, self.runner.states, seqs, hidden, 1)
         return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden, hidden=hidden,
                           cu=list(range(B + 1)))
 

@@ -91,3 +91,32 @@ def write_hidden(snaps: SnapshotStore, entries: torch.Tensor, hidden_rows: torch
     """Store the final hidden [D] of the token before each boundary (rows [S] of hidden_TD [T, D]) with its snapshot
     entry [S] (speculative decoding: the MTP drafter's h_{p-1} after a prefix hit); as SnapshotStore.write_hidden."""
     snaps.hidden.index_copy_(0, entries, hidden_TD.index_select(0, hidden_rows).to(snaps.hidden.dtype))
+
+
+def ends_at_step_end(seqs) -> bool:
+    """True when every snapshot the step must write sits at the end of its sequence's step (boundary p = start +
+    Tn): those are the states left in the pools, which a graph step can copy after its replay."""
+    return all(p == s.start + len(s.tokens) for s in seqs for p, _ in s.snapshots)
+
+
+def write_step_end_snapshots(snaps: SnapshotStore, states, seqs, hidden_ND: torch.Tensor, Tn: int) -> None:
+    """After a static (graph) step of `seqs`, each bringing Tn tokens: write every snapshot of the step (all at the
+    step's end, see ends_at_step_end) from the pools the step left: the KDA state and conv tails of the sequence's
+    slot (its conv tail row is its slot, as the graph steps use), and with speculation the final hidden of its last
+    token (row n * Tn + Tn - 1 of hidden_ND [B * Tn, D], packed). Same values as the eager step's write_snapshots;
+    a fixed number of ops per KDA layer (a boundary crossed during decode used to send the whole step eager)."""
+    entries, slots, rows = [], [], []
+    for n, s in enumerate(seqs):
+        for _, entry in s.snapshots:
+            entries.append(entry)
+            slots.append(s.slot)
+            rows.append(n * Tn + Tn - 1)
+    if not entries:
+        return
+    t = to_device({"entry": entries, "slot": slots, "row": rows}, hidden_ND.device)
+    for layer, (state, tails) in enumerate(zip(states.state, states.tails, strict=True)):
+        snaps.state[layer].index_copy_(0, t["entry"], state.index_select(0, t["slot"]).to(snaps.state[layer].dtype))
+        for dst, src in zip(snaps.tails[layer], tails, strict=True):
+            dst.index_copy_(0, t["entry"], src.index_select(0, t["slot"]).to(dst.dtype))
+    if snaps.hidden is not None:
+        write_hidden(snaps, t["entry"], t["row"], hidden_ND)

@@ -48,6 +48,7 @@ from k3.kernels.conv import causal_conv1d
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 
 from .graphs import MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, bucket, write_and_attend
+from .prefill import ends_at_step_end, write_step_end_snapshots
 from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output, kda_pool_step
 
 log = logging.getLogger("k3.serve")
@@ -88,13 +89,14 @@ class TailGraphs(StaticGraphs):
     # ------------------------------------------------------------------------------------------------ engine side
 
     def accepts(self, seqs: list[StepSeq]) -> bool:
-        """True when every sequence brings the same 2..64 tokens with "last" logits, no verify and no snapshots
-        (one token is DecodeGraphs'; past 64 tokens the eager path runs the chunk kernel, snapshots included)."""
+        """True when every sequence brings the same 2..64 tokens with "last" logits, no verify, and snapshots only at
+        the end of its tail (written after the replay from the pools; an interior boundary needs the chunk kernel's
+        states: eager). One token is DecodeGraphs'; past 64 tokens the eager path runs the chunk kernel."""
         if not 0 < len(seqs) <= self.max_seqs:
             return False
         Tn = len(seqs[0].tokens)
         return 2 <= Tn <= RECURRENT_MAX_TOKENS and all(
-            len(s.tokens) == Tn and s.logits == "last" and not s.spec and not s.snapshots for s in seqs)
+            len(s.tokens) == Tn and s.logits == "last" and not s.spec for s in seqs) and ends_at_step_end(seqs)
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> StepOutput | None:
@@ -111,6 +113,8 @@ class TailGraphs(StaticGraphs):
         logits, hidden = logits[:B], hidden[:B * Tn]  # real rows: [B, V_], [B * Tn, D] (already packed)
         if self.capture:
             logits, hidden = logits.clone(), hidden.clone()  # the static outputs get overwritten by the next replay
+        if self.runner.snaps is not None:
+            write_step_end_snapshots(self.runner.snaps, self.runner.states, seqs, hidden, Tn)
         return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden[Tn - 1::Tn],
                           hidden=hidden, cu=list(range(0, B * Tn + 1, Tn)))
 

@@ -162,7 +162,8 @@ def test_padded_rows_copy_row_zero(model_tok):
 
 
 def test_accepts_only_equal_short_last_tails(model_tok):
-    """accepts(): equal lengths 2..64, "last" logits, no verify, no snapshot, at most max_num_seqs sequences."""
+    """accepts(): equal lengths 2..64, "last" logits, no verify, snapshots only at the end of the tail, at most
+    max_num_seqs sequences."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
     tg = eng.runner.tail_graphs
@@ -174,7 +175,8 @@ def test_accepts_only_equal_short_last_tails(model_tok):
     assert not tg.accepts([seq(1)])  # a decode: DecodeGraphs'
     assert not tg.accepts([seq(65)])  # past the recurrent kernel's range: the eager chunk path
     assert not tg.accepts([seq(3), seq(4, 1)])  # unequal lengths
-    assert not tg.accepts([seq(64, snapshots=[(64, 0)])])  # a snapshot to write
+    assert tg.accepts([seq(64, snapshots=[(64, 0)])])  # at the tail's end: copied from the pools after the replay
+    assert not tg.accepts([seq(40, snapshots=[(32, 0)])])  # inside the tail: needs the chunk kernel's states
     assert not tg.accepts([seq(3, spec=True)])  # a verify step
     assert not tg.accepts([seq(3, logits="all")]) and not tg.accepts([seq(3, logits="none")])
     assert not tg.accepts([seq(3, i) for i in range(MAX_SEQS + 1)]) and not tg.accepts([])
