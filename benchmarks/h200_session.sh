@@ -50,13 +50,13 @@ serve)
     tests/serve/test_tail_graphs.py -k cuda -q \
     -p no:cacheprovider -rf > "$OUT/serve_tests.log" 2>&1) &
   serve_tests=$!
-  timeout 400 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
+  timeout 355 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
     --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 2048 \
     --hf-anchor --hf-batch 1 32 > "$OUT/serve_small.log" 2>&1
   echo "serve k3-small rc=$?"; grep -v "Warn\|warn" "$OUT/serve_small.log" | tail -30
   wait "$serve_tests"; cat "$OUT/mla.log"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -4
   if [ -f runs/tiny/final/config.json ]; then  # the README's k3-tiny, trained on the CPU (carried)
-    timeout 200 python3 benchmarks/serve.py --ckpt runs/tiny/final --subprocess --device cuda --concurrency 1 \
+    timeout 170 python3 benchmarks/serve.py --ckpt runs/tiny/final --subprocess --device cuda --concurrency 1 \
       --input-len 128 --output-len 128 --prefix-len 2048 --speculative-tokens 2 > "$OUT/serve_tiny.log" 2>&1
     echo "serve k3-tiny rc=$?"; grep -v "Warn\|warn" "$OUT/serve_tiny.log" | tail -14
   fi
