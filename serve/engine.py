@@ -39,6 +39,7 @@ from .sampling import apply_penalties, greedy_picks, sample, token_probs
 from .speculative import MTPDrafter, SpecState, verify_tokens
 
 DEFAULT_MAX_MODEL_LEN = 2048
+GRAPH_PREFILL_MAX_TOKENS = 512  # with CUDA graphs, prompts (or rests) up to this length prefill in 64-token graph steps
 
 
 class QueueFull(RuntimeError):
@@ -413,6 +414,8 @@ class Engine:
             if pre := start < len(seq.prompt):
                 rem = len(seq.prompt) - start
                 take = rem if rem <= budget else (budget // bs) * bs
+                if self.runner.graph_prefill and rem <= GRAPH_PREFILL_MAX_TOKENS:
+                    take = min(take, bs)  # block-sized chunks replay the tail graphs (~10x cheaper than eager)
                 if take <= 0:
                     continue
                 tokens = seq.prompt[start:start + take]

@@ -89,14 +89,15 @@ class TailGraphs(StaticGraphs):
     # ------------------------------------------------------------------------------------------------ engine side
 
     def accepts(self, seqs: list[StepSeq]) -> bool:
-        """True when every sequence brings the same 2..64 tokens with "last" logits, no verify, and snapshots only at
+        """True when every sequence brings the same 2..64 tokens with "last" (or "none": a prefill chunk that is not
+        the prompt's last) logits, no verify, and snapshots only at
         the end of its tail (written after the replay from the pools; an interior boundary needs the chunk kernel's
         states: eager). One token is DecodeGraphs'; past 64 tokens the eager path runs the chunk kernel."""
         if not 0 < len(seqs) <= self.max_seqs:
             return False
         Tn = len(seqs[0].tokens)
         return 2 <= Tn <= RECURRENT_MAX_TOKENS and all(
-            len(s.tokens) == Tn and s.logits == "last" and not s.spec for s in seqs) and ends_at_step_end(seqs)
+            len(s.tokens) == Tn and s.logits in ("last", "none") and not s.spec for s in seqs) and ends_at_step_end(seqs)
 
     @torch.no_grad()
     def step(self, seqs: list[StepSeq]) -> StepOutput | None:
@@ -115,7 +116,8 @@ class TailGraphs(StaticGraphs):
             logits, hidden = logits.clone(), hidden.clone()  # the static outputs get overwritten by the next replay
         if self.runner.snaps is not None:
             write_step_end_snapshots(self.runner.snaps, self.runner.states, seqs, hidden, Tn)
-        return StepOutput(logits=[logits[n:n + 1] for n in range(B)], hidden_last=hidden[Tn - 1::Tn],
+        return StepOutput(logits=[logits[n:n + 1] if s.logits == "last" else None for n, s in enumerate(seqs)],
+                          hidden_last=hidden[Tn - 1::Tn],
                           hidden=hidden, cu=list(range(0, B * Tn + 1, Tn)))
 
     def _buffers(self, *key: int) -> TailBuffers | None:

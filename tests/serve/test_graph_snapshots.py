@@ -88,3 +88,38 @@ def test_multi_turn_hits_snapshots_written_while_decoding(model_tok, graphs):
     (a2,) = _run(eng, [p2], 20)
     assert eng.metrics.get("k3:prefix_cache_hits") - before == 128  # blocks 0-1 (positions 0..127) from the cache
     assert a2 == _run(ref, [p2], 20)[0]
+
+
+def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok):
+    """With graphs on, a request joining running decodes no longer sends the step eager: the decodes take the decode
+    graph step and the newcomer's prompt comes in 64-token chunks through the tail graphs (prompts <= 512 tokens).
+    Greedy outputs equal the eager engine's and a cache-off engine's; the snapshots stored are the same."""
+    prompts = _prompts([100, 300, 40], seed=5)
+    engines = {"eager": _engine(model_tok, graphs=False), "split": _engine(model_tok, graphs=True),
+               "nocache": _engine(model_tok, graphs=False, cache=False)}
+    split = engines["split"]
+    split.runner.split_mixed_steps = True  # on a GPU: whenever graphs are captured
+    seen, real = [], split.runner._split_step
+    split.runner._split_step = lambda seqs: seen.append([len(s.tokens) for s in seqs]) or real(seqs)
+    chunks, real_tail = [], split.runner.tail_graphs.step
+    split.runner.tail_graphs.step = lambda seqs: chunks.append(len(seqs[0].tokens)) or real_tail(seqs)
+    outs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for name, eng in engines.items():
+        out = [[] for _ in prompts]
+        eng.submit(prompts[0], params, lambda ev, out=out: out[0].extend(ev.token_ids))
+        for _ in range(4):  # request 0 prefills, then decodes; the others join while it runs
+            eng.step()
+        for i in (1, 2):
+            eng.submit(prompts[i], params, lambda ev, i=i, out=out: out[i].extend(ev.token_ids))
+        while eng.has_work():
+            eng.step()
+        outs[name] = out
+    assert outs["split"] == outs["eager"] == outs["nocache"]
+    # request 0's 100 tokens: 64 + 36 (tail graphs); requests 1 (300 = 4 x 64 + 44) and 2 (40) join decoding
+    # request 0: their first chunks (64 and 40, unequal) run eagerly beside the decode graph, then 3 x 64 and 44
+    assert chunks == [64, 36, 64, 64, 64, 44], chunks
+    assert any(1 in lens and max(lens) > 1 for lens in seen), seen  # a decode + prefill step was split
+    for eng in (split, engines["eager"]):
+        eng.stored = {h for h, i in eng.snaps.entry_of.items() if eng.snaps.valid[i]}
+    assert split.stored == engines["eager"].stored and len(split.stored) >= 6

@@ -162,7 +162,7 @@ def test_padded_rows_copy_row_zero(model_tok):
 
 
 def test_accepts_only_equal_short_last_tails(model_tok):
-    """accepts(): equal lengths 2..64, "last" logits, no verify, snapshots only at the end of the tail, at most
+    """accepts(): equal lengths 2..64, "last" or "none" logits, no verify, snapshots only at the end of the tail, at most
     max_num_seqs sequences."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
@@ -178,7 +178,8 @@ def test_accepts_only_equal_short_last_tails(model_tok):
     assert tg.accepts([seq(64, snapshots=[(64, 0)])])  # at the tail's end: copied from the pools after the replay
     assert not tg.accepts([seq(40, snapshots=[(32, 0)])])  # inside the tail: needs the chunk kernel's states
     assert not tg.accepts([seq(3, spec=True)])  # a verify step
-    assert not tg.accepts([seq(3, logits="all")]) and not tg.accepts([seq(3, logits="none")])
+    assert not tg.accepts([seq(3, logits="all")])  # prompt logprobs: the eager path
+    assert tg.accepts([seq(64, logits="none"), seq(64, 1)])  # a prefill chunk that is not the prompt's last
     assert not tg.accepts([seq(3, i) for i in range(MAX_SEQS + 1)]) and not tg.accepts([])
 
 
