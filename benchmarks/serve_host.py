@@ -192,7 +192,10 @@ class Profile:
         return r.seqs == self.batch and r.tokens == self.batch
 
     def __call__(self, probe: StepProbe) -> None:  # before each engine step (engine thread)
-        import yappi
+        try:
+            import yappi
+        except ImportError as e:  # raised in the engine thread: the run stops with this message
+            raise SystemExit("--profile needs yappi: pip install yappi (or pip install -e '.[dev]')") from e
 
         self.rows = probe.rows
         full = bool(probe.rows) and self._full(probe.rows[-1])
