@@ -216,8 +216,8 @@ def test_tail_forward_does_no_host_sync(model_tok, monkeypatch, forbid_host_sync
 
 def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
     """Tail shapes share the runner's graph budget, are never compiled (even with compile on), are not captured by
-    the warm-up, and beyond MAX_TAIL_GRAPHS captured tails (or the shared cap) a new shape runs eagerly while the
-    captured ones keep replaying. Captures are recorded instead of run (no GPU here)."""
+    the warm-up, and beyond MAX_TAIL_GRAPHS captured tails of other than 64 tokens (or the shared cap) a new shape
+    runs eagerly while the captured ones keep replaying; full 64-token chunks stay outside the tail cap. Captures are recorded instead of run (no GPU here)."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
     tg = eng.runner.tail_graphs
@@ -240,9 +240,10 @@ def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
     assert all(fn == tg.tail_forward for _, fn in used)  # the plain function, never a compiled one
     assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS  # over the tail cap: eager
     assert tg._buffers(1, 2, 1) is not None  # a captured shape still serves
+    assert tg._buffers(2, 64, 1) is not None and len(used) == MAX_TAIL_GRAPHS + 1  # full chunks: outside that cap
     monkeypatch.setattr(tg, "max_tail_graphs", 64)
     tg.budget.used = tg.budget.max_graphs  # the shared cap reached (by any kind of graph)
-    assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS
+    assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS + 1
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
