@@ -33,16 +33,7 @@ def test_eager_decode_step_reads_only_sampled_tokens(model_tok, monkeypatch):
                    lambda ev: None)
     eng.step()  # prefill
     eng.step()  # first decode
-    where = collections.Counter()
-    for name in READS:
-        orig = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _orig=orig, _name=name, **kw):
-            frame = traceback.extract_stack(limit=2)[0]
-            where[(Path(frame.filename).parent.name + "/" + Path(frame.filename).name, _name)] += 1
-            return _orig(self, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    where = _spy_reads(monkeypatch)
     assert eng.step()
     files = {f for f, _ in where}
     assert files <= {"serve/engine.py", "serve/sampling.py", "conv/naive.py"}, dict(where)
