@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode) alongside the
 #            CUDA serving tests (decode / verify / MTP graphs, compiled decode), then benchmarks/kda.py: k3 against fla
@@ -11,6 +11,8 @@
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
 #            prefix hit, the MTP speculative row (k = 2); the paged MLA decode kernel (single pass vs split keys)
 #            during the server's start
+#   spec:    benchmarks/serve_step.py --speculative-tokens 2 on the trained k3-tiny (a speculative step's phases), then
+#            k3-small at 32 streams uncompiled (mixed-step split, graph-chunked prefill)
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -61,7 +63,17 @@ serve)
     echo "serve k3-tiny rc=$?"; grep -v "Warn\|warn" "$OUT/serve_tiny.log" | tail -14
   fi
   ;;
+spec)
+  # where a speculative step's time goes on the GPU (forward / MTP / commit / host), plain vs k = 2, on the README's
+  # trained k3-tiny (carry runs/tiny), then the mixed-step split and graph-chunked prefill at 32 streams (k3-small)
+  timeout 150 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
+    --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
+  echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"
+  timeout 300 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
+    --concurrency 32 --input-len 128 --output-len 128 --prefix-len 0 > "$OUT/serve32.log" 2>&1
+  echo "serve 32 rc=$?"; grep -v "Warn\|warn" "$OUT/serve32.log" | tail -8
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec" >&2; exit 2
   ;;
 esac

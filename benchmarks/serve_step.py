@@ -45,7 +45,10 @@ def _random_release(preset: str, out: Path, device: str = "cuda") -> Path:
     return mod._random_release(preset, out, device)
 
 
-def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int, with_steps: bool = False,
+              on_start=None):
+    """ms per engine step after the prefill (and with `with_steps`, also the number of steps timed); `on_start()` is
+    called when the timed steps begin."""
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     got = [0] * batch
@@ -57,12 +60,15 @@ def decode_ms(engine: Engine, batch: int, prompt_len: int, new_tokens: int, voca
         engine.step()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    if on_start is not None:
+        on_start()
     t0, steps = time.perf_counter(), 0
     while engine.has_work():
         engine.step()
         steps += 1
     sync()
-    return (time.perf_counter() - t0) / max(steps, 1) * 1e3
+    ms = (time.perf_counter() - t0) / max(steps, 1) * 1e3
+    return (ms, steps) if with_steps else ms
 
 
 def _sync(device: str) -> None:
@@ -141,6 +147,62 @@ def prefill_bench(engine: Engine, lens: list[int], vocab: int, device: str, prof
         print(f"| {n} | {miss:.2f} | {cached} | {hit:.2f} | {miss / hit:.2f} |")
 
 
+class PhaseTimer:
+    """Wall time of the runner's phases inside engine steps (synchronised on CUDA, so GPU time lands in its phase):
+    `step` (decode / verify / prefill forward), `mtp` (the MTP drafter's forwards), `commit` (the rollback of
+    rejected drafts); the rest of an engine step is host work (scheduling, sampling, acceptance, events)."""
+
+    def __init__(self, engine: Engine, device: str):
+        self.ms = {"step": 0.0, "mtp": 0.0, "commit": 0.0}
+        r = engine.runner
+        for phase, name in (("step", "step"), ("mtp", "mtp_step"), ("commit", "commit_spec")):
+            setattr(r, name, self._wrap(getattr(r, name), phase, device))
+
+    def _wrap(self, fn, phase: str, device: str):
+        def timed(*a, **kw):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            _sync(device)
+            self.ms[phase] += (time.perf_counter() - t0) * 1e3
+            return out
+        return timed
+
+
+def spec_bench(model, tok, args) -> None:
+    """Batch-`--batch` greedy decoding, plain vs `--speculative-tokens` k MTP drafts, CUDA graphs on: ms per engine
+    step, tokens per step, ms per token and where a step's time goes (PhaseTimer), after an untimed pass."""
+    k = args.speculative_tokens
+    print("| k | batch | ms/step | tokens/step | ms/token | forward ms | MTP ms | commit ms | other host ms | "
+          "acceptance |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for spec in (0, k):
+        cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=max(args.batch),
+                          max_model_len=args.prompt_len + 2 * args.new_tokens + 64, max_num_batched_tokens=2048,
+                          enable_prefix_caching=False, cuda_graphs=args.device == "cuda",
+                          cuda_graph_batches=list(args.batch), num_speculative_tokens=spec)
+        engine = Engine(model, tok, cfg)
+        engine.warmup()
+        for b in args.batch:
+            decode_ms(engine, b, args.prompt_len, args.new_tokens, tok.vocab_size)  # captures what is new
+            timer = PhaseTimer(engine, args.device)
+            names = ("k3:generation_tokens", "k3:spec_decode_num_draft_tokens", "k3:spec_decode_num_accepted_tokens")
+            start = {}
+
+            def on_start(timer=timer, start=start, names=names, engine=engine):  # after the prefill: decode steps only
+                timer.ms = dict.fromkeys(timer.ms, 0.0)
+                start.update({n: engine.metrics.get(n) for n in names})
+
+            ms, steps = decode_ms(engine, b, args.prompt_len, args.new_tokens, tok.vocab_size, with_steps=True,
+                                  on_start=on_start)
+            tokens, *acc = (engine.metrics.get(n) - start[n] for n in names)
+            tokens /= steps
+            per = {p: v / steps for p, v in timer.ms.items()}
+            print(f"| {spec} | {b} | {ms:.2f} | {tokens:.2f} | {ms / tokens:.2f} | {per['step']:.2f} | "
+                  f"{per['mtp']:.2f} | {per['commit']:.2f} | {ms - sum(per.values()):.2f} | "
+                  f"{acc[1] / acc[0] if acc[0] else float('nan'):.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="k3-small")
@@ -159,6 +221,9 @@ def main() -> None:
                     "prompt lengths (a miss and a prefix hit each) instead of the decode steps")
     ap.add_argument("--profile", action="store_true", help="with --prefill-lens: torch.profiler's top 15 ops and the "
                     "host waits of each prefill case")
+    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="time plain vs K MTP drafts at "
+                    "each --batch (graphs on; needs a checkpoint with an MTP head, e.g. --ckpt runs/tiny/final): ms "
+                    "per step, tokens per step and the step's phases (forward, MTP, commit, host)")
     args = ap.parse_args()
     if args.profile and not args.prefill_lens:
         ap.error("--profile profiles the --prefill-lens steps; give --prefill-lens N [N ...]")
@@ -176,6 +241,9 @@ def main() -> None:
         ckpt = args.ckpt or _random_release(args.model, Path(tmp), args.device)
         model, _ = load_model(ckpt, device=args.device, dtype="bfloat16")
         tok = K3Tokenizer.from_file(ckpt)
+    if args.speculative_tokens:
+        spec_bench(model, tok, args)
+        return
     if args.prefill_lens:
         top = max(args.prefill_lens)
         cfg = ServeConfig(device=args.device, dtype="bfloat16", max_num_seqs=2, max_model_len=top + 64,
