@@ -414,8 +414,8 @@ class Engine:
             if pre := start < len(seq.prompt):
                 rem = len(seq.prompt) - start
                 take = rem if rem <= budget else (budget // bs) * bs
-                if self.runner.graph_prefill and rem <= GRAPH_PREFILL_MAX_TOKENS:
-                    take = min(take, bs)  # block-sized chunks replay the tail graphs (~10x cheaper than eager)
+                if self.runner.graph_prefill and rem <= GRAPH_PREFILL_MAX_TOKENS and seq.params.prompt_logprobs is None:
+                    take = min(take, bs)  # block-sized chunks replay the tail graphs (prompt logprobs: eager anyway)
                 if take <= 0:
                     continue
                 tokens = seq.prompt[start:start + take]

@@ -129,3 +129,19 @@ def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok, spec):
     for eng in (split, engines["eager"]):
         eng.stored = {h for h, i in eng.snaps.entry_of.items() if eng.snaps.valid[i]}
     assert split.stored == engines["eager"].stored and len(split.stored) >= 6
+
+
+def test_prompt_logprobs_prefill_is_not_chunked(model_tok):
+    """Prompt logprobs need every position's logits, which the tail graphs do not return: such a prompt keeps its
+    one eager prefill step instead of 64-token chunks that would all run eagerly."""
+    eng = _engine(model_tok, graphs=True)
+    eng.runner.split_mixed_steps = True
+    sizes, real = [], eng.runner.step
+    eng.runner.step = lambda seqs: sizes.append([len(s.tokens) for s in seqs]) or real(seqs)
+    (prompt,) = _prompts([200], seed=6)
+    eng.submit(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1), lambda ev: None)
+    eng.submit(prompt[:150], SamplingParams(temperature=0.0, max_tokens=2), lambda ev: None)
+    while eng.has_work():
+        eng.step()
+    # the logprobs prompt in one step; the other prompt (150 tokens) in 64 + 64 + 22 beside it
+    assert sizes[0] == [200] and [1, 64] in sizes and [22] in sizes, sizes
