@@ -40,7 +40,6 @@ from k3.train.config import OptimConfig
 
 NS5_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c): KellerJordan/Muon; tuned so the slope at 0 is large (a = 3.4445)
 MOONLIGHT_SCALE = 0.2  # arXiv 2502.16982 eq. 4: matches AdamW's update RMS
-STACK_ON_CPU = False  # stack equal-shape blocks of different parameters on a CPU too (tests exercise it there)
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -155,11 +154,11 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Muon update of every parameter that has a gradient; returns closure() if given.
 
-        Batched across parameters: momentum, decay and the update use foreach ops, and on a GPU every [a, b] block
-        of every parameter of the step with the same (a, b, dtype, ns_steps) is orthogonalized in ONE stacked NS5
-        call (each block is normalized and iterated on its own, so this equals the per-parameter loop). On a GPU the
-        per-parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small training
-        step (benchmarks/RESULTS.md, session 4). On a CPU each parameter keeps its own call (STACK_ON_CPU).
+        Batched across parameters: momentum, decay and the update use foreach ops, and every [a, b] block of every
+        parameter of the step with the same (a, b, dtype, ns_steps) is orthogonalized in ONE stacked NS5 call (each
+        block is normalized and iterated on its own, so this equals the per-parameter loop). On a GPU the per-
+        parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small training step;
+        on the 2-core CPU, k3-tiny pretraining ran ~8% faster stacked (benchmarks/RESULTS.md, session 4).
         """
         loss = None
         if closure is not None:
@@ -199,13 +198,9 @@ def _batched_muon_updates(items: list[tuple[torch.Tensor, int | None, int, int]]
     for i, (d, heads, axis, steps) in enumerate(items):
         blocks = _block_view(d, heads, axis)  # [..., a, b]
         views.append(blocks)
-        # on a CPU one parameter per call (its own heads / experts still batched): stacking every block of a shape
-        # streams tens of MB through each of the 5 iterations' ops and was 1.45x slower on the 2-core dev machine
-        # (k3-tiny, 2026-11-29: 520 vs 360 ms per step); on a GPU the per-parameter launches are what costs
-        alone = i if d.device.type == "cpu" and not STACK_ON_CPU else -1
-        buckets[(tuple(blocks.shape[-2:]), d.dtype, d.device, steps, alone)].append(i)
+        buckets[(tuple(blocks.shape[-2:]), d.dtype, d.device, steps)].append(i)
     out: list[torch.Tensor | None] = [None] * len(items)
-    for (ab, _, _, steps, _), idx in buckets.items():
+    for (ab, _, _, steps), idx in buckets.items():
         # [n, a, b]; a lone parameter's blocks are only reshaped (a view when contiguous: no copy)
         flat = [views[i].reshape(-1, *ab) for i in idx]
         stacked = flat[0] if len(flat) == 1 else torch.cat(flat)

@@ -150,14 +150,12 @@ def test_expert_stack_equals_per_slice_muon():
         torch.testing.assert_close(W[e], ref, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "per-parameter"])
-def test_step_batches_blocks_across_parameters_exactly(monkeypatch, stack):
-    """The step stacks equal-shape blocks of different parameters and groups into one NS5 call (on a GPU; forced
-    here), or runs one call per parameter (the CPU default); either way every parameter must get its own float64
-    reference update (own norm, own scale, own lr/decay), and a parameter without a gradient must stay untouched."""
+def test_step_batches_blocks_across_parameters_exactly(monkeypatch):
+    """The step stacks equal-shape blocks of different parameters and groups into one NS5 call; every parameter must
+    still get its own float64 reference update (own norm, own scale, own lr/decay), and a parameter without a
+    gradient must stay untouched."""
     from k3.train import optim
 
-    monkeypatch.setattr(optim, "STACK_ON_CPU", stack)
     calls = []
     real = optim.zeropower_via_newtonschulz5
     monkeypatch.setattr(optim, "zeropower_via_newtonschulz5", lambda G, s: calls.append(G.shape[0]) or real(G, s))
@@ -182,9 +180,8 @@ def test_step_batches_blocks_across_parameters_exactly(monkeypatch, stack):
         else:
             torch.testing.assert_close(p.detach(), reference_muon(w, [g[i] for g in grads], lr, 0.9, wd),
                                        rtol=0, atol=1e-10)
-    # per step: stacked, [12, 20] x 1 + 3 + 1 and [6, 10] (no grad) -> one call of 5 + the tall [20, 12] alone;
-    # per parameter: 4 calls ([12, 20], [3, 12, 20], [20, 12], [12, 20])
-    assert calls == ([5, 1] * 3 if stack else [1, 3, 1, 1] * 3), calls
+    # per step: [12, 20] x 1 + 3 + 1 -> one call of 5 blocks, the tall [20, 12] alone; [6, 10] has no gradient
+    assert calls == [5, 1] * 3, calls
 
 
 def test_muon_rejects_bad_params():
