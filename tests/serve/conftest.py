@@ -21,6 +21,41 @@ from k3.serve.server import GuardMiddleware, attach_engine, build_app, make_serv
 from k3.train.pretrain import run
 
 
+class CacheCheck:
+    """What the graph fast-path tests (decode, prefill tails) check on an engine's caches: `pools(eng)` clones every
+    cache tensor (per KDA layer the state and 3 conv tails, per MLA layer the latent pages); `untouched(eng, before,
+    batch, page)` asserts bit-identity of every KDA state row, conv-tail row and latent row that the step's real
+    sequences do not own (their slots, and the latent rows of positions start .. start + len(tokens) - 1)."""
+
+    @staticmethod
+    def pools(eng) -> list[torch.Tensor]:
+        out = [t.clone() for t in eng.states.state]
+        out += [t.clone() for tails in eng.states.tails for t in tails]
+        return out + [t.clone() for t in eng.pages.kv]
+
+    @staticmethod
+    def untouched(eng, before: list[torch.Tensor], batch, page: int) -> None:
+        after = CacheCheck.pools(eng)
+        n_kda = len(eng.states.state)
+        own = torch.zeros(eng.states.state[0].shape[0], dtype=torch.bool, device=eng.device)
+        own[[s.slot for s in batch]] = True
+        for x, y in zip(before[:n_kda], after[:n_kda]):
+            assert torch.equal(x[~own], y[~own])
+        for x, y in zip(before[n_kda:4 * n_kda], after[n_kda:4 * n_kda]):
+            assert torch.equal(x[~own[:x.shape[0]]], y[~own[:x.shape[0]]])
+        rows = torch.ones(eng.pages.num_pages * page, dtype=torch.bool, device=eng.device)
+        rows[[s.block_table[p // page] * page + p % page for s in batch
+              for p in range(s.start, s.start + len(s.tokens))]] = False
+        for x, y in zip(before[4 * n_kda:], after[4 * n_kda:]):
+            assert torch.equal(x.flatten(0, 1)[rows], y.flatten(0, 1)[rows])
+
+
+@pytest.fixture(scope="session")
+def caches():
+    """CacheCheck (cache snapshots and the untouched-rows check of the graph fast-path tests)."""
+    return CacheCheck
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     """k3-debug trained for a few steps (sharper than random init, so greedy argmax has no near-ties)."""

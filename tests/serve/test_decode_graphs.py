@@ -33,13 +33,6 @@ def _prompts(lengths, seed=0):
     return [torch.randint(4, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def _pools(eng):
-    """Every cache tensor of the engine, cloned: per KDA layer state + 3 tails, per MLA layer latent pages."""
-    out = [t.clone() for t in eng.states.state]
-    out += [t.clone() for tails in eng.states.tails for t in tails]
-    return out + [t.clone() for t in eng.pages.kv]
-
-
 class _Seqs:
     """B decoding sequences driven by hand through one engine's runner (no scheduler), plus one idle bystander
     that owns slot 0 and a page but is never scheduled."""
@@ -66,7 +59,7 @@ class _Seqs:
         self.pos = [p + 1 for p in self.pos]
 
 
-def _twin_decode(model_tok, lengths, steps, capture=False, device="cpu", tol=1e-5):
+def _twin_decode(model_tok, caches, lengths, steps, capture=False, device="cpu", tol=1e-5):
     """Run the same decode steps through ModelRunner.step (engine A) and the decode fast path (engine B); compare
     greedy tokens and logits every step, cache contents at the end, and check that nothing outside the batch's
     own slots and new latent rows changed in B. Returns engine B."""
@@ -82,7 +75,7 @@ def _twin_decode(model_tok, lengths, steps, capture=False, device="cpu", tol=1e-
     for _ in range(steps):
         batch = b.batch()
         assert eng_b.runner.graphs.accepts(batch)
-        before = _pools(eng_b)
+        before = caches.pools(eng_b)
         out_a, out_b = eng_a.runner.step(a.batch()), eng_b.runner.graphs.step(batch)
         assert out_b is not None
         for la, lb in zip(out_a.logits, out_b.logits):
@@ -92,26 +85,10 @@ def _twin_decode(model_tok, lengths, steps, capture=False, device="cpu", tol=1e-
         a.advance(out_a.logits)
         b.advance(out_b.logits)
         assert a.next == b.next  # greedy tokens identical
-        _check_untouched(eng_b, before, batch)
-    for x, y in zip(_pools(eng_a), _pools(eng_b)):
+        caches.untouched(eng_b, before, batch, PAGE)
+    for x, y in zip(caches.pools(eng_a), caches.pools(eng_b)):
         torch.testing.assert_close(y, x, atol=tol, rtol=0)
     return eng_b
-
-
-def _check_untouched(eng, before, batch):
-    """Bit-identity of every KDA state row, conv-tail row and latent row the batch's real sequences do not own."""
-    after = _pools(eng)
-    n_kda = len(eng.states.state)
-    own = torch.zeros(eng.states.state[0].shape[0], dtype=torch.bool, device=eng.device)
-    own[[s.slot for s in batch]] = True
-    for x, y in zip(before[:n_kda], after[:n_kda]):
-        assert torch.equal(x[~own], y[~own])
-    for x, y in zip(before[n_kda:4 * n_kda], after[n_kda:4 * n_kda]):
-        assert torch.equal(x[~own[:x.shape[0]]], y[~own[:x.shape[0]]])
-    rows = torch.ones(eng.pages.num_pages * PAGE, dtype=torch.bool, device=eng.device)
-    rows[[s.block_table[s.start // PAGE] * PAGE + s.start % PAGE for s in batch]] = False
-    for x, y in zip(before[4 * n_kda:], after[4 * n_kda:]):
-        assert torch.equal(x.flatten(0, 1)[rows], y.flatten(0, 1)[rows])
 
 
 # ------------------------------------------------------------------------------------------------------------ tests
@@ -169,11 +146,11 @@ def test_trusted_recurrent_per_token_slots_equal_public_function():
 
 
 @pytest.mark.parametrize("lengths", [[62], [63, 120, 10], [60, 62, 127, 5, 64]], ids=["B1", "B3-pad4", "B5-pad8"])
-def test_decode_path_equals_runner_step(model_tok, lengths):
+def test_decode_path_equals_runner_step(model_tok, lengths, caches):
     """Batch 1, 3 (bucket 4), 5 (bucket 8); positions crossing page boundaries 64 and 128 (page buckets 1, 2, 4);
     greedy tokens identical and fp32 logits within 1e-5 over 20 steps; padded rows leave other slots, tails and
     pages bit-identical (checked every step)."""
-    eng = _twin_decode(model_tok, lengths, steps=20)
+    eng = _twin_decode(model_tok, caches, lengths, steps=20)
     Bb = bucket(len(lengths), MAX_SEQS)
     assert {key[0] for key in eng.runner.graphs.shapes} == {Bb}
     assert len({key[1] for key in eng.runner.graphs.shapes}) >= 2  # a page-bucket change happened
@@ -201,17 +178,17 @@ def test_padded_rows_copy_row_zero(model_tok):
         graphs._host_inputs([StepSeq(tokens=[1], start=64, slot=0, block_table=[0])], 1, 1)
 
 
-def test_inert_run_changes_nothing(model_tok):
+def test_inert_run_changes_nothing(model_tok, caches):
     """The warm-up inputs used before a capture (live = 0, no recurrent slot) leave every cache bit-identical."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
     seqs = _Seqs(eng, _prompts([70, 3]), steps=1)
     assert seqs.slots
     buf = DecodeBuffers(8, 2, eng.device)
-    before = _pools(eng)
+    before = caches.pools(eng)
     eng.runner.graphs._fill_inert(buf)
     eng.runner.graphs.decode_forward(buf)
-    assert all(torch.equal(x, y) for x, y in zip(before, _pools(eng)))
+    assert all(torch.equal(x, y) for x, y in zip(before, caches.pools(eng)))
 
 
 def test_decode_forward_does_no_host_sync(model_tok, monkeypatch, forbid_host_sync):
@@ -275,11 +252,11 @@ def test_capture_refused_without_cuda(model_tok):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("lengths", [[62], [60, 62, 127, 5, 64]], ids=["B1", "B5-pad8"])
-def test_cuda_graph_replay_equals_eager(model_tok, lengths):
+def test_cuda_graph_replay_equals_eager(model_tok, lengths, caches):
     """Captured graphs (one per batch x page bucket; on the Triton backend one page width serves every context, so
     one per batch bucket) replay the eager runner's step: greedy tokens identical, logits close, padded rows inert,
     no capture failure."""
-    eng = _twin_decode(model_tok, lengths, steps=20, capture=True, device="cuda", tol=1e-4)
+    eng = _twin_decode(model_tok, caches, lengths, steps=20, capture=True, device="cuda", tol=1e-4)
     graphs = eng.runner.graphs
     assert graphs.num_graphs == len(graphs.shapes) >= 1 and not any(b.failed for b in graphs.shapes.values())
     assert all(b.graph is not None for b in graphs.shapes.values())

@@ -34,13 +34,6 @@ def _prompts(lengths, seed=0):
     return [torch.randint(4, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def _pools(eng):
-    """Every cache tensor of the engine, cloned: per KDA layer state + 3 tails, per MLA layer latent pages."""
-    out = [t.clone() for t in eng.states.state]
-    out += [t.clone() for tails in eng.states.tails for t in tails]
-    return out + [t.clone() for t in eng.pages.kv]
-
-
 class _Seqs:
     """B sequences prefilled by hand through one engine's runner (no scheduler), plus one idle bystander that owns
     slot 0 and a page but is never scheduled; `batch(tails)` gives a step of tails[n] new tokens per sequence."""
@@ -63,7 +56,7 @@ class _Seqs:
         self.pos = [p + len(t) for p, t in zip(self.pos, tails)]
 
 
-def _twin_tail(model_tok, lengths, Tn, steps=2, capture=False, device="cpu"):
+def _twin_tail(model_tok, caches, lengths, Tn, steps=2, capture=False, device="cpu"):
     """Run the same tail steps (Tn random tokens per sequence, `steps` in a row, so the second starts from the
     first's KDA states, conv tails and latents) through the eager ModelRunner.step (engine A) and through engine B's
     runner with the fast paths on; compare logits (1e-4 relative to their scale), greedy tokens, hidden rows and
@@ -82,7 +75,7 @@ def _twin_tail(model_tok, lengths, Tn, steps=2, capture=False, device="cpu"):
         tails = _prompts([Tn] * len(lengths), seed=1 + step)
         batch = b.batch(tails)
         assert tg.accepts(batch)
-        before, calls = _pools(eng_b), tg.calls
+        before, calls = caches.pools(eng_b), tg.calls
         out_a, out_b = eng_a.runner.step(a.batch(tails)), eng_b.runner.step(batch)
         assert tg.calls == calls + 1  # the runner dispatched the step to the tail path
         for la, lb in zip(out_a.logits, out_b.logits, strict=True):
@@ -92,29 +85,12 @@ def _twin_tail(model_tok, lengths, Tn, steps=2, capture=False, device="cpu"):
         assert out_b.cu == out_a.cu == list(range(0, len(lengths) * Tn + 1, Tn))
         torch.testing.assert_close(out_b.hidden, out_a.hidden, atol=1e-4, rtol=0)
         torch.testing.assert_close(out_b.hidden_last, out_a.hidden_last, atol=1e-4, rtol=0)
-        _check_untouched(eng_b, before, batch)
+        caches.untouched(eng_b, before, batch, PAGE)
         a.advance(tails)
         b.advance(tails)
-    for x, y in zip(_pools(eng_a), _pools(eng_b), strict=True):
+    for x, y in zip(caches.pools(eng_a), caches.pools(eng_b), strict=True):
         torch.testing.assert_close(y, x, atol=1e-5 if device == "cpu" else 1e-4, rtol=0)
     return eng_b
-
-
-def _check_untouched(eng, before, batch):
-    """Bit-identity of every KDA state row, conv-tail row and latent row the batch's real sequences do not own."""
-    after = _pools(eng)
-    n_kda = len(eng.states.state)
-    own = torch.zeros(eng.states.state[0].shape[0], dtype=torch.bool, device=eng.device)
-    own[[s.slot for s in batch]] = True
-    for x, y in zip(before[:n_kda], after[:n_kda]):
-        assert torch.equal(x[~own], y[~own])
-    for x, y in zip(before[n_kda:4 * n_kda], after[n_kda:4 * n_kda]):
-        assert torch.equal(x[~own[:x.shape[0]]], y[~own[:x.shape[0]]])
-    rows = torch.ones(eng.pages.num_pages * PAGE, dtype=torch.bool, device=eng.device)
-    rows[[s.block_table[p // PAGE] * PAGE + p % PAGE for s in batch
-          for p in range(s.start, s.start + len(s.tokens))]] = False
-    for x, y in zip(before[4 * n_kda:], after[4 * n_kda:]):
-        assert torch.equal(x.flatten(0, 1)[rows], y.flatten(0, 1)[rows])
 
 
 # ------------------------------------------------------------------------------------------------------------ tests
@@ -122,10 +98,10 @@ def _check_untouched(eng, before, batch):
 
 @pytest.mark.parametrize("Tn", [2, 7, 64])
 @pytest.mark.parametrize("lengths", [[62], [63, 120, 10]], ids=["B1", "B3-pad4"])
-def test_tail_path_equals_runner_step(model_tok, lengths, Tn):
+def test_tail_path_equals_runner_step(model_tok, lengths, Tn, caches):
     """Batch 1 and 3 (bucket 4), tails crossing page boundaries (62 + 7 > 64; 120 + 64 > 128), two tail steps in a
     row: the fast path gives the eager step's logits, greedy tokens, hidden rows and caches; padded rows inert."""
-    eng = _twin_tail(model_tok, lengths, Tn)
+    eng = _twin_tail(model_tok, caches, lengths, Tn)
     shapes = eng.runner.tail_graphs.shapes
     assert {key[:2] for key in shapes} == {(bucket(len(lengths), MAX_SEQS), Tn)}
     assert eng.runner.graphs.calls == 0  # no step of these went to the decode path
@@ -183,16 +159,16 @@ def test_accepts_only_equal_short_last_tails(model_tok):
     assert not tg.accepts([seq(3, i) for i in range(MAX_SEQS + 1)]) and not tg.accepts([])
 
 
-def test_inert_run_changes_nothing(model_tok):
+def test_inert_run_changes_nothing(model_tok, caches):
     """The warm-up inputs used before a capture (live = 0, no recurrent slot) leave every cache bit-identical."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
     _Seqs(eng, _prompts([70, 3]), extra=8)
     buf = eng.runner.tail_graphs.new_buffers(4, 5, 2)
-    before = _pools(eng)
+    before = caches.pools(eng)
     eng.runner.tail_graphs.fill_inert(buf)
     eng.runner.tail_graphs.tail_forward(buf)
-    assert all(torch.equal(x, y) for x, y in zip(before, _pools(eng)))
+    assert all(torch.equal(x, y) for x, y in zip(before, caches.pools(eng)))
 
 
 def test_tail_forward_does_no_host_sync(model_tok, monkeypatch, forbid_host_sync):
@@ -298,10 +274,10 @@ def test_prefix_hit_tail_through_tail_graphs(model_tok, cache_off_tokens, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("Tn", [7, 64])
 @pytest.mark.parametrize("lengths", [[62], [63, 120, 10]], ids=["B1", "B3-pad4"])
-def test_cuda_graph_replay_equals_eager(model_tok, lengths, Tn):
+def test_cuda_graph_replay_equals_eager(model_tok, lengths, Tn, caches):
     """Captured tail graphs replay the eager runner's step: logits close, greedy tokens identical, caches equal,
     padded rows inert, no capture failure."""
-    eng = _twin_tail(model_tok, lengths, Tn, capture=True, device="cuda")
+    eng = _twin_tail(model_tok, caches, lengths, Tn, capture=True, device="cuda")
     tg = eng.runner.tail_graphs
     assert tg.num_graphs == len(tg.shapes) >= 1 and not any(b.failed for b in tg.shapes.values())
     assert all(b.graph is not None for b in tg.shapes.values())
