@@ -170,6 +170,14 @@ class StaticGraphs:
             raise ValueError(f"{what}: positions {first}..{last} outside its {len(bt)} pages of {self.page_size}, or "
                              f"a page id outside [0, {n}) in {bt}")
 
+    def buffers_for(self, seqs: list[StepSeq], *inner: int) -> StaticBuffers | None:
+        """The buffers of shape (batch bucket, *inner, page bucket) that serve `seqs`; None = run eagerly (more pages
+        than the largest bucket, over the graph cap, or a failed capture)."""
+        G = max(len(s.block_table) for s in seqs)
+        if G > self.max_pages:
+            return None
+        return self._buffers(bucket(len(seqs), self.max_seqs), *inner, self.page_bucket(G))
+
     def _buffers(self, *key: int) -> StaticBuffers | None:
         """The static buffers of shape `key`, captured first when graphs are on; None = run eagerly."""
         buf = self.shapes.get(key)
@@ -292,10 +300,7 @@ class DecodeGraphs(StaticGraphs):
         """Run one plain-decode step (caches updated in place, as ModelRunner.step). Returns None when this shape
         must run the eager path (over the graph cap, capture failed, or more pages than the largest bucket)."""
         B = len(seqs)
-        G = max(len(s.block_table) for s in seqs)
-        if G > self.max_pages:
-            return None
-        buf = self._buffers(bucket(B, self.max_seqs), self.page_bucket(G))
+        buf = self.buffers_for(seqs)
         if buf is None:
             return None
         logits, hidden = (t[:B] for t in self._launch(buf, self._host_inputs(seqs, buf.Bb, buf.Gb)))

@@ -153,10 +153,7 @@ class VerifyGraphs(StaticGraphs):
         cu)."""
         lens = [len(s.tokens) for s in seqs]  # [B] T_n
         B, T = len(seqs), max(lens)
-        G = max(len(s.block_table) for s in seqs)
-        if G > self.max_pages:
-            return None
-        buf = self._buffers(bucket(B, self.max_seqs), T, self.page_bucket(G))
+        buf = self.buffers_for(seqs, T)
         if buf is None:
             return None
         outs = self._launch(buf, self._host_inputs(seqs, buf))
@@ -339,13 +336,10 @@ class MTPGraphs(StaticGraphs):
         """runner.mtp_step through the graphs: pairs (hidden_TD rows, seqs[n].tokens) at MTP slots start.. ; returns
         (pre-norm MTP output [B, D], fp32 logits [B, V_]) at each sequence's last pair, or None (eager)."""
         B, T = len(seqs), max(len(s.tokens) for s in seqs)
-        G = max(len(s.block_table) for s in seqs)
         if hidden_TD.shape != (sum(len(s.tokens) for s in seqs), self.hidden_dim):
             raise ValueError(f"MTP step: hidden must be [{sum(len(s.tokens) for s in seqs)}, {self.hidden_dim}] "
                              f"(one row per pair), got {tuple(hidden_TD.shape)}")
-        if G > self.max_pages:
-            return None
-        buf = self._buffers(bucket(B, self.max_seqs), T, self.page_bucket(G))
+        buf = self.buffers_for(seqs, T)
         if buf is None:
             return None
         host = self._host_inputs(seqs, buf)

@@ -47,7 +47,7 @@ import torch
 from k3.kernels.conv import causal_conv1d
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 
-from .graphs import MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, bucket, write_and_attend
+from .graphs import MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, write_and_attend
 from .prefill import ends_at_step_end, write_step_end_snapshots
 from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output, kda_pool_step
 
@@ -104,10 +104,7 @@ class TailGraphs(StaticGraphs):
         """Run one prefill-tail step (caches updated in place, as ModelRunner.step). Returns None when this shape
         must run the eager path (over the graph cap, capture failed, or more pages than the largest bucket)."""
         B, Tn = len(seqs), len(seqs[0].tokens)
-        G = max(len(s.block_table) for s in seqs)
-        if G > self.max_pages:
-            return None
-        buf = self._buffers(bucket(B, self.max_seqs), Tn, self.page_bucket(G))
+        buf = self.buffers_for(seqs, Tn)
         if buf is None:
             return None
         logits, hidden = self._launch(buf, self._host_inputs(seqs, buf))
