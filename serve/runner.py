@@ -189,7 +189,7 @@ class ModelRunner:
         if not self.graph_prefill or any(s.spec for s in seqs):
             return None
         dec = [i for i, s in enumerate(seqs) if len(s.tokens) == 1 and s.logits == "last"]
-        rest = [i for i in range(len(seqs)) if i not in set(dec)]
+        rest = sorted(set(range(len(seqs))) - set(dec))
         if not dec or not rest or not self.graphs.accepts([seqs[i] for i in dec]):
             return None
         out_d = self.graphs.step([seqs[i] for i in dec])

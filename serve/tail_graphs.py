@@ -121,8 +121,9 @@ class TailGraphs(StaticGraphs):
         """StaticGraphs._buffers, but a new shape beyond max_tail_graphs captured tail graphs runs eagerly. Full
         64-token chunks do not count against that cap (the engine prefills short prompts in them, one shape per
         batch bucket): if their shapes ran eagerly, a 512-token prompt would take 8 eager steps instead of 1."""
-        odd = sum(1 for k, b in self.shapes.items() if k[1] != RECURRENT_MAX_TOKENS and not b.failed)
-        if self.capture and key not in self.shapes and key[1] != RECURRENT_MAX_TOKENS and odd >= self.max_tail_graphs:
+        if self.capture and key not in self.shapes and key[1] != RECURRENT_MAX_TOKENS and (odd := sum(
+                1 for k, b in self.shapes.items() if k[1] != RECURRENT_MAX_TOKENS and not b.failed)) >= self.max_tail_graphs:
+            # (counted only for a shape not met yet: a replay pays nothing for the cap)
             if not self._cap_logged:
                 log.warning("CUDA graphs: %d prefill-tail graphs of other than 64 tokens captured (their cap); other "
                             "such shapes run eagerly", odd)
