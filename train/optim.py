@@ -105,10 +105,7 @@ def muon_update(grad: torch.Tensor, num_heads: int | None = None, head_axis: int
     and with num_heads = H each head's row block [A/H, B] (head_axis 0) or column block [A, B/H] (head_axis 1).
     Returns a tensor shaped like grad. Example: muon_update(torch.randn(64, 32), num_heads=4).shape == (64, 32).
     """
-    blocks = _block_view(grad, num_heads, head_axis)  # [..., a, b]
-    scale = MOONLIGHT_SCALE * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
-    ortho = zeropower_via_newtonschulz5(blocks, ns_steps)
-    return _unblock(ortho, grad.shape, num_heads, head_axis) * scale
+    return _batched_muon_updates([(grad, num_heads, head_axis, ns_steps)])[0]
 
 
 class Muon(torch.optim.Optimizer):
