@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode) alongside the
 #            CUDA serving tests (decode / verify / MTP graphs, compiled decode), then benchmarks/kda.py: k3 against fla
@@ -13,6 +13,9 @@
 #            during the server's start
 #   spec:    benchmarks/serve_step.py --speculative-tokens 2 on the trained k3-tiny (a speculative step's phases), then
 #            k3-small at 32 streams uncompiled (mixed-step split, graph-chunked prefill)
+#   batch:   the compiled k3-small server at concurrency 1 and 32 (no prefix row, no anchors: the batch-32 goal),
+#            then the speculative step phases on the trained k3-tiny, then one profiled k3-small training step
+#            (the stacked Muon update)
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -73,7 +76,19 @@ spec)
     --concurrency 32 --input-len 128 --output-len 128 --prefix-len 0 > "$OUT/serve32.log" 2>&1
   echo "serve 32 rc=$?"; grep -v "Warn\|warn" "$OUT/serve32.log" | tail -8
   ;;
+batch)
+  timeout 300 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
+    --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 \
+    > "$OUT/serve_small.log" 2>&1
+  echo "serve k3-small rc=$?"; grep -v "Warn\|warn" "$OUT/serve_small.log" | tail -12
+  timeout 130 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
+    --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
+  echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"
+  timeout 120 python3 benchmarks/model_breakdown.py --model k3-small --device cuda --batch 4 --seq 4096 \
+    --profile-step > "$OUT/breakdown.log" 2>&1
+  echo "breakdown rc=$?"; tail -40 "$OUT/breakdown.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch" >&2; exit 2
   ;;
 esac
