@@ -43,7 +43,9 @@ class ServeConfig:
     #                                  default (large models on many cores may want it)
     cuda_graph_batches: list[int] = field(default_factory=lambda: [1, 8, 32])  # batch sizes whose graphs the warm-up
     #                           captures (bucketed to powers of two, capped at max_num_seqs; each verify/MTP shape too
-    #                           with speculation); other sizes are captured on first use
+    #                           with speculation), and compiles with compile_decode; uncompiled, every power-of-two
+    #                           bucket up to the largest is captured too, as are the 64-token prefill chunks; compiled,
+    #                           a step runs on the smallest compiled bucket that holds it; other shapes: on first use
     compile_decode: bool = False  # torch.compile each graph-captured step before its capture (fused kernels: k3-small
     #                               decode at batch 1 went 7.1 -> 2.5 ms/step on an H200, 2026-11-29), at the cost of
     #                               one to two minutes of compilation per captured shape at startup (every batch

@@ -121,9 +121,10 @@ class ModelRunner:
             self.mtp_graphs = MTPGraphs(self, max_pages, compile=False, **kw)
 
     def capture_decode_graphs(self, batches=None) -> None:
-        """Capture the decode (and verify / MTP draft) buckets of `batches` now (engine warmup, before /health turns
-        200; None: k3.serve.graphs.COMMON_BATCHES); no-op when off."""
-        for g in (self.graphs, self.verify_graphs, self.mtp_graphs):
+        """Capture the decode (and verify / MTP draft) buckets of `batches` and the 64-token prefill chunks up to the
+        largest of them now (engine warmup, before /health turns 200; None: k3.serve.graphs.COMMON_BATCHES); no-op
+        when off."""
+        for g in (self.graphs, self.verify_graphs, self.mtp_graphs, self.tail_graphs):
             if g is not None:
                 g.capture_common(*(() if batches is None else (tuple(batches),)))
 

@@ -11,10 +11,10 @@ A step qualifies when every sequence brings the same Tn new tokens, 2 <= Tn <= R
 "last" logits, no speculative verify and no snapshot to write (`TailGraphs.accepts`); any other step, a tail joined
 by running decodes included, runs the eager path. Shape (Bb, Tn, Gb): Bb the batch bucket and Gb the page bucket
 as in DecodeGraphs; Tn is exact, never padded: an extra token in a row would move its final KDA state and conv tail
-past the prompt. Tn ranges over 63 values, so shapes are captured lazily on first use only (no warm-up capture), never
-compiled (a tail must not wait for a compile), under the runner's shared graph cap and at most MAX_TAIL_GRAPHS of
-them (varied prompt lengths would otherwise fill the shared cap and leave decode, verify and MTP shapes first met
-later eager for good); a shape over either cap or whose capture failed runs eagerly (StaticGraphs).
+past the prompt. Tn ranges over 63 values, so shapes are captured lazily on first use (the warm-up captures only the
+full 64-token chunks of short prompts, `capture_common`), never compiled (a tail must not wait for a compile), under
+the runner's shared graph cap and at most MAX_TAIL_GRAPHS of them (varied prompt lengths would otherwise fill the
+shared cap and leave decode, verify and MTP shapes first met later eager for good); a shape over either cap or whose capture failed runs eagerly (StaticGraphs).
 
 The function (`tail_forward`), Bb rows of Tn tokens packed as [1, Bb * Tn, D] (row b's token t at b * Tn + t), the
 same modules and arithmetic as the runner's eager equal-length step:
@@ -47,7 +47,7 @@ import torch
 from k3.kernels.conv import causal_conv1d
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 
-from .graphs import MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, write_and_attend
+from .graphs import COMMON_BATCHES, MAX_GRAPHS, GraphBudget, StaticBuffers, StaticGraphs, warm_buckets, write_and_attend
 from .prefill import ends_at_step_end, write_step_end_snapshots
 from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output, kda_pool_step
 
@@ -131,8 +131,14 @@ class TailGraphs(StaticGraphs):
             return None
         return super()._buffers(*key)
 
-    def capture_common(self, batches=()) -> None:
-        """Nothing to warm up: tail shapes are captured on first use (Tn takes 63 values; see the module docstring)."""
+    def capture_common(self, batches=COMMON_BATCHES) -> None:
+        """Capture the full 64-token chunk shape of every batch bucket up to the largest of `batches` (warmup): the
+        engine prefills prompts of up to 512 tokens in such chunks, batched across the requests that arrive together,
+        so a burst of requests meets these shapes first, and a capture met while serving stalls every running
+        stream. Other tail lengths (63 values) are captured on first use (see the module docstring)."""
+        if self.capture:
+            for Bb in warm_buckets(batches, self.max_seqs):
+                self._buffers(Bb, RECURRENT_MAX_TOKENS, self.page_bucket(1))
 
     def new_buffers(self, Bb: int, Tn: int, Gb: int) -> TailBuffers:
         return TailBuffers(Bb, Tn, Gb, self.runner.device)

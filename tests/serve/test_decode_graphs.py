@@ -14,7 +14,7 @@ from k3.kernels.kda import fused_recurrent_kda
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
-from k3.serve.graphs import DecodeBuffers, bucket
+from k3.serve.graphs import DecodeBuffers, bucket, warm_buckets
 from k3.serve.request import SamplingParams
 from k3.serve.runner import StepSeq
 
@@ -59,16 +59,19 @@ class _Seqs:
         self.pos = [p + 1 for p in self.pos]
 
 
-def _twin_decode(model_tok, caches, lengths, steps, capture=False, device="cpu", tol=1e-5):
+def _twin_decode(model_tok, caches, lengths, steps, capture=False, device="cpu", tol=1e-5, prepare=None):
     """Run the same decode steps through ModelRunner.step (engine A) and the decode fast path (engine B); compare
     greedy tokens and logits every step, cache contents at the end, and check that nothing outside the batch's
-    own slots and new latent rows changed in B. Returns engine B."""
+    own slots and new latent rows changed in B (prepare(engine B), if given, runs before the first step). Returns
+    engine B."""
     model, tok = model_tok
     if device != "cpu":
         model = copy.deepcopy(model).to(device)
     eng_a = _engine((model, tok), cuda_graphs=False)
     eng_b = _engine((model, tok), cuda_graphs=False)
     eng_b.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=capture)
+    if prepare is not None:
+        prepare(eng_b)
     prompts = _prompts(lengths)
     a, b = _Seqs(eng_a, prompts, steps), _Seqs(eng_b, prompts, steps)
     assert a.slots == b.slots and 0 not in b.slots
@@ -97,6 +100,8 @@ def _twin_decode(model_tok, caches, lengths, steps, capture=False, device="cpu",
 def test_buckets():
     assert [bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
     assert bucket(5, 6) == 6 and bucket(3, 3) == 3
+    assert warm_buckets([1, 8, 32], 64) == [1, 2, 4, 8, 16, 32] and warm_buckets([3], 2) == [1, 2]
+    assert warm_buckets([5], 6) == [1, 2, 4, 6] and warm_buckets([], 8) == []
 
 
 def _recurrent_case(seed: int, B: int, T: int, P: int, H: int = 2, K: int = 8):
@@ -154,6 +159,31 @@ def test_decode_path_equals_runner_step(model_tok, lengths, caches):
     Bb = bucket(len(lengths), MAX_SEQS)
     assert {key[0] for key in eng.runner.graphs.shapes} == {Bb}
     assert len({key[1] for key in eng.runner.graphs.shapes}) >= 2  # a page-bucket change happened
+
+
+def test_steps_run_on_the_smallest_larger_compiled_bucket(model_tok, caches, monkeypatch):
+    """With compile on, a step whose own bucket has no compiled graph runs the smallest larger compiled bucket of its
+    page width (padded rows inert): 3 sequences (bucket 4) run on the compiled bucket 8, not on a bucket 4 of their
+    own, and their greedy tokens, logits and caches equal the eager runner's (_twin_decode's checks). Here "compiled"
+    is a flag set on shapes of the plain function (no GPU, no inductor)."""
+    routed = []
+
+    def prepare(eng):
+        g = eng.runner.graphs
+        monkeypatch.setattr(g, "_compiled_fn", lambda buf: g.decode_forward(buf))  # compile "on"
+        for Gb in (1, 2, 4, 8):
+            for Bb in (1, 8):
+                g._buffers(Bb, Gb).compiled = True
+        real = g._buffers
+        monkeypatch.setattr(g, "_buffers", lambda *key: routed.append(key) or real(*key))
+
+    eng = _twin_decode(model_tok, caches, [63, 120, 10], steps=6, prepare=prepare)
+    g = eng.runner.graphs
+    assert routed and {key[0] for key in routed} == {8} and not any(key[0] == 4 for key in g.shapes)
+    assert g.compiled_bucket((1, 1)) == (1, 1) and g.compiled_bucket((2, 2)) == (8, 2)
+    assert g.compiled_bucket((16, 1)) == (16, 1)  # no larger compiled bucket: its own
+    g.shapes[(8, 4)].failed = True
+    assert g.compiled_bucket((4, 4)) == (4, 4)  # a failed capture is no target
 
 
 def test_padded_rows_copy_row_zero(model_tok):
@@ -312,7 +342,9 @@ def test_warmup_captures_the_configured_batch_sizes(model_tok, monkeypatch):
     monkeypatch.setattr(g, "capture", True)
     monkeypatch.setattr(g, "_buffers", lambda *key: seen.append(key))
     eng.runner.capture_decode_graphs([1, 3, 64])
-    assert seen == [(1, 1), (4, 1)]  # 3 -> bucket 4; 64 > max_num_seqs (MAX_SEQS) is skipped
+    # the configured sizes first (3 -> bucket 4; 64 > max_num_seqs is skipped), then, uncompiled, every bucket up to
+    # the largest the pool can run (64 capped at MAX_SEQS = 8); shapes already captured are not captured again
+    assert seen == [(1, 1), (4, 1), (1, 1), (2, 1), (4, 1), (8, 1)]
 
 
 def test_compile_applies_to_warmup_shapes_only(model_tok, monkeypatch):

@@ -191,9 +191,11 @@ def test_tail_forward_does_no_host_sync(model_tok, monkeypatch, forbid_host_sync
 
 
 def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
-    """Tail shapes share the runner's graph budget, are never compiled (even with compile on), are not captured by
-    the warm-up, and beyond MAX_TAIL_GRAPHS captured tails of other than 64 tokens (or the shared cap) a new shape
-    runs eagerly while the captured ones keep replaying; full 64-token chunks stay outside the tail cap. Captures are recorded instead of run (no GPU here)."""
+    """Tail shapes share the runner's graph budget, are never compiled (even with compile on); the warm-up captures
+    the full 64-token chunk of every batch bucket up to the largest configured batch and nothing else; beyond
+    MAX_TAIL_GRAPHS captured tails of other than 64 tokens (or the shared cap) a new shape runs eagerly while the
+    captured ones keep replaying; full 64-token chunks stay outside the tail cap. Captures are recorded instead of
+    run (no GPU here)."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
     tg = eng.runner.tail_graphs
@@ -207,16 +209,17 @@ def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
 
     monkeypatch.setattr(tg, "capture", True)
     monkeypatch.setattr(tg, "_capture", fake_capture)
-    tg.capture_common((1, 8))
-    eng.runner.capture_decode_graphs([1, 8])
-    assert used == []  # nothing at warm-up
+    eng.runner.capture_decode_graphs([1, 3])
+    chunks = [(Bb, 64, 1) for Bb in (1, 2, 4)]  # 3 -> bucket 4; every bucket below it too
+    assert [key for key, _ in used] == chunks
+    used.clear()
     for Tn in range(2, 2 + MAX_TAIL_GRAPHS):
         assert tg._buffers(1, Tn, 1) is not None
     assert [key for key, _ in used] == [(1, Tn, 1) for Tn in range(2, 2 + MAX_TAIL_GRAPHS)]
     assert all(fn == tg.tail_forward for _, fn in used)  # the plain function, never a compiled one
     assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS  # over the tail cap: eager
     assert tg._buffers(1, 2, 1) is not None  # a captured shape still serves
-    assert tg._buffers(2, 64, 1) is not None and len(used) == MAX_TAIL_GRAPHS + 1  # full chunks: outside that cap
+    assert tg._buffers(8, 64, 1) is not None and len(used) == MAX_TAIL_GRAPHS + 1  # full chunks: outside that cap
     monkeypatch.setattr(tg, "max_tail_graphs", 64)
     tg.budget.used = tg.budget.max_graphs  # the shared cap reached (by any kind of graph)
     assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS + 1
