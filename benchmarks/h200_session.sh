@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode) alongside the
 #            CUDA serving tests (decode / verify / MTP graphs, compiled decode), then benchmarks/kda.py: k3 against fla
@@ -16,6 +16,8 @@
 #   batch:   the compiled k3-small server at concurrency 1 and 32 (no prefix row, no anchors: the batch-32 goal),
 #            then the speculative step phases on the trained k3-tiny, then one profiled k3-small training step
 #            (the stacked Muon update)
+#   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
+#            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -88,7 +90,13 @@ batch)
     --profile-step > "$OUT/breakdown.log" 2>&1
   echo "breakdown rc=$?"; tail -40 "$OUT/breakdown.log"
   ;;
+anchor)
+  timeout 560 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
+    --compile-decode --cuda-graph-batches 1 32 --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 \
+    --hf-anchor --hf-batch 1 32 > "$OUT/serve_anchor.log" 2>&1
+  echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor" >&2; exit 2
   ;;
 esac
