@@ -12,7 +12,9 @@ that prefills a single prompt of N random tokens (an untimed pass first, then th
 `Engine.step()`, sampling included) and the prefix-hit step (the same prompt again after it finished: the step
 that prefills the tail after the deepest cached block). `--profile` adds, per case, torch.profiler's top 15 ops by
 self CPU time and the count of host waits (cudaStreamSynchronize / cudaDeviceSynchronize calls, device -> host
-memcpys) and kernel launches, over one more step.
+memcpys) and kernel launches, over one more step. Without `--prefill-lens`, `--profile` profiles 16 decode steps of
+each mode and batch after its timing: wall ms per step, device busy ms per step and the top 20 kernels by device time
+per step (on CUDA the kernels inside graph replays are listed too; inductor's fused kernels by their triton_* names).
 """
 
 from __future__ import annotations
@@ -114,6 +116,40 @@ def _print_profile(label: str, prof) -> None:
     print(f"# profile {label}: cudaStreamSynchronize/cudaDeviceSynchronize {syncs}, Memcpy DtoH {d2h}, kernel "
           f"launches {launches}, aten op calls (nested included) {aten}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def profile_decode(engine: Engine, batch: int, prompt_len: int, vocab: int, label: str, steps: int = 16) -> None:
+    """Profile `steps` decode steps at `batch` (after the prefill): wall and device-busy ms per step, then the top 20
+    kernels by device time per step."""
+    from torch.profiler import ProfilerActivity
+    rng = random.Random(batch + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    got = [0] * batch
+    for b in range(batch):
+        engine.submit([rng.randrange(4, vocab) for _ in range(prompt_len)], params,
+                      lambda ev, b=b: got.__setitem__(b, got[b] + len(ev.token_ids)))
+    while min(got) == 0:
+        engine.step()
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync("cuda" if cuda else "cpu")
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync("cuda" if cuda else "cpu")
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    while engine.has_work():
+        engine.step()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    print(f"# profile {label} batch={batch}: wall {wall:.3f} ms/step (profiler on), device busy {busy:.3f} ms/step, "
+          f"{sum(e.count for e in kernels) / steps:.0f} kernels/step")
+    print("| kernel (name cut to 80) | calls/step | µs/step |")
+    print("|---|---:|---:|")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
+        print(f"| {e.key[:80]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} |")
 
 
 def prefill_bench(engine: Engine, lens: list[int], vocab: int, device: str, profile: bool) -> None:
@@ -220,13 +256,14 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="+", metavar="N", help="time eager prefill steps of these "
                     "prompt lengths (a miss and a prefix hit each) instead of the decode steps")
     ap.add_argument("--profile", action="store_true", help="with --prefill-lens: torch.profiler's top 15 ops and the "
-                    "host waits of each prefill case")
+                    "host waits of each prefill case; else: 16 profiled decode steps per mode and batch (device busy "
+                    "time and the top 20 kernels per step)")
     ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="time plain vs K MTP drafts at "
                     "each --batch (graphs on; needs a checkpoint with an MTP head, e.g. --ckpt runs/tiny/final): ms "
                     "per step, tokens per step and the step's phases (forward, MTP, commit, host)")
     args = ap.parse_args()
-    if args.profile and not args.prefill_lens:
-        ap.error("--profile profiles the --prefill-lens steps; give --prefill-lens N [N ...]")
+    if args.profile and args.speculative_tokens:
+        ap.error("--profile profiles prefill (--prefill-lens) or plain decode steps, not --speculative-tokens")
     if args.prefill_lens and min(args.prefill_lens) < 1:
         ap.error(f"--prefill-lens must be positive token counts, got {args.prefill_lens}")
     cuda = args.device == "cuda"
@@ -272,6 +309,8 @@ def main() -> None:
             decode_ms(engine, b, args.prompt_len, min(args.new_tokens, 8), tok.vocab_size)
             rows[(graphs, b)] = decode_ms(engine, b, args.prompt_len, args.new_tokens, tok.vocab_size)
             print(f"# graphs={graphs} batch={b}: {rows[(graphs, b)]:.2f} ms/step", flush=True)
+            if args.profile:
+                profile_decode(engine, b, args.prompt_len, tok.vocab_size, f"graphs={graphs}")
         n = getattr(engine.runner, "graphs", None)
         print(f"# graphs={graphs}: captured {getattr(n, 'num_graphs', 0)} decode graphs", flush=True)
     g_name = "graphs" if cuda else "static step"
