@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode) alongside the
 #            CUDA serving tests (decode / verify / MTP graphs, compiled decode), then benchmarks/kda.py: k3 against fla
@@ -11,13 +11,14 @@
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
 #            prefix hit, the MTP speculative row (k = 2); the paged MLA decode kernel (single pass vs split keys)
 #            during the server's start
-#   spec:    benchmarks/serve_step.py --speculative-tokens 2 on the trained k3-tiny (a speculative step's phases), then
-#            k3-small at 32 streams uncompiled (mixed-step split, graph-chunked prefill)
+#   spec:    benchmarks/serve_step.py --speculative-tokens 2 on the trained k3-tiny (a speculative step's phases), the
+#            speculative speedup through HTTP on it (server logs kept), then the compiled k3-small decode step's kernels
 #   batch:   the compiled k3-small server at concurrency 1 and 32 (no prefix row, no anchors: the batch-32 goal),
 #            then the speculative step phases on the trained k3-tiny, then one profiled k3-small training step
 #            (the stacked Muon update)
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
+#   table:   benchmarks/kda.py alone (k3 against fla in one process, issue 4's table), the call's whole time for it
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -70,13 +71,19 @@ serve)
   ;;
 spec)
   # where a speculative step's time goes on the GPU (forward / MTP / commit / host), plain vs k = 2, on the README's
-  # trained k3-tiny (carry runs/tiny), then the mixed-step split and graph-chunked prefill at 32 streams (k3-small)
-  timeout 150 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
+  # trained k3-tiny (carry runs/tiny); then the speculative speedup through HTTP (both servers their own processes;
+  # their logs, with graph captures at INFO, land in $OUT); then the compiled k3-small decode step's kernels at batch 1
+  timeout 120 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
     --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
   echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"
-  timeout 300 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
-    --concurrency 32 --input-len 128 --output-len 128 --prefix-len 0 > "$OUT/serve32.log" 2>&1
-  echo "serve 32 rc=$?"; grep -v "Warn\|warn" "$OUT/serve32.log" | tail -8
+  rm -f /tmp/*.k3serve.log
+  timeout 200 python3 benchmarks/serve.py --ckpt runs/tiny/final --subprocess --device cuda --concurrency 1 \
+    --input-len 128 --output-len 128 --prefix-len 0 --speculative-tokens 2 > "$OUT/serve_tiny.log" 2>&1
+  echo "serve k3-tiny rc=$?"; grep -v "Warn\|warn" "$OUT/serve_tiny.log" | tail -8
+  i=0; for f in /tmp/*.k3serve.log; do [ -f "$f" ] && cp "$f" "$OUT/server$i.log"; i=$((i + 1)); done
+  timeout 220 python3 benchmarks/serve_step.py --model k3-small --modes compiled --batch 1 --new-tokens 64 \
+    --profile > "$OUT/profile_small.log" 2>&1
+  echo "profile rc=$?"; grep "^|\|^#" "$OUT/profile_small.log" | tail -30
   ;;
 batch)
   timeout 300 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \
@@ -96,7 +103,13 @@ anchor)
     --hf-anchor --hf-batch 1 32 > "$OUT/serve_anchor.log" 2>&1
   echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
   ;;
+table)
+  # only benchmarks/kda.py (k3 and fla side by side in one process), with the whole call for fla's first autotuning
+  timeout 560 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; cat "$OUT/kda.log"
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table" >&2; exit 2
   ;;
 esac
