@@ -36,6 +36,7 @@ from .metrics import Metrics
 from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, token_logprob
 from .runner import ModelRunner, StepSeq
 from .sampling import apply_penalties, greedy_picks, sample, token_probs
+from .spec_fast import fast_spec_step
 from .speculative import MTPDrafter, SpecState, verify_tokens
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -109,6 +110,7 @@ class Engine:
         self.dead: BaseException | None = None
         self.ready = False
         self.record_metrics = True
+        self.spec_fast = True  # k3.serve.spec_fast: one-sync greedy speculative steps (tests turn it off to compare)
         self._n_gen, self._itl = 0, []  # this step's generated tokens and inter-token latencies (metrics)
 
     # ------------------------------------------------------------------------------------------------ public API
@@ -241,6 +243,9 @@ class Engine:
         if not batch:
             return False
         n_tok = sum(len(st.tokens) for _, st, _ in batch)
+        if self.spec_fast and fast_spec_step(self, batch, n_tok):  # all-greedy full-draft verify: one host read
+            self._gauges()
+            return True
         with self._threads(n_tok):
             out = self.runner.step([st for _, st, _ in batch])
             greedy = greedy_picks([(seq, st) for seq, st, _ in batch], out.logits)  # one argmax, one host read

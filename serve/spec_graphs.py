@@ -174,12 +174,13 @@ class VerifyGraphs(StaticGraphs):
         return out, (VerifyBatch(seqs, list(range(0, B * T + 1, T)), buf, [None] * B), hidden_pad, pre)
 
     @torch.no_grad()
-    def commit(self, batch: VerifyBatch) -> None:
+    def commit(self, batch: VerifyBatch, prepare=None) -> None:
         """Roll every sequence of a graph verify step back to its own accepted length (batch.kept, all set, 1 <= kept
         <= T_n) in one call: working state <- the per-token state after token kept - 1, conv tails <- the last W-1
         pre-conv inputs up to it, real rows only (what ModelRunner.commit_spec does per sequence on the eager path,
         ~7 small ops per KDA layer). On CUDA a graph per verify shape, captured on first use (beyond the graph cap
-        or if capture fails: the same function eagerly)."""
+        or if capture fails: the same function eagerly). `prepare()` runs after the host inputs are copied in and
+        before the commit runs: k3.serve.spec_fast writes the accepted lengths (and src) there by device ops."""
         buf = batch.buf
         c = buf.commit
         host = self._commit_inputs(batch)
@@ -189,9 +190,13 @@ class VerifyGraphs(StaticGraphs):
                           self._commit_inert)
         if c.graph is not None:
             c.ints.copy_(host.pin_memory(), non_blocking=True)
+            if prepare is not None:
+                prepare()
             c.graph.replay()
         else:
             c.ints.copy_(host)
+            if prepare is not None:
+                prepare()
             self.commit_forward(buf)
 
     def _commit_inputs(self, batch: VerifyBatch) -> torch.Tensor:
