@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -150,3 +153,25 @@ def forbid_host_sync(monkeypatch):
             bool(torch.ones(1))  # the patch is live
 
     return arm
+
+
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__", "__float__")
+
+
+@pytest.fixture
+def spy_reads(monkeypatch):
+    """spy_reads(mp=monkeypatch) -> Counter: from the call on, every tensor -> host value read (HOST_READS methods),
+    counted by ("folder/file" of the caller, method); pass a `monkeypatch.context()` to stop counting when it exits."""
+    def start(mp=monkeypatch) -> collections.Counter:
+        where = collections.Counter()
+        for name in HOST_READS:
+            orig = getattr(torch.Tensor, name)
+
+            def spy(self, *a, _orig=orig, _name=name, **kw):
+                frame = traceback.extract_stack(limit=2)[0]
+                where[(Path(frame.filename).parent.name + "/" + Path(frame.filename).name, _name)] += 1
+                return _orig(self, *a, **kw)
+
+            mp.setattr(torch.Tensor, name, spy)
+        return where
+    return start

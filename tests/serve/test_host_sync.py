@@ -6,12 +6,9 @@ checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for trusted CU
 Prefill steps (always eager) are held to the same rule, and the serving code's own op count in a prefill step must
 not grow with the block boundaries it crosses (each op is host time on a GPU; counted with a TorchFunctionMode)."""
 
-import collections
 import sys
-import traceback
 from pathlib import Path
 
-import torch
 from torch.overrides import TorchFunctionMode
 
 import k3.serve.runner
@@ -19,12 +16,11 @@ from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
 
-READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
 SERVE = Path(k3.serve.runner.__file__).parent
 ROOT = SERVE.parent
 
 
-def test_eager_decode_step_reads_only_sampled_tokens(model_tok, monkeypatch):
+def test_eager_decode_step_reads_only_sampled_tokens(model_tok, spy_reads):
     model, tok = model_tok
     eng = Engine(model, tok, ServeConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=512,
                                          enable_prefix_caching=False, warmup=False))
@@ -33,26 +29,11 @@ def test_eager_decode_step_reads_only_sampled_tokens(model_tok, monkeypatch):
                    lambda ev: None)
     eng.step()  # prefill
     eng.step()  # first decode
-    where = _spy_reads(monkeypatch)
+    where = spy_reads()
     assert eng.step()
     files = {f for f, _ in where}
     assert files <= {"serve/engine.py", "serve/sampling.py", "conv/naive.py"}, dict(where)
     assert sum(v for (f, _), v in where.items() if f.startswith("serve/")) == 1, dict(where)  # one batched argmax
-
-
-def _spy_reads(monkeypatch) -> collections.Counter:
-    """Count every tensor -> host value read from now on by (calling file, method); see the module docstring."""
-    where = collections.Counter()
-    for name in READS:
-        orig = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _orig=orig, _name=name, **kw):
-            frame = traceback.extract_stack(limit=2)[0]
-            where[(Path(frame.filename).parent.name + "/" + Path(frame.filename).name, _name)] += 1
-            return _orig(self, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    return where
 
 
 def _prefill_engine(model, tok) -> Engine:
@@ -60,7 +41,7 @@ def _prefill_engine(model, tok) -> Engine:
                                           enable_prefix_caching=True, warmup=False))
 
 
-def test_eager_prefill_steps_read_only_sampled_tokens(model_tok, monkeypatch):
+def test_eager_prefill_steps_read_only_sampled_tokens(model_tok, monkeypatch, spy_reads):
     """Prefill steps (prefix caching on) read no tensor value but the sampled tokens: a 200-token miss (chunk kernel,
     three interior snapshots; its varlen layout comes from the host offsets, `cu_seqlens_cpu`), the 8-token tail of a
     prefix hit (the trusted recurrent pool entry) and a step mixing a decode with a new prompt's prefill (only the
@@ -79,7 +60,7 @@ def test_eager_prefill_steps_read_only_sampled_tokens(model_tok, monkeypatch):
             assert eng.step()  # the first prompt's prefill; the spied step decodes it while the second one prefills
             eng.submit(prompts[1], one, events.append)
         with monkeypatch.context() as m:
-            where = _spy_reads(m)
+            where = spy_reads(m)
             assert eng.step()
         if case == "hit":
             assert events[-1].num_cached_tokens == 192, "the tail step must start from the cached blocks"

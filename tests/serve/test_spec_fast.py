@@ -7,10 +7,7 @@ hidden equal the host path's; acceptance metrics are equal; the device helpers e
 
 Legend: B sequences, k drafts, T = k + 1 verify tokens."""
 
-import collections
 import copy
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +22,6 @@ from k3.serve.speculative import accepted_prefix
 
 MAX_SEQS, MAX_LEN, PAGE = 8, 512, 64
 METRICS = ("k3:spec_decode_num_drafts", "k3:spec_decode_num_draft_tokens", "k3:spec_decode_num_accepted_tokens")
-READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__", "__float__")
 
 
 def _engine(model_tok, k, fast=True, **kw):
@@ -195,22 +191,7 @@ def _compare_running(fast, host, tol):
             torch.testing.assert_close(got, ref, atol=tol, rtol=0)
 
 
-def _spy_reads(monkeypatch) -> collections.Counter:
-    """Count every tensor -> host value read from now on, by (calling file, method)."""
-    where = collections.Counter()
-    for name in READS:
-        orig = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _orig=orig, _name=name, **kw):
-            frame = traceback.extract_stack(limit=2)[0]
-            where[(Path(frame.filename).name, _name)] += 1
-            return _orig(self, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    return where
-
-
-def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch):
+def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch, spy_reads):
     """Batch 2, k = 2: every step on the one-sync path makes exactly one tensor -> host read (spec_fast's tolist);
     a host-path verify step of the same engine (at the 64 boundary, near max_tokens) reads once per sequence (acceptance) and per MTP call: up to 2 + 2."""
     eng = _engine(model_tok, 2, enable_prefix_caching=False)
@@ -221,7 +202,7 @@ def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch):
     per_step = []
     while eng.has_work():
         with monkeypatch.context() as m:
-            where = _spy_reads(m)
+            where = spy_reads(m)
             n = len(fast_log)
             eng.step()
         if all(spec for _, _, spec, _ in fast_log[n:]):
@@ -229,7 +210,7 @@ def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch):
     fast = [w for took, w in per_step if took]
     host = [w for took, w in per_step if not took]
     assert len(fast) >= 3 and host, per_step
-    assert all(w == {("spec_fast.py", "tolist"): 1} for w in fast), fast
+    assert all(w == {("serve/spec_fast.py", "tolist"): 1} for w in fast), fast
     assert max(sum(w.values()) for w in host) == 4, host
 
 
