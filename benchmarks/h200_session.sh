@@ -73,6 +73,9 @@ spec)
   # where a speculative step's time goes on the GPU (forward / MTP / commit / host), plain vs k = 2, on the README's
   # trained k3-tiny (carry runs/tiny); then the speculative speedup through HTTP (both servers their own processes;
   # their logs, with graph captures at INFO, land in $OUT); then the compiled k3-small decode step's kernels at batch 1
+  K3_KERNELS=triton timeout -s INT -k 10 100 python3 -m pytest tests/serve/test_spec_fast.py tests/serve/test_spec_graphs.py \
+    -k cuda -q -p no:cacheprovider -rf > "$OUT/spec_tests.log" 2>&1
+  echo "spec tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/spec_tests.log" | tail -6
   timeout 120 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
     --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
   echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"

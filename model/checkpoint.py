@@ -13,8 +13,11 @@ The directory is written next to its destination under a temporary name and rena
 never leaves a half-written release, and replacing an existing release never loses both copies. Loading validates
 every file and raises `CheckpointError` naming the file and the fix (a foreign, newer or corrupt checkpoint).
 
-Public API: CheckpointError, save_release, load_release, read_release_config, load_model, instantiate,
-load_state_into, validate_state_dict, prepare_state_dict.
+Quantized releases (k3.model.quant) add config.json["quantization_config"] and `<name>.scales` tensors; loading
+validates the config and swaps in the quantized modules before the weights are assigned.
+
+Public API: CheckpointError, save_release, load_release, read_release_config, read_quantization_config, load_model,
+instantiate, load_state_into, validate_state_dict, prepare_state_dict.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ MODEL_TYPE = "k3"
 ARCHITECTURES = ["K3ForCausalLM"]
 # Tensors that stay float32 in any export dtype: the router's QB bias is compared across experts at the 1e-3 level
 # and the KDA decay parameters enter exp(); bf16 rounding of either changes routing / decay (architecture.md).
-FP32_TENSORS = ("e_score_correction_bias", "A_log", "dt_bias")
+# Quantization `.scales` (k3.model.quant) multiply a whole group of weights: kept as the quantizer computed them.
+FP32_TENSORS = ("e_score_correction_bias", "A_log", "dt_bias", "scales")
 # Name components added by torch.compile (`_orig_mod`), activation checkpointing and FSDP1 wrappers; with DDP's
 # leading `module.` they are never written (nanoGPT #325).
 _WRAPPER_COMPONENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -273,14 +277,16 @@ def _plain(x: Any) -> Any:
 def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, *,
                  tokenizer_dir: str | Path | None = None, run_info: dict | None = None,
                  dtype: torch.dtype | str | None = None, generation_config: dict | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantization_config: dict | None = None) -> Path:
     """Write a release checkpoint directory atomically and return its path.
 
     state_dict: the unwrapped model's tensors (wrapper prefixes are stripped anyway). dtype: export dtype for floating
     tensors ("bfloat16", torch.float32, ...; None keeps each tensor's dtype); FP32_TENSORS stay float32.
     tokenizer_dir: a directory holding tokenizer.json (+ optional tokenizer_config.json, special_tokens_map.json),
     or the tokenizer.json file itself. run_info: provenance for k3_run.yaml. generation_config: overrides of the
-    sampling defaults. Tied weights (cfg.tie_word_embeddings) are written once.
+    sampling defaults. Tied weights (cfg.tie_word_embeddings) are written once. quantization_config: required
+    exactly when `state_dict` is quantized (`.scales` tensors; k3.model.quant.quantize_state_dict makes both);
+    written to config.json. Integer tensors (quantized weights) are never cast.
 
     Example: save_release("runs/x/final", model.state_dict(), cfg, dtype="bfloat16", run_info={"git_sha": sha})
     """
@@ -303,6 +309,14 @@ def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: 
         for fname in TOKENIZER_FILES[1:]:
             if (tok_dir / fname).is_file():
                 tok_files[fname] = tok_dir / fname
+    has_scales = any(k.endswith(".scales") for k in state_dict)
+    if quantization_config is not None or has_scales:
+        from .quant import validate_quantization_config  # lazy: quant imports this module
+
+        if quantization_config is None or not has_scales:
+            raise CheckpointError("a quantized state dict ('.scales' tensors) needs quantization_config and vice "
+                                  "versa; pass both from k3.model.quant.quantize_state_dict")
+        quantization_config = validate_quantization_config(quantization_config, where="save_release")
     sd = prepare_state_dict(state_dict, dtype=dtype, drop_tied=cfg.tie_word_embeddings)
     dt = _as_dtype(dtype)
     torch_dtype = str(dt).removeprefix("torch.") if dt is not None else _majority_dtype(sd)
@@ -315,6 +329,8 @@ def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: 
     try:
         config = {"model_type": MODEL_TYPE, "architectures": list(ARCHITECTURES), "torch_dtype": torch_dtype,
                   **cfg.to_dict(), "k3_format_version": K3_FORMAT_VERSION}
+        if quantization_config is not None:
+            config["quantization_config"] = quantization_config
         write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_safetensors(tmp, sd, max_shard_bytes)
         for fname, src in tok_files.items():
@@ -391,9 +407,23 @@ def read_release_config(path: str | Path) -> ModelConfig:
                               "checkpoint is from a newer version)") from None
 
 
+def read_quantization_config(path: str | Path) -> dict | None:
+    """RELEASE_DIR/config.json["quantization_config"], validated (k3.model.quant), or None for an unquantized
+    release. Example: read_quantization_config(d)["format"]  # "w4a8" """
+    read_release_config(path)  # the directory and config.json checks, with their messages
+    cfg_path = Path(path) / "config.json"
+    qc = json.loads(cfg_path.read_text(encoding="utf-8")).get("quantization_config")
+    if qc is None:
+        return None
+    from .quant import validate_quantization_config  # lazy: quant imports this module
+
+    return validate_quantization_config(qc, where=str(cfg_path))
+
+
 def load_release(path: str | Path, *, device: str | torch.device = "cpu",
                  mmap: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a release directory: (ModelConfig, state dict). Tied aliases are absent (see `instantiate`).
+    A quantized release's quantization_config is validated (read it with `read_quantization_config`).
 
     mmap=True maps the safetensors files (tensors are paged in on use); mmap=False reads them into memory first.
 
@@ -401,6 +431,7 @@ def load_release(path: str | Path, *, device: str | torch.device = "cpu",
     """
     path = Path(path)
     cfg = read_release_config(path)
+    read_quantization_config(path)
     single, index = path / "model.safetensors", path / SAFETENSORS_INDEX
     if single.exists() and index.exists():
         raise CheckpointError(f"{path}: holds both model.safetensors and {SAFETENSORS_INDEX}; remove the stale one")
@@ -542,15 +573,26 @@ def instantiate(build: Callable[[], nn.Module], state_dict: dict[str, torch.Tens
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None) -> tuple[nn.Module, ModelConfig]:
-    """Load a release directory into a `K3Model` in eval mode: (model, cfg).
+    """Load a release directory into a `K3Model` in eval mode: (model, cfg). A quantized release gets its
+    quantized expert modules (k3.model.quant.apply_quantization) before the weights are assigned; dtype casts only
+    floating tensors (quantized weights stay integer, their scales fp32).
 
     Example: model, cfg = load_model("runs/x/final", device="cuda", dtype="bfloat16")
     """
     from .transformer import K3Model  # imported here: checkpoint IO must not require the model code to import
 
     cfg, sd = load_release(path, device="cpu")
+    qc = read_quantization_config(path)
+
+    def build() -> nn.Module:
+        if qc is None:
+            return K3Model(cfg)
+        from .quant import apply_quantization
+
+        return apply_quantization(K3Model(cfg), qc)
+
     try:
-        model = instantiate(lambda: K3Model(cfg), sd, device=device, dtype=dtype)
+        model = instantiate(build, sd, device=device, dtype=dtype)
     except CheckpointError as e:
         raise CheckpointError(f"{Path(path)}: {e}") from None
     return model.eval(), cfg
