@@ -76,7 +76,7 @@ spec)
   K3_KERNELS=triton timeout -s INT -k 10 100 python3 -m pytest tests/serve/test_spec_fast.py tests/serve/test_spec_graphs.py \
     -k cuda -q -p no:cacheprovider -rf > "$OUT/spec_tests.log" 2>&1
   echo "spec tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/spec_tests.log" | tail -6
-  timeout 120 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
+  timeout 100 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
     --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
   echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"
   rm -f /tmp/*.k3serve.log
@@ -84,7 +84,7 @@ spec)
     --input-len 128 --output-len 128 --prefix-len 0 --speculative-tokens 2 > "$OUT/serve_tiny.log" 2>&1
   echo "serve k3-tiny rc=$?"; grep -v "Warn\|warn" "$OUT/serve_tiny.log" | tail -8
   i=0; for f in /tmp/*.k3serve.log; do [ -f "$f" ] && cp "$f" "$OUT/server$i.log"; i=$((i + 1)); done
-  timeout 220 python3 benchmarks/serve_step.py --model k3-small --modes compiled --batch 1 --new-tokens 64 \
+  timeout 180 python3 benchmarks/serve_step.py --model k3-small --modes compiled --batch 1 --new-tokens 64 \
     --profile > "$OUT/profile_small.log" 2>&1
   echo "profile rc=$?"; grep "^|\|^#" "$OUT/profile_small.log" | tail -30
   ;;
