@@ -11,8 +11,8 @@
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
 #            prefix hit, the MTP speculative row (k = 2); the paged MLA decode kernel (single pass vs split keys)
 #            during the server's start
-#   spec:    benchmarks/serve_step.py --speculative-tokens 2 on the trained k3-tiny (a speculative step's phases), the
-#            speculative speedup through HTTP on it (server logs kept), then the compiled k3-small decode step's kernels
+#   spec:    benchmarks/serve_step.py --speculative-tokens 2 --profile on the trained k3-tiny (a speculative step's
+#            phases, kernels and host ops), then the speculative speedup through HTTP on it (server logs kept)
 #   batch:   the compiled k3-small server at concurrency 1 and 32 (no prefix row, no anchors: the batch-32 goal),
 #            then the speculative step phases on the trained k3-tiny, then one profiled k3-small training step
 #            (the stacked Muon update)
@@ -70,23 +70,21 @@ serve)
   fi
   ;;
 spec)
-  # where a speculative step's time goes on the GPU (forward / MTP / commit / host), plain vs k = 2, on the README's
-  # trained k3-tiny (carry runs/tiny); then the speculative speedup through HTTP (both servers their own processes;
-  # their logs, with graph captures at INFO, land in $OUT); then the compiled k3-small decode step's kernels at batch 1
+  # the CUDA speculative tests and the MLA kernel warm-up test; where a speculative step's time goes on the GPU
+  # (phases, then a profile: kernels and host ops per step), plain vs k = 2, on the README's trained k3-tiny (carry
+  # runs/tiny); then the speculative speedup through HTTP (both servers their own processes; their logs, with graph
+  # captures at INFO, land in $OUT)
   K3_KERNELS=triton timeout -s INT -k 10 100 python3 -m pytest tests/serve/test_spec_fast.py tests/serve/test_spec_graphs.py \
-    -k cuda -q -p no:cacheprovider -rf > "$OUT/spec_tests.log" 2>&1
+    tests/kernels/test_mla_decode.py -k "cuda or warm_up" -q -p no:cacheprovider -rf > "$OUT/spec_tests.log" 2>&1
   echo "spec tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/spec_tests.log" | tail -6
-  timeout 100 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 8 --new-tokens 96 \
-    --speculative-tokens 2 > "$OUT/spec_step.log" 2>&1
+  timeout 150 python3 benchmarks/serve_step.py --ckpt runs/tiny/final --batch 1 --new-tokens 96 \
+    --speculative-tokens 2 --profile > "$OUT/spec_step.log" 2>&1
   echo "spec step rc=$?"; grep "^|\|^#" "$OUT/spec_step.log"
   rm -f /tmp/*.k3serve.log
   timeout 200 python3 benchmarks/serve.py --ckpt runs/tiny/final --subprocess --device cuda --concurrency 1 \
     --input-len 128 --output-len 128 --prefix-len 0 --speculative-tokens 2 > "$OUT/serve_tiny.log" 2>&1
   echo "serve k3-tiny rc=$?"; grep -v "Warn\|warn" "$OUT/serve_tiny.log" | tail -8
   i=0; for f in /tmp/*.k3serve.log; do [ -f "$f" ] && cp "$f" "$OUT/server$i.log"; i=$((i + 1)); done
-  timeout 180 python3 benchmarks/serve_step.py --model k3-small --modes compiled --batch 1 --new-tokens 64 \
-    --profile > "$OUT/profile_small.log" 2>&1
-  echo "profile rc=$?"; grep "^|\|^#" "$OUT/profile_small.log" | tail -30
   ;;
 batch)
   timeout 300 python3 benchmarks/serve.py --model k3-small --subprocess --device cuda --dtype bfloat16 \

@@ -150,6 +150,11 @@ def profile_decode(engine: Engine, batch: int, prompt_len: int, vocab: int, labe
     print("|---|---:|---:|")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
         print(f"| {e.key[:80]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} |")
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print("| host op (name cut to 80) | calls/step | self CPU µs/step |")
+    print("|---|---:|---:|")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:15]:
+        print(f"| {e.key[:80]} | {e.count / steps:.1f} | {e.self_cpu_time_total / steps:.1f} |")
 
 
 def prefill_bench(engine: Engine, lens: list[int], vocab: int, device: str, profile: bool) -> None:
@@ -190,9 +195,15 @@ class PhaseTimer:
 
     def __init__(self, engine: Engine, device: str):
         self.ms = {"step": 0.0, "mtp": 0.0, "commit": 0.0}
-        r = engine.runner
-        for phase, name in (("step", "step"), ("mtp", "mtp_step"), ("commit", "commit_spec")):
+        self.runner = r = engine.runner
+        self.names = ("step", "mtp_step", "commit_spec")
+        for phase, name in zip(("step", "mtp", "commit"), self.names):
             setattr(r, name, self._wrap(getattr(r, name), phase, device))
+
+    def unwrap(self) -> None:
+        """Remove the timing wrappers (and their synchronisations)."""
+        for name in self.names:
+            vars(self.runner).pop(name, None)
 
     def _wrap(self, fn, phase: str, device: str):
         def timed(*a, **kw):
@@ -237,6 +248,9 @@ def spec_bench(model, tok, args) -> None:
             print(f"| {spec} | {b} | {ms:.2f} | {tokens:.2f} | {ms / tokens:.2f} | {per['step']:.2f} | "
                   f"{per['mtp']:.2f} | {per['commit']:.2f} | {ms - sum(per.values()):.2f} | "
                   f"{acc[1] / acc[0] if acc[0] else float('nan'):.2f} |", flush=True)
+            if args.profile:
+                timer.unwrap()
+                profile_decode(engine, b, args.prompt_len, tok.vocab_size, f"k={spec}")
 
 
 def main() -> None:
@@ -256,14 +270,12 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="+", metavar="N", help="time eager prefill steps of these "
                     "prompt lengths (a miss and a prefix hit each) instead of the decode steps")
     ap.add_argument("--profile", action="store_true", help="with --prefill-lens: torch.profiler's top 15 ops and the "
-                    "host waits of each prefill case; else: 16 profiled decode steps per mode and batch (device busy "
-                    "time and the top 20 kernels per step)")
+                    "host waits of each prefill case; else: 16 profiled decode (or speculative) steps per mode and "
+                    "batch (device busy time, the top 20 kernels and the top 15 host ops per step)")
     ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="time plain vs K MTP drafts at "
                     "each --batch (graphs on; needs a checkpoint with an MTP head, e.g. --ckpt runs/tiny/final): ms "
                     "per step, tokens per step and the step's phases (forward, MTP, commit, host)")
     args = ap.parse_args()
-    if args.profile and args.speculative_tokens:
-        ap.error("--profile profiles prefill (--prefill-lens) or plain decode steps, not --speculative-tokens")
     if args.prefill_lens and min(args.prefill_lens) < 1:
         ap.error(f"--prefill-lens must be positive token counts, got {args.prefill_lens}")
     cuda = args.device == "cuda"

@@ -38,7 +38,7 @@ from k3.kernels.conv import causal_conv1d
 from k3.kernels.dispatch import trusted_inputs
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
-from k3.kernels.mla import paged_mla_decode
+from k3.kernels.mla import paged_mla_decode, warm_up_paged_mla_decode
 from k3.model.kda import RECURRENT_MAX_TOKENS, KimiDeltaAttention
 from k3.model.mla import GatedMLA, apply_rope, rope_cos_sin
 from k3.model.transformer import K3Model
@@ -124,6 +124,10 @@ class ModelRunner:
         """Capture the decode (and verify / MTP draft) buckets of `batches` and the 64-token prefill chunks up to the
         largest of them now (engine warmup, before /health turns 200; None: k3.serve.graphs.COMMON_BATCHES); no-op
         when off."""
+        if self.graphs is not None and self.graphs.capture and self.pages.kv:  # MLA kernel variants of any tail length
+            c = self.cfg
+            warm_up_paged_mla_decode(self.pages.kv[0], c.mla_num_heads, c.kv_lora_rank, c.qk_rope_head_dim,
+                                     next(self.model.parameters()).dtype)
         for g in (self.graphs, self.verify_graphs, self.mtp_graphs, self.tail_graphs):
             if g is not None:
                 g.capture_common(*(() if batches is None else (tuple(batches),)))

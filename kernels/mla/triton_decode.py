@@ -35,13 +35,18 @@ BLOCK_KEYS = 64
 LAUNCH: dict[str, int] = {"split_keys": 0, "split_below": 32}
 
 
-@triton.jit
+# T (query tokens per sequence), min_key, G and KPS are runtime values, never specialised: a prefill tail after a
+# prefix hit brings T = 2..64 tokens, and a T baked into the kernel (or Triton's value-1 / multiple-of-16
+# specialisation) compiled a new kernel for each new tail length while the request waited, 1-5 s each on an H200
+# (2026-11-29, k3-tiny). Only BM (16, 32 or 64 query rows) still selects a compiled variant; `warm_up` compiles them.
+@triton.jit(do_not_specialize=["min_key", "G", "KPS", "T"])
 def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, ws_m, ws_l, ws_acc, scale, min_key, G, KPS,
-                      T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr,
+                      T, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr,
                       BM: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
                       SPLIT: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)  # key range [i_s * KPS, (i_s + 1) * KPS) with SPLIT, else all keys
+    T = T.to(tl.int64)
     scale = tl.full([], scale, tl.float32)  # fp64 when launched by inductor (torch.compile of the decode step)
     o_m = tl.arange(0, BM)
     m_row = o_m < T * H
@@ -151,3 +156,22 @@ def paged_mla_decode_triton(q_lat_NTHC: torch.Tensor, q_rope_NTHR: torch.Tensor,
         o_rows = num / torch.where(den > 0, den, 1.0)[..., None]
         o.copy_(o_rows[:, :T * H, :C].view(N, T, H, C))
     return o
+
+
+def warm_up(kv_pool_PSX: torch.Tensor, H: int, C: int, R: int, dtype: torch.dtype) -> None:
+    """Compile every query-row variant (BM = 16, 32, 64) of the kernel for H heads, latent C, rope R over this pool
+    now (a server's warm-up), so no request waits for a compile: T is a runtime value, BM = next_pow2(max(16, T * H))
+    the only shape-dependent choice. One launch per variant at N = 1 on the pool's first page (keys read, nothing
+    written to the pool). No-op where the Triton path does not apply (CPU tensors, float64, pages not a multiple of
+    64)."""
+    if kv_pool_PSX.device.type != "cuda" or dtype == torch.float64 or kv_pool_PSX.shape[1] % BLOCK_KEYS:
+        return
+    dev = kv_pool_PSX.device
+    for BM in (16, 32, 64):
+        T = BM // H if BM >= H else 0  # the largest T with next_pow2(max(16, T * H)) == BM
+        if T < 1 or max(16, triton.next_power_of_2(T * H)) != BM:
+            continue
+        q = torch.zeros(1, T, H, C, dtype=dtype, device=dev)
+        qr = torch.zeros(1, T, H, R, dtype=dtype, device=dev)
+        pos = torch.arange(T, device=dev)[None]
+        paged_mla_decode_triton(q, qr, kv_pool_PSX, torch.zeros(1, 1, dtype=torch.long, device=dev), pos, scale=1.0)

@@ -96,3 +96,23 @@ def test_bad_shapes_are_clear_errors():
         paged_mla_decode_torch(q, qr, pool[..., :40], bt, pos, scale=1.0)
     with pytest.raises(ValueError, match="qpos must be an integer"):
         paged_mla_decode_torch(q, qr, pool, bt, pos.float(), scale=1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton (compiled kernels)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warm_up_compiles_every_query_length(dtype):
+    """After warm_up, calls with any query count T (a prefill tail after a prefix hit brings 2..64 tokens) compile
+    nothing new: T is a runtime value, BM (16 / 32 / 64 query rows) the only variant, and warm_up compiled each. A
+    compile while serving stalled the request 1-5 s on an H200. Counted in Triton's per-device kernel cache."""
+    from k3.kernels.mla import triton_decode
+
+    H, C, R, PS = 6, 32, 16, 64
+    _, _, pool, _, _ = make(1, 1, H, C, R, PS, [70], dtype)
+    triton_decode.warm_up(pool, H, C, R, dtype)
+    cache = triton_decode._paged_mla_kernel.device_caches[torch.cuda.current_device()][0]
+    n = len(cache)
+    for T in range(1, 64 // H + 1):
+        q, qr, pool_T, bt, pos = make(2, T, H, C, R, PS, [70, 2 * T + 5], dtype, seed=T)
+        triton_decode.paged_mla_decode_triton(q, qr, pool_T, bt, pos, scale=0.1, min_key=T % 2)
+    assert len(cache) == n, f"{len(cache) - n} kernel(s) compiled after warm_up"
