@@ -131,6 +131,10 @@ class ModelRunner:
         for g in (self.graphs, self.verify_graphs, self.mtp_graphs, self.tail_graphs):
             if g is not None:
                 g.capture_common(*(() if batches is None else (tuple(batches),)))
+        if self.verify_graphs is not None and self.verify_graphs.capture:  # the one-sync step's post-verify graphs
+            from .spec_fused import capture_post_graphs  # spec_fused imports this module's helpers
+
+            capture_post_graphs(self, batches)
 
     # ---------------------------------------------------------------------------------------------------- step
 

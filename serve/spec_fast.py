@@ -31,6 +31,11 @@ the acceptance (num_drafts(k, ...) == k for kept = T, the worst case); the verif
 (k3.serve.spec_graphs) serve the shapes. Every other step takes the host path unchanged. Engine.spec_fast = False
 turns this path off (tests compare both).
 
+Steps 2-6 run as one function of static buffers (k3.serve.spec_fused, one CUDA graph per shape, captured at warm-up
+or on first use): a step is then the host inputs copied in, the verify replay, the post replay and the read. Without
+a post function for the shape (graph cap, failed capture, or `engine.spec_fused = False`) `_device_step` issues
+them one by one as below.
+
 Padded batch rows b >= B repeat row 0 in every device-written field, as the host layouts of spec_graphs do.
 
 Legend: B sequences, Bb batch bucket, k drafts, T = k + 1 verify tokens, P = k + 2 MTP pairs per row, D width,
@@ -107,7 +112,8 @@ def fast_spec_step(engine, batch, n_tok: int) -> bool:
     vg, mg, k = r.verify_graphs, r.mtp_graphs, engine.drafter.k
     T, P, B = k + 1, k + 2, len(batch)
     seqs = [st for _, st, _ in batch]
-    if vg.buffers_for(seqs, T) is None:
+    vbuf = vg.buffers_for(seqs, T)
+    if vbuf is None:
         return False
     for seq, st, _ in batch:  # draft slots up to start + 2k (kept = T); inside the current page (eligible)
         engine._grow(seq, st.start + 2 * k + 1)
@@ -120,12 +126,23 @@ def fast_spec_step(engine, batch, n_tok: int) -> bool:
     dbuf = mg.buffers_for(singles, 1) if k > 1 else None
     if cbuf is None or (k > 1 and dbuf is None):
         return False
+    pb = None
+    if getattr(engine, "spec_fused", True):  # steps 2-6 as one function (one graph): k3.serve.spec_fused
+        from .spec_fused import fused_device_step, post_graphs  # spec_fused imports this module's helpers
+
+        pb = post_graphs(r).buffers(vbuf, cbuf, dbuf)  # before the verify replay (a capture fills inert inputs)
     with engine._threads(n_tok):
-        vals, h_next = _device_step(engine, batch, cbuf, dbuf, pairs, singles)
+        if pb is not None:
+            vals_t, h_pad = fused_device_step(engine, batch, pb, pairs, singles)
+            Bm, h_next = pb.cbuf.Bb, h_pad[:B].clone()  # static outputs: the next replay overwrites them
+            vals = vals_t.tolist()  # 7. the one host read
+        else:
+            (vals, h_next), Bm = _device_step(engine, batch, cbuf, dbuf, pairs, singles), B
     now = time.monotonic()
     if engine.record_metrics:
         engine.metrics.observe("k3:iteration_tokens_total", n_tok)
-    targets, kept, drafts = vals[:B * T], vals[B * T:B * T + B], vals[B * T + B:]
+    # the read's layout: a [Bm, T], kept [Bm], drafts [Bm, k]; rows >= B are padding
+    targets, kept, drafts = vals[:B * T], vals[Bm * T:Bm * T + B], vals[Bm * (T + 1):Bm * (T + 1) + B * k]
     r._last[0].kept = kept  # committed on the device: the runner's record of the step, now with the real lengths
     emitted = []
     for n, (seq, st, _) in enumerate(batch):

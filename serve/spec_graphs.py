@@ -134,6 +134,7 @@ class VerifyGraphs(StaticGraphs):
         """Arguments as graphs.DecodeGraphs; the runner's state pool must hold speculative scratch states."""
         super().__init__(runner, self.verify_forward, max_pages, capture, max_graphs, compile, budget)
         self.spec_tokens = runner.states.spec_tokens
+        self.post = None  # k3.serve.spec_fused.PostVerifyGraphs (the one-sync step's post-verify graphs), on first use
         if self.spec_tokens < 1:
             raise ValueError("verify graphs need a state pool with speculative scratch states (spec_tokens >= 1)")
 
@@ -156,13 +157,10 @@ class VerifyGraphs(StaticGraphs):
         buf = self.buffers_for(seqs, T)
         if buf is None:
             return None
-        outs = self._launch(buf, self._host_inputs(seqs, buf))
+        outs = self.launch(seqs, buf)
         logits, hidden_pad = outs[0][:B * T], outs[1]  # [B * T, V_], [Bb * T, D] padded layout (row n at n * T)
         if self.capture:
             logits = logits.clone()  # the static outputs get overwritten by the next replay
-        buf.pre = outs[2:]
-        pre = {li: [(outs[2 + 6 * li + 2 * c], outs[3 + 6 * li + 2 * c]) for c in range(3)]
-               for li in range(len(self.runner.states.state))}
         cu = [0]
         for L in lens:
             cu.append(cu[-1] + L)
@@ -170,8 +168,22 @@ class VerifyGraphs(StaticGraphs):
         out = StepOutput(logits=[logits[n * T:n * T + L] for n, L in enumerate(lens)],
                          hidden_last=hidden_pad.index_select(0, buf.last_rows[:B]),
                          hidden=hidden_pad.index_select(0, buf.real_rows[:cu[-1]]), cu=cu)
-        # commit_spec reads the padded layout before the next step (as buf.pre): offsets n * T, the static hidden
-        return out, (VerifyBatch(seqs, list(range(0, B * T + 1, T)), buf, [None] * B), hidden_pad, pre)
+        return out, self.last_context(seqs, buf, outs)
+
+    def launch(self, seqs: list[StepSeq], buf: VerifyBuffers) -> tuple[torch.Tensor, ...]:
+        """The verify forward of `seqs` on the shape `buf` (from buffers_for): host inputs copied in, graph replayed
+        (or the function run eagerly); sets buf.pre. Returns verify_forward's outputs (static when captured)."""
+        outs = self._launch(buf, self._host_inputs(seqs, buf))
+        buf.pre = outs[2:]
+        return outs
+
+    def last_context(self, seqs: list[StepSeq], buf: VerifyBuffers, outs: tuple[torch.Tensor, ...]) -> tuple:
+        """The runner's `_last` after a verify forward of `seqs` on `buf` (outputs `outs`): commit_spec reads the
+        padded layout before the next step (as buf.pre): offsets n * T, the padded hidden, the pre-conv inputs."""
+        B, T = len(seqs), buf.T
+        pre = {li: [(outs[2 + 6 * li + 2 * c], outs[3 + 6 * li + 2 * c]) for c in range(3)]
+               for li in range(len(self.runner.states.state))}
+        return VerifyBatch(seqs, list(range(0, B * T + 1, T)), buf, [None] * B), outs[1], pre
 
     @torch.no_grad()
     def commit(self, batch: VerifyBatch, prepare=None) -> None:

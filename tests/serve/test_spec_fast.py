@@ -139,16 +139,22 @@ def test_fast_path_greedy_equals_host_path_and_plain(model_tok, fast_log, prefix
     assert not any(t for e, t, *_ in fast_log if e is not fast)  # switched off / no speculation: never
 
 
-def test_fast_step_matches_host_step_state(model_tok, fast_log):
-    """Two engines (one-sync path on / off) driven in lockstep, k = 3, batch 3 (one prompt crossing 64): after every
-    step the sequences' outputs, committed lengths, drafts and carried hidden agree, and so do their working KDA
-    states and conv tails, the main latents of positions < num_computed and the MTP latents of slots
-    1..num_computed (all true pairs) and of the draft chain after them."""
-    prompts = _prompts([40, 9, 70], seed=3)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 40)]
-    engs = [_engine(model_tok, 3, enable_prefix_caching=False), _engine(model_tok, 3, fast=False,
-                                                                         enable_prefix_caching=False)]
-    outs = [{i: [] for i in range(3)} for _ in engs]
+@pytest.mark.parametrize("lens", [(40,), (40, 9, 70)], ids=["batch1", "batch3-bucket4"])
+def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
+    """Three engines in lockstep, k = 3: the post-verify function (k3.serve.spec_fused, run eagerly on its static
+    buffers), the one-by-one device path (spec_fused = False) and the host path (spec_fast = False); batch 1, and
+    batch 3 in bucket 4 (a padded row; one prompt crossing 64). After every step: the fused and one-by-one paths
+    agree exactly (tokens, committed lengths, drafts, carried hidden, and every pool bit for bit: KDA states and
+    scratch states, conv tails, main and MTP latent pages); against the host path the sequences' outputs,
+    committed lengths, drafts and carried hidden agree, and so do their working KDA states and conv tails, the main
+    latents of positions < num_computed and the MTP latents of slots 1..num_computed (all true pairs) and of the
+    draft chain after them."""
+    prompts = _prompts(list(lens), seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 40)[:len(lens)]]
+    engs = [_engine(model_tok, 3, enable_prefix_caching=False) for _ in range(2)]
+    engs.append(_engine(model_tok, 3, fast=False, enable_prefix_caching=False))
+    engs[1].spec_fused = False
+    outs = [{i: [] for i in range(len(lens))} for _ in engs]
     for e, o in zip(engs, outs):
         _submit(e, prompts, params, o)
     checked = 0
@@ -156,13 +162,114 @@ def test_fast_step_matches_host_step_state(model_tok, fast_log):
         n = len(fast_log)
         for e in engs:
             e.step()
-        assert outs[0] == outs[1]
-        ran = any(t for e, t, *_ in fast_log[n:] if e is engs[0])
-        checked += ran
-        _compare_running(*engs, tol=1e-5)
-    assert not engs[1].has_work() and checked >= 6
+        assert outs[0] == outs[1] == outs[2]
+        ran = [any(t for e, t, *_ in fast_log[n:] if e is eng) for eng in engs[:2]]
+        assert ran[0] == ran[1]
+        checked += ran[0]
+        _compare_running(engs[0], engs[1], tol=0)
+        for x, y in zip(caches.pools(engs[0]), caches.pools(engs[1])):
+            assert torch.equal(x, y)
+        _compare_running(engs[0], engs[2], tol=1e-5)
+    assert not engs[2].has_work() and checked >= 6
+    post = engs[0].runner.verify_graphs.post
+    assert post.calls == checked and engs[1].runner.verify_graphs.post is None  # each engine took its own path
+    assert (1 if len(lens) == 1 else 4) in {key[3] for key in post.shapes}  # bucket 4: a padded row
     for name in METRICS:
-        assert engs[0].metrics.get(name) == engs[1].metrics.get(name)
+        assert engs[0].metrics.get(name) == engs[1].metrics.get(name) == engs[2].metrics.get(name)
+
+
+def _restore(eng, pools) -> None:
+    """Write a caches.pools snapshot back into the engine's pools (in place)."""
+    live = list(eng.states.state) + [t for tails in eng.states.tails for t in tails] + list(eng.pages.kv)
+    for dst, src in zip(live, pools):
+        dst.copy_(src)
+
+
+def test_post_verify_inert_run_changes_no_pool(model_tok, caches):
+    """Mid-serving (batch 3 in bucket 4, k = 3; slot 0 live, scratch states and latents in the pools), an inert run
+    of the post-verify function (fill_inert, then post_forward: the warm-up runs before a capture) leaves every pool
+    bit-identical, for the last verify step's outputs and for logits whose argmax accepts 1, 2 or 3 of the inert
+    tokens' drafts (kept = 2..T: the commit's source would be each scratch state, and the draft positions reach
+    their largest); the engine then goes on and still matches plain greedy decoding."""
+    prompts = _prompts([40, 9, 70], seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
+    eng = _engine(model_tok, 3, enable_prefix_caching=False)
+    out = {i: [] for i in range(3)}
+    _submit(eng, prompts, params, out)
+    pg = None
+    while pg is None or pg.calls < 3:
+        eng.step()
+        pg = eng.runner.verify_graphs.post
+    (pb,) = pg.shapes.values()
+    assert pb.cbuf.Bb == 4 and pb.vbuf.commit.rows.tolist() == [0, 1, 2, 0] and 0 in {s.slot for s in eng.running}
+    logits, hidden = pb.logits, pb.hidden
+    Bv, T = pb.vbuf.Bb, pb.vbuf.T
+    variants = [(logits, None)]
+    for kept in (2, 3, 4):  # inert tokens are 0: argmax 0 at positions < kept - 1 accepts, then 1 rejects
+        x = torch.zeros_like(logits).view(Bv, T, -1)
+        x[:, :kept - 1, 0] = 1
+        x[:, kept - 1:, 1] = 1
+        variants.append((x.view_as(logits), kept))
+    for x, kept in variants:
+        before = caches.pools(eng)
+        pg.fill_inert(pb)
+        pb.logits, pb.hidden = x, hidden
+        ints, _ = pg.post_forward(pb)
+        if kept is not None:
+            assert ints[4 * T:4 * T + 4].tolist() == [kept] * 4
+        for y, z in zip(before, caches.pools(eng)):
+            assert torch.equal(y, z)
+    while eng.has_work():
+        eng.step()
+    assert out == _serve(_engine(model_tok, 0), prompts, params, stagger=False)
+
+
+def test_padded_rows_verify_outputs_reach_nothing(model_tok, caches, monkeypatch):
+    """Batch 3 in bucket 4, k = 3. A padded verify row starts from a zero KDA state, so its logits and hidden may
+    differ from row 0's; the post-verify function gathers every per-row value through the commit's `rows`. Each
+    fused step runs twice from the same pools: once with the padded row's verify logits and hidden replaced by
+    noise, once as is: the real rows' tokens, accepted lengths, drafts and next hidden, and every pool, are equal;
+    the padded row's outputs repeat row 0's."""
+    from k3.serve.spec_fused import PostVerifyGraphs
+
+    orig, seen = PostVerifyGraphs.post_forward, []
+    g = torch.Generator().manual_seed(0)
+
+    def twice(self, pb):
+        B = int(pb.vbuf.commit.rows.max()) + 1  # rows = [0 .. B-1, 0, ...]
+        if B == pb.vbuf.Bb:
+            return orig(self, pb)
+        T = pb.vbuf.T
+        before, clean = caches.pools(self.runner), (pb.logits, pb.hidden)
+        pb.logits, pb.hidden = (t.clone() for t in clean)
+        pb.logits[B * T:] = torch.randn(pb.logits[B * T:].shape, generator=g) * 10
+        pb.hidden[B * T:] = torch.randn(pb.hidden[B * T:].shape, generator=g)
+        noisy = [t.clone() for t in orig(self, pb)] + caches.pools(self.runner)
+        _restore(self.runner, before)
+        pb.logits, pb.hidden = clean
+        ints, h_next = out = orig(self, pb)
+        Bm, k = pb.cbuf.Bb, T - 1
+
+        def parts(v):  # the read's layout: a [Bm, T], kept [Bm], drafts [Bm, k]
+            return v[:Bm * T].view(Bm, T), v[Bm * T:Bm * (T + 1)], v[Bm * (T + 1):].view(Bm, k)
+
+        for got, ref in zip(parts(noisy[0]) + (noisy[1],), parts(ints) + (h_next,)):
+            assert torch.equal(got[:B], ref[:B]) and torch.equal(ref[B:], ref[:1].expand_as(ref[B:]))
+        for y, z in zip(noisy[2:], caches.pools(self.runner)):
+            assert torch.equal(y, z)
+        seen.append(B)
+        return out
+
+    monkeypatch.setattr(PostVerifyGraphs, "post_forward", twice)
+    eng = _engine(model_tok, 3, enable_prefix_caching=False)
+    out = {i: [] for i in range(3)}
+    prompts, params = _prompts([40, 9, 70], seed=6), [SamplingParams(temperature=0, max_tokens=24,
+                                                                    ignore_eos=True)] * 3
+    _submit(eng, prompts, params, out)
+    while eng.has_work():
+        eng.step()
+    assert seen.count(3) >= 3
+    assert out == _serve(_engine(model_tok, 0), prompts, params, stagger=False)
 
 
 def _compare_running(fast, host, tol):
@@ -211,6 +318,7 @@ def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch, spy_rea
     host = [w for took, w in per_step if not took]
     assert len(fast) >= 3 and host, per_step
     assert all(w == {("serve/spec_fast.py", "tolist"): 1} for w in fast), fast
+    assert eng.runner.verify_graphs.post.calls == len(fast)  # those were post-verify function steps
     assert max(sum(w.values()) for w in host) == 4, host
 
 
@@ -240,21 +348,29 @@ def test_steps_that_do_not_qualify_take_the_host_path(model_tok, fast_log):
 
 @pytest.mark.cuda
 def test_cuda_fast_path_with_captured_graphs_equals_plain(model_tok, fast_log):
-    """On CUDA with captured graphs (verify, its commit, MTP catch-up and draft calls replayed, device-written
-    inputs copied in before each replay): greedy output of the one-sync path == host path == plain greedy."""
+    """On CUDA with captured graphs: the one-sync path with its post-verify graphs (k3.serve.spec_fused: the
+    verify replay, then one post replay; the batch-1 and batch-4 post graphs captured at warm-up by
+    ModelRunner.capture_decode_graphs, others on first use), the one-sync path without them (commit, MTP catch-up
+    and draft graphs replayed one by one) and the host path: greedy output == plain greedy, batch 1 then 3."""
     model, tok = model_tok
     cuda_model = copy.deepcopy(model).to("cuda")
     cfg = {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": 256, "max_model_len": MAX_LEN, "warmup": False}
     plain = Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=0, **cfg))
-    fast = Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=2, **cfg))
-    host = Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=2, **cfg))
-    host.spec_fast = False
+    fused, fast, host = (Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=2, **cfg)) for _ in range(3))
+    fast.spec_fused, host.spec_fast = False, False
+    fused.runner.capture_decode_graphs([1, 4])
+    pg = fused.runner.verify_graphs.post
+    assert {key[0] for key in pg.shapes} == {1, 4} and all(b.graph is not None for b in pg.shapes.values())
     prompts = _prompts([58, 5, 120], seed=1)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 20)]
-    ref = _serve(plain, prompts, params)
-    assert _serve(fast, prompts, params) == _serve(host, prompts, params) == ref
-    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5
+    for n in (1, 3):
+        ref = _serve(plain, prompts[:n], params[:n])
+        assert _serve(fused, prompts[:n], params[:n]) == _serve(fast, prompts[:n], params[:n]) == ref
+        assert _serve(host, prompts[:n], params[:n]) == ref
+    assert sum(t for e, t, *_ in fast_log if e is fused) == pg.calls >= 5
+    assert all(b.graph is not None for b in pg.shapes.values())
     vg, mg = fast.runner.verify_graphs, fast.runner.mtp_graphs
+    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5 and vg.post is None
     assert all(b.graph is not None for b in vg.shapes.values()) and all(b.commit.graph is not None
                                                                           for b in vg.shapes.values())
     assert all(b.graph is not None for b in mg.shapes.values())
