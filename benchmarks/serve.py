@@ -371,8 +371,8 @@ def main() -> None:
                     "give the batch sizes the rows run at")
     ap.add_argument("--subprocess", action="store_true", help="run `k3 serve` as its own process (as deployed) "
                     "instead of in this process")
-    ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = the "
-                    "checkpoint's dtype on a GPU, float32 on the CPU)")
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = "
+                    "bfloat16 on a GPU, float16 for a float16 checkpoint, float32 on the CPU: k3 serve's policy)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency level (default 2 x concurrency)")
     ap.add_argument("--input-len", type=int, default=128)

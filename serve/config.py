@@ -17,7 +17,8 @@ class ServeConfig:
     max_concurrent_per_key: int = 0  # in-flight generation requests per API key (0 = no limit); beyond it 429
     served_model_name: str = ""  # model id in /v1/models and requests; "" = the checkpoint directory's name
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (checkpoint dtype on GPU, float32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bfloat16 on a GPU, float16 for a float16 checkpoint; float32 on a CPU) | float32 |
+    #                      bfloat16 | float16 (serving.md 2.5: bf16 by default)
     max_model_len: int = 0  # context limit (prompt + output); 0 = 2048
     max_num_seqs: int = 16  # running sequences at once (KDA state slots)
     max_num_batched_tokens: int = 0  # token budget per engine step (decodes + prefill chunks); 0 = 256 on a CPU, 2048

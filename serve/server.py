@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import hmac
+import json
 import logging
 import sys
 import threading
@@ -280,6 +281,23 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def serve_dtype(requested: str, device: str, ckpt: str) -> str:
+    """The dtype `k3 serve` holds the weights in: an explicit --dtype as given; "auto" = float32 on the CPU (bf16
+    matmuls are slow there) and bfloat16 on a GPU (serving.md 2.5, "Weights: bf16 by default"; vLLM's "auto" also
+    serves float32 checkpoints in half precision), except that a float16 checkpoint stays float16. The checkpoint's
+    dtype is config.json's torch_dtype (float32 when absent). Example: serve_dtype("auto", "cuda", d) -> "bfloat16"
+    for a float32 release d."""
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return "float32"
+    try:
+        saved = json.loads((Path(ckpt) / "config.json").read_text()).get("torch_dtype", "float32")
+    except (OSError, ValueError):
+        saved = "float32"  # load_model reports a missing or corrupt config.json with its own message
+    return "float16" if saved == "float16" else "bfloat16"
+
+
 def load_state(cfg: ServeConfig, state: ServerState) -> None:
     """Load the checkpoint, build and warm the engine, start its thread; errors land in state.load_error."""
     import torch
@@ -292,7 +310,7 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
         dev = cfg.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = None if cfg.dtype == "auto" and dev != "cpu" else ("float32" if cfg.dtype == "auto" else cfg.dtype)
+        dtype = serve_dtype(cfg.dtype, dev, cfg.ckpt)
         log.info("loading %s on %s", cfg.ckpt, dev)
         model, _ = load_model(cfg.ckpt, device=dev, dtype=dtype)
         tok = K3Tokenizer.from_file(cfg.ckpt)

@@ -29,7 +29,8 @@ def serve(
     served_model_name: str = typer.Option("", "--served-model-name", help="model id (default: directory name)"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="disable prefix caching"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16; auto = bfloat16 on a "
+                              "GPU (float16 for a float16 checkpoint), float32 on the CPU"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens", min=0, max=16,
                                            help="MTP draft tokens per step for greedy requests (0 = off)"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",

@@ -74,3 +74,18 @@ def test_bf16_compute_on_cpu_tracks_fp32(model_tok, ckpt, tmp_path):
     lp = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)  # [12, V]
     gap = lp.max(-1).values - lp.gather(1, torch.tensor(out)[:, None])[:, 0]
     assert gap.max().item() < 0.25, f"bf16 picked tokens {gap.tolist()} nats below the fp32 best"
+
+
+def test_serve_dtype_policy(tmp_path):
+    """`k3 serve --dtype auto`: float32 on the CPU, bfloat16 on a GPU (serving.md 2.5: bf16 by default) unless the
+    checkpoint is float16; an explicit dtype is kept. Read from config.json's torch_dtype."""
+    from k3.serve.server import serve_dtype
+
+    for saved, gpu in (("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float16", "float16"), (None, "bfloat16")):
+        d = tmp_path / str(saved)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({} if saved is None else {"torch_dtype": saved}))
+        assert serve_dtype("auto", "cuda", str(d)) == gpu, saved
+        assert serve_dtype("auto", "cpu", str(d)) == "float32"
+        assert serve_dtype("float32", "cuda", str(d)) == "float32"
+    assert serve_dtype("auto", "cuda", str(tmp_path / "missing")) == "bfloat16"  # load_model reports it
