@@ -38,9 +38,9 @@ from .runner import ModelRunner, StepSeq
 from .sampling import apply_penalties, greedy_picks, sample, token_probs
 from .spec_fast import fast_spec_step
 from .speculative import MTPDrafter, SpecState, verify_tokens
+from .tail_graphs import GRAPH_PREFILL_MAX_TOKENS, prefill_chunk  # graph prefill: 64-token chunks, then powers of two
 
 DEFAULT_MAX_MODEL_LEN = 2048
-GRAPH_PREFILL_MAX_TOKENS = 512  # with CUDA graphs, prompts (or rests) up to this length prefill in 64-token graph steps
 
 
 class QueueFull(RuntimeError):
@@ -420,7 +420,7 @@ class Engine:
                 rem = len(seq.prompt) - start
                 take = rem if rem <= budget else (budget // bs) * bs
                 if self.runner.graph_prefill and rem <= GRAPH_PREFILL_MAX_TOKENS and seq.params.prompt_logprobs is None:
-                    take = min(take, bs)  # block-sized chunks replay the tail graphs (prompt logprobs: eager anyway)
+                    take = prefill_chunk(take, bs)  # warmed graph lengths; never across a block (prompt logprobs: eager)
                 if take <= 0:
                     continue
                 tokens = seq.prompt[start:start + take]

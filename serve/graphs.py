@@ -65,7 +65,15 @@ from .runner import (
 
 log = logging.getLogger("k3.serve")
 
-MAX_GRAPHS = 64  # captured graphs at most, decode + verify + MTP together (they share one memory pool); beyond: eager
+# Captured graphs at most, decode + prefill chunks + verify + MTP + post-verify together (one memory pool); beyond:
+# eager. The default warm-up (batches 1, 8, 32) alone captures 6 decode + 36 prefill-chunk (6 buckets x 6 lengths,
+# k3.serve.tail_graphs) graphs, with k speculative tokens 3 verify + 3 (k + 2) MTP + 3 post-verify more: 60 at k = 2,
+# 66 at k = 4, so 64 left no room for the shapes met while serving (other buckets, page buckets, draft counts).
+# Memory: each graph keeps its static outputs (activations share the pool); for k3-small the 36 chunk graphs hold
+# logits [Bb, 32768] fp32 + hidden [Bb * Tn, 768] bf16 = sum over Bb of 6 x Bb x 128 KiB + Bb x 126 x 1.5 KiB
+# ~= 59 MiB (at most ~7 MiB for one, Bb 32 x Tn 64); any graph's logits cost 128 KiB per row (a verify graph of
+# 32 x 3 rows: 12 MiB), so even 128 graphs stay near 1 GiB at worst of an H200's 141 GB.
+MAX_GRAPHS = 128
 COMMON_BATCHES = (1, 8, 32)  # capture_common's default batches (the engine passes ServeConfig.cuda_graph_batches)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, Triton compilation, MoE probe)
 _FIELDS = ("tokens", "kda_slots", "tail_slots", "src_rows", "live", "positions", "slot_mapping")

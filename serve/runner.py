@@ -88,7 +88,7 @@ class ModelRunner:
         self.graphs = None  # k3.serve.graphs.DecodeGraphs when the decode fast path is on
         self.verify_graphs = None  # k3.serve.spec_graphs.VerifyGraphs / MTPGraphs: the speculative fast path
         self.mtp_graphs = None
-        self.tail_graphs = None  # k3.serve.tail_graphs.TailGraphs: equal-length prefill tails (2..64 tokens)
+        self.tail_graphs = None  # k3.serve.tail_graphs.TailGraphs: prefill chunks of 2..64 tokens, one call per length
         self.split_mixed_steps = False  # split decode + prefill steps without capture too (CPU tests of the split)
         if serve_cfg is not None and serve_cfg.cuda_graphs and self.device.type == "cuda":
             self.enable_decode_graphs(max_pages, capture=True, compile=serve_cfg.compile_decode)
@@ -189,24 +189,36 @@ class ModelRunner:
         return self.tail_graphs is not None and (self.tail_graphs.capture or self.split_mixed_steps)
 
     def _split_step(self, seqs: list[StepSeq]) -> StepOutput | None:
-        """A step that mixes plain decodes with prefill chunks (a request joining running ones), run as two: the
-        decodes through the decode graphs, the chunks through the tail graphs when they qualify, else eagerly.
-        Sequences are independent (own slots and pages; shared prefix pages are only read), so the split changes no
-        value, and the running streams keep their graph step instead of waiting for an eager whole-batch forward
-        (on a GPU ~70 ms of host work for k3-small). None when the graphs are off, a verify is in the step or the
-        step is not such a mix."""
+        """A step run as several graph calls: the plain decodes through the decode graphs, then the prefill chunks,
+        one tail-graph call per chunk length when every chunk is a plain one the tail graphs take (requests of
+        different prompt lengths, or one joining running ones), else all chunks in one call (the tail graphs or
+        eager). Outputs come back in the step's order. Sequences are independent (own slots and pages; shared prefix
+        pages are only read), so the split changes no value, and the running streams keep their graph step instead
+        of waiting for an eager whole-batch forward (on a GPU ~70 ms of host work for k3-small). None (one forward)
+        when the graphs are off, a verify is in the step or the step has only one such part."""
         if not self.graph_prefill or any(s.spec for s in seqs):
             return None
-        dec = [i for i, s in enumerate(seqs) if len(s.tokens) == 1 and s.logits == "last"]
+        dec = [i for i, s in enumerate(seqs) if len(s.tokens) == 1 and s.logits == "last"]  # one-token prompt ends too
         rest = sorted(set(range(len(seqs))) - set(dec))
-        if not dec or not rest or not self.graphs.accepts([seqs[i] for i in dec]):
+        parts = [dec] if dec else []
+        if all(self.tail_graphs.accepts([seqs[i]]) for i in rest):  # plain chunks of 2..64 tokens: group by length
+            by_len: dict[int, list[int]] = {}
+            for i in rest:
+                by_len.setdefault(len(seqs[i].tokens), []).append(i)
+            parts += by_len.values()
+        elif rest:
+            parts.append(rest)
+        if len(parts) < 2 or (dec and not self.graphs.accepts([seqs[i] for i in dec])):
             return None
-        out_d = self.graphs.step([seqs[i] for i in dec])
-        if out_d is None:
-            return None
-        out_r = self.step([seqs[i] for i in rest])  # tail graphs or eager; never splits again (no decodes)
+        outs = []
+        for part in parts:  # the decodes first: when their shape must run eagerly, nothing has run yet
+            sub = [seqs[i] for i in part]
+            out = self.graphs.step(sub) if part is dec else self.step(sub)  # a group never splits again
+            if out is None:
+                return None
+            outs.append(out)
         self._last = None
-        order = {i: (out_d, n) for n, i in enumerate(dec)} | {i: (out_r, n) for n, i in enumerate(rest)}
+        order = {i: (out, n) for part, out in zip(parts, outs) for n, i in enumerate(part)}
         rows, logits, lasts, cu = [], [], [], [0]
         for i in range(len(seqs)):
             out, n = order[i]

@@ -1,6 +1,6 @@
-"""Prefill-tail fast path: the step that computes a prompt's last few tokens after a prefix-cache hit, as a
-fixed-shape function of static buffers replayed from CUDA graphs like the plain decode steps of k3.serve.graphs
-(serving.md 2.3 "recompute only the tail" and 2.5; issue 5).
+"""Prefill-tail fast path: a step of prompt chunks of 2..64 tokens (the tail after a prefix-cache hit, and with CUDA
+graphs every prompt of at most 512 tokens) as a fixed-shape function of static buffers replayed from CUDA graphs like
+the plain decode steps of k3.serve.graphs (serving.md 2.3 "recompute only the tail" and 2.5; issue 5).
 
 Why. After a hit the engine still prefills 1..64 prompt tokens (KDA states are restored at 64-token block
 boundaries and at least one prompt token is always computed, Engine._lookup_prefix). One token is a plain decode
@@ -8,13 +8,20 @@ boundaries and at least one prompt token is always computed, Engine._lookup_pref
 of small kernel launches), so the hit's time to first token was almost all that one step.
 
 A step qualifies when every sequence brings the same Tn new tokens, 2 <= Tn <= RECURRENT_MAX_TOKENS (64), with
-"last" logits, no speculative verify and no snapshot to write (`TailGraphs.accepts`); any other step, a tail joined
-by running decodes included, runs the eager path. Shape (Bb, Tn, Gb): Bb the batch bucket and Gb the page bucket
-as in DecodeGraphs; Tn is exact, never padded: an extra token in a row would move its final KDA state and conv tail
-past the prompt. Tn ranges over 63 values, so shapes are captured lazily on first use (the warm-up captures only the
-full 64-token chunks of short prompts, `capture_common`), never compiled (a tail must not wait for a compile), under
-the runner's shared graph cap and at most MAX_TAIL_GRAPHS of them (varied prompt lengths would otherwise fill the
-shared cap and leave decode, verify and MTP shapes first met later eager for good); a shape over either cap or whose capture failed runs eagerly (StaticGraphs).
+"last" or "none" logits, no speculative verify and no snapshot inside its chunk (`TailGraphs.accepts`). Shape
+(Bb, Tn, Gb): Bb the batch bucket and Gb the page bucket as in DecodeGraphs; Tn is exact, never padded: an extra
+token in a row would move its final KDA state and conv tail past the prompt.
+
+Which lengths. With graph prefill on, the engine cuts a prompt (or the rest after a hit) of at most
+GRAPH_PREFILL_MAX_TOKENS into 64-token chunks and the remainder into powers of two, largest first (`prefill_chunk`:
+29 = 16 + 8 + 4 + 1, the last token a decode-shaped step), so only Tn in CHUNK_LENGTHS = 2, 4, ..., 64 reach this
+path: the warm-up captures all six for every batch bucket (`capture_common`), and no request waits for a capture
+(an exact remainder of 1..63 tokens was a capture of ~0.1 s on k3-tiny, and after 16 distinct lengths an eager
+step for good, ~70-140 ms of host work on k3-small). A step whose sequences bring different lengths runs one call
+per length (ModelRunner._split_step). Other lengths (graph prefill off: a hit's tail on the CPU tests' uncaptured
+path) are captured on first use, never compiled, at most MAX_TAIL_GRAPHS of them (they would otherwise fill the
+shared cap and leave decode, verify and MTP shapes first met later eager for good); a shape over either cap or
+whose capture failed runs eagerly (StaticGraphs).
 
 The function (`tail_forward`), Bb rows of Tn tokens packed as [1, Bb * Tn, D] (row b's token t at b * Tn + t), the
 same modules and arithmetic as the runner's eager equal-length step:
@@ -53,9 +60,26 @@ from .runner import ModelRunner, StepOutput, StepSeq, final_logits, kda_output, 
 
 log = logging.getLogger("k3.serve")
 
-MAX_TAIL_GRAPHS = 16  # captured tail graphs at most (of the shared MAX_GRAPHS); other tail shapes run eagerly
+MAX_TAIL_GRAPHS = 16  # captured tail graphs of other than CHUNK_LENGTHS at most (of the shared MAX_GRAPHS); beyond: eager
+GRAPH_PREFILL_MAX_TOKENS = 512  # with graph prefill, prompts (or rests) up to this length prefill in graph chunks
+CHUNK_LENGTHS = tuple(1 << e for e in range(1, RECURRENT_MAX_TOKENS.bit_length()))  # 2, 4, ..., 64: the warm-up's
 _TOKEN_FIELDS = ("tokens", "positions", "slot_mapping", "src_tok", "live")  # [N] each
 _ROW_FIELDS = ("kda_slots", "tail_slots", "src_rows")  # [Bb] each
+
+
+def prefill_chunk(take: int, block: int) -> int:
+    """Tokens of a graph-prefill chunk (engine `_schedule`, graph prefill on, rest <= GRAPH_PREFILL_MAX_TOKENS) when
+    the scheduler could take `take` >= 0 prompt tokens: one `block` (64) at most, and under a block the largest power
+    of two <= take, so a remainder of 1..63 tokens comes in chunks of CHUNK_LENGTHS (and a last 1, decode-shaped),
+    whose graphs the warm-up captured. Examples: (200, 64) -> 64; (29, 64) -> 16, then (13, 64) -> 8, 4, 1; (0, 64) -> 0.
+
+    No chunk crosses a 64-token block boundary, so the prefix-cache snapshots (one at each boundary, written where a
+    chunk ends on it: prefill.ends_at_step_end) fall where they did with whole-remainder chunks: such a prefill
+    starts block-aligned (position 0, a hit's block boundary, or after earlier whole blocks), its full chunks end on
+    boundaries, and the remainder's chunks all lie inside its last, partial block."""
+    if take >= block:
+        return block
+    return 1 << (take.bit_length() - 1) if take > 0 else 0
 
 
 class TailBuffers(StaticBuffers):
@@ -118,27 +142,30 @@ class TailGraphs(StaticGraphs):
                           hidden=hidden, cu=list(range(0, B * Tn + 1, Tn)))
 
     def _buffers(self, *key: int) -> TailBuffers | None:
-        """StaticGraphs._buffers, but a new shape beyond max_tail_graphs captured tail graphs runs eagerly. Full
-        64-token chunks do not count against that cap (the engine prefills short prompts in them, one shape per
+        """StaticGraphs._buffers, but a new shape beyond max_tail_graphs captured tail graphs runs eagerly. Chunks of
+        CHUNK_LENGTHS do not count against that cap (the engine prefills short prompts in them, six lengths per
         batch bucket): if their shapes ran eagerly, a 512-token prompt would take 8 eager steps instead of 1."""
-        if self.capture and key not in self.shapes and key[1] != RECURRENT_MAX_TOKENS and (odd := sum(
-                1 for k, b in self.shapes.items() if k[1] != RECURRENT_MAX_TOKENS and not b.failed)) >= self.max_tail_graphs:
+        if self.capture and key not in self.shapes and key[1] not in CHUNK_LENGTHS and (odd := sum(
+                1 for k, b in self.shapes.items() if k[1] not in CHUNK_LENGTHS and not b.failed)) >= self.max_tail_graphs:
             # (counted only for a shape not met yet: a replay pays nothing for the cap)
             if not self._cap_logged:
-                log.warning("CUDA graphs: %d prefill-tail graphs of other than 64 tokens captured (their cap); other "
-                            "such shapes run eagerly", odd)
+                log.warning("CUDA graphs: %d prefill-tail graphs of lengths other than %s captured (their cap); other "
+                            "such shapes run eagerly", odd, CHUNK_LENGTHS)
                 self._cap_logged = True
             return None
         return super()._buffers(*key)
 
     def capture_common(self, batches=COMMON_BATCHES) -> None:
-        """Capture the full 64-token chunk shape of every batch bucket up to the largest of `batches` (warmup): the
-        engine prefills prompts of up to 512 tokens in such chunks, batched across the requests that arrive together,
-        so a burst of requests meets these shapes first, and a capture met while serving stalls every running
-        stream. Other tail lengths (63 values) are captured on first use (see the module docstring)."""
+        """Capture the chunk shapes (Bb, Tn, smallest page bucket) for every batch bucket Bb up to the largest of
+        `batches` and every Tn of CHUNK_LENGTHS, 64 first (warmup): the engine prefills prompts of up to 512 tokens
+        in such chunks (prefill_chunk), batched across the requests that arrive together, so a burst of requests
+        meets these shapes first, and a capture met while serving stalls every running stream. 6 buckets x 6
+        lengths = 36 graphs for the default batches (graphs.MAX_GRAPHS counts them). Other lengths are captured on
+        first use (see the module docstring)."""
         if self.capture:
             for Bb in warm_buckets(batches, self.max_seqs):
-                self._buffers(Bb, RECURRENT_MAX_TOKENS, self.page_bucket(1))
+                for Tn in reversed(CHUNK_LENGTHS):
+                    self._buffers(Bb, Tn, self.page_bucket(1))
 
     def new_buffers(self, Bb: int, Tn: int, Gb: int) -> TailBuffers:
         return TailBuffers(Bb, Tn, Gb, self.runner.device)

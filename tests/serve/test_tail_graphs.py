@@ -17,7 +17,7 @@ from k3.serve.engine import Engine
 from k3.serve.graphs import bucket
 from k3.serve.request import SamplingParams
 from k3.serve.runner import StepSeq
-from k3.serve.tail_graphs import MAX_TAIL_GRAPHS, TailBuffers
+from k3.serve.tail_graphs import CHUNK_LENGTHS, MAX_TAIL_GRAPHS, TailBuffers, prefill_chunk
 
 MAX_SEQS, MAX_LEN, PAGE = 8, 512, 64
 
@@ -192,10 +192,10 @@ def test_tail_forward_does_no_host_sync(model_tok, monkeypatch, forbid_host_sync
 
 def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
     """Tail shapes share the runner's graph budget, are never compiled (even with compile on); the warm-up captures
-    the full 64-token chunk of every batch bucket up to the largest configured batch and nothing else; beyond
-    MAX_TAIL_GRAPHS captured tails of other than 64 tokens (or the shared cap) a new shape runs eagerly while the
-    captured ones keep replaying; full 64-token chunks stay outside the tail cap. Captures are recorded instead of
-    run (no GPU here)."""
+    the chunk lengths 64, 32, 16, 8, 4, 2 of every batch bucket up to the largest configured batch and nothing else;
+    beyond MAX_TAIL_GRAPHS captured tails of other lengths (or the shared cap) a new shape runs eagerly while the
+    captured ones keep replaying; the chunk lengths stay outside the tail cap. Captures are recorded instead of run
+    (no GPU here)."""
     eng = _engine(model_tok)
     eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False, compile=True)
     tg = eng.runner.tail_graphs
@@ -210,19 +210,39 @@ def test_captured_lazily_uncompiled_under_both_caps(model_tok, monkeypatch):
     monkeypatch.setattr(tg, "capture", True)
     monkeypatch.setattr(tg, "_capture", fake_capture)
     eng.runner.capture_decode_graphs([1, 3])
-    chunks = [(Bb, 64, 1) for Bb in (1, 2, 4)]  # 3 -> bucket 4; every bucket below it too
+    chunks = [(Bb, Tn, 1) for Bb in (1, 2, 4) for Tn in (64, 32, 16, 8, 4, 2)]  # 3 -> bucket 4; every bucket below
     assert [key for key, _ in used] == chunks
+    assert CHUNK_LENGTHS == (2, 4, 8, 16, 32, 64)
     used.clear()
-    for Tn in range(2, 2 + MAX_TAIL_GRAPHS):
+    odd = [n for n in range(3, 64) if n & (n - 1)][:MAX_TAIL_GRAPHS]  # lengths that are not powers of two
+    for Tn in odd:
         assert tg._buffers(1, Tn, 1) is not None
-    assert [key for key, _ in used] == [(1, Tn, 1) for Tn in range(2, 2 + MAX_TAIL_GRAPHS)]
+    assert [key for key, _ in used] == [(1, Tn, 1) for Tn in odd]
     assert all(fn == tg.tail_forward for _, fn in used)  # the plain function, never a compiled one
-    assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS  # over the tail cap: eager
-    assert tg._buffers(1, 2, 1) is not None  # a captured shape still serves
-    assert tg._buffers(8, 64, 1) is not None and len(used) == MAX_TAIL_GRAPHS + 1  # full chunks: outside that cap
+    assert tg._buffers(2, 3, 1) is None and len(used) == MAX_TAIL_GRAPHS  # over the tail cap: eager
+    assert tg._buffers(1, 3, 1) is not None and tg._buffers(1, 2, 1) is not None  # captured shapes still serve
+    for Tn in CHUNK_LENGTHS:  # chunk lengths (a new bucket here): outside that cap
+        assert tg._buffers(8, Tn, 1) is not None
+    assert len(used) == MAX_TAIL_GRAPHS + len(CHUNK_LENGTHS)
     monkeypatch.setattr(tg, "max_tail_graphs", 64)
     tg.budget.used = tg.budget.max_graphs  # the shared cap reached (by any kind of graph)
-    assert tg._buffers(2, 2, 1) is None and len(used) == MAX_TAIL_GRAPHS + 1
+    assert tg._buffers(2, 3, 1) is None and tg._buffers(8, 64, 2) is None
+    assert len(used) == MAX_TAIL_GRAPHS + len(CHUNK_LENGTHS)
+
+
+def test_prefill_chunk_powers_of_two():
+    """prefill_chunk: a block at most, else the largest power of two <= take; a remainder's chunks are its binary
+    digits, largest first, and never cross a block boundary from a block-aligned start."""
+    assert [prefill_chunk(t, 64) for t in (0, 1, 2, 3, 29, 63, 64, 65, 200)] == [0, 1, 2, 2, 16, 32, 64, 64, 64]
+    for rem in range(1, 200):
+        start, sizes = 0, []
+        while start < rem:
+            sizes.append(prefill_chunk(rem - start, 64))
+            assert (start % 64) + sizes[-1] <= 64  # inside one block
+            start += sizes[-1]
+        assert start == rem and all(n & (n - 1) == 0 and n <= 64 for n in sizes)
+        assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
+        assert len([n for n in sizes if n < 64]) == bin(rem % 64).count("1")
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -284,3 +304,120 @@ def test_cuda_graph_replay_equals_eager(model_tok, lengths, Tn, caches):
     tg = eng.runner.tail_graphs
     assert tg.num_graphs == len(tg.shapes) >= 1 and not any(b.failed for b in tg.shapes.values())
     assert all(b.graph is not None for b in tg.shapes.values())
+
+
+# ---------------------------------------------------------------------- power-of-two chunks, steps grouped by length
+
+
+def _graph_prefill_engine(model_tok, **kw):
+    """An engine whose scheduler chunks as with CUDA graphs on (64-token chunks, power-of-two remainders, split
+    steps), the static functions run eagerly (CPU)."""
+    eng = _engine(model_tok, **kw)
+    eng.runner.enable_decode_graphs(eng.max_model_len // PAGE, capture=False)
+    eng.runner.split_mixed_steps = True
+    assert eng.runner.graph_prefill
+    return eng
+
+
+def test_step_grouped_by_length_equals_eager(model_tok, caches):
+    """A step of prefill chunks of lengths 16, 4, 16, 64 ("none" logits for one) and a one-token prompt end runs one
+    tail call per length (each group in step order) and one decode call; logits, hidden rows, offsets and every
+    cache equal the eager step's. A step with a chunk the tail graphs do not take (100 tokens) is not grouped."""
+    eng_a, eng_b = _engine(model_tok), _graph_prefill_engine(model_tok)
+    prompts = _prompts([62, 10, 64, 120, 5])
+    a, b = _Seqs(eng_a, prompts, 100), _Seqs(eng_b, prompts, 100)
+    tg, dg = eng_b.runner.tail_graphs, eng_b.runner.graphs
+    groups, real = [], tg.step
+    tg.step = lambda seqs: groups.append([(len(s.tokens), s.slot) for s in seqs]) or real(seqs)
+    tails = _prompts([16, 4, 16, 64, 1], seed=7)
+    sa, sb = a.batch(tails), b.batch(tails)
+    sa[2].logits = sb[2].logits = "none"
+    before, d_calls = caches.pools(eng_b), dg.calls
+    out_a, out_b = eng_a.runner.step(sa), eng_b.runner.step(sb)
+    slots = b.slots
+    assert groups == [[(16, slots[0]), (16, slots[2])], [(4, slots[1])], [(64, slots[3])]], groups
+    assert dg.calls == d_calls + 1
+    assert out_b.cu == out_a.cu == [0, 16, 20, 36, 100, 101]
+    assert out_b.logits[2] is None and out_a.logits[2] is None
+    for i in (0, 1, 3, 4):
+        la, lb = out_a.logits[i], out_b.logits[i]
+        assert lb.shape == la.shape == (1, eng_a.model.config.vocab_size)
+        torch.testing.assert_close(lb, la, atol=1e-4 * max(1.0, la.abs().max().item()), rtol=0)
+        assert int(lb.argmax()) == int(la.argmax())
+    torch.testing.assert_close(out_b.hidden, out_a.hidden, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out_b.hidden_last, out_a.hidden_last, atol=1e-4, rtol=0)
+    caches.untouched(eng_b, before, sb, PAGE)
+    for x, y in zip(caches.pools(eng_a), caches.pools(eng_b), strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+    a.advance(tails)
+    b.advance(tails)
+    groups.clear()
+    tails = _prompts([16, 4, 100], seed=8)  # 100 > 64: the eager path for all the chunks, in one forward
+    out_a, out_b = eng_a.runner.step(a.batch(tails)[:3]), eng_b.runner.step(b.batch(tails)[:3])
+    assert groups == [] and out_b.cu == out_a.cu == [0, 16, 20, 120]
+    torch.testing.assert_close(out_b.hidden, out_a.hidden, atol=1e-4, rtol=0)
+
+
+LENGTHS = [1, 2, 3, 29, 63, 64, 65, 127, 200, 512, 513]
+GEN = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _serve(eng, prompts, log=None):
+    """All prompts submitted at once, greedy, stepped to the end -> generated ids per prompt. `log` collects every
+    prefill chunk scheduled: (prompt length, start, tokens, snapshot positions)."""
+    out = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        eng.submit(p, GEN, lambda ev, i=i: out[i].extend(ev.token_ids))
+    while eng.has_work():
+        batch = eng._schedule
+        if log is not None:
+            def spy(real=batch):
+                items = real()
+                log.extend((len(seq.prompt), st.start, len(st.tokens), [p for p, _ in st.snapshots])
+                           for seq, st, _ in items if st.start < len(seq.prompt))
+                return items
+            eng._schedule = spy
+        eng.step()
+        eng._schedule = batch
+    return out
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "nocache"])
+def test_power_of_two_chunks_equal_cache_off_eager(model_tok, cache):
+    """Prompts of 1 .. 513 tokens through the graph-prefill scheduling give the cache-off eager engine's greedy tokens,
+    then (cache on) the same prompts again (prefix hits: their tails take the same chunks) and multi-turn prompts
+    extending them. Every chunk of a prompt rest <= 512 tokens is a power of two <= 64 inside one 64-token block;
+    snapshots sit at chunk ends on block boundaries, and the snapshot store holds exactly the eager engine's."""
+    kw = {"max_model_len": 1024, "max_num_seqs": 6}
+    ref = _engine(model_tok, **kw)
+    eng = _graph_prefill_engine(model_tok, enable_prefix_caching=cache, **kw)
+    prompts = _prompts(LENGTHS, seed=11)
+    log = []
+    first = _serve(eng, prompts, log)
+    n_first = len(log)
+    assert first == _serve(ref, prompts)
+    rounds = [prompts]
+    if cache:
+        turns = [p + a + q for p, a, q in zip(prompts, first, _prompts([5] * len(prompts), seed=12))]
+        again = prompts[5:] + turns
+        hits = eng.metrics.get("k3:prefix_cache_hits")
+        assert _serve(eng, again, log) == _serve(ref, again)
+        assert eng.metrics.get("k3:prefix_cache_hits") - hits >= 64 * 15  # repeats and extensions hit
+        rounds.append(again)
+        eager = _engine(model_tok, enable_prefix_caching=True, **kw)  # same work, eager scheduling (graphs off)
+        for r in rounds:
+            _serve(eager, r)
+        stored = [{h for h, i in e.snaps.entry_of.items() if e.snaps.valid[i]} for e in (eng, eager)]
+        assert stored[0] == stored[1] and len(stored[0]) >= 15
+    lens = set()
+    for L, start, n, snaps in log:
+        if L - start <= 512:
+            assert n & (n - 1) == 0 and n <= 64, (L, start, n)
+            assert start % 64 + n <= 64, (L, start, n)  # never across a block boundary
+            assert all(p % 64 == 0 and p == start + n for p in snaps), (L, start, n, snaps)  # at its end, if any
+            lens.add(n)
+        assert all(p % 64 == 0 and start < p <= start + n for p in snaps), (L, start, n, snaps)
+    assert lens == {1, 2, 4, 8, 16, 32, 64}
+    for L in LENGTHS[:-1]:  # first round, from position 0: whole blocks, then the remainder's binary digits
+        sizes = [n for L_, start, n, _ in log[:n_first] if L_ == L]
+        assert sizes == [64] * (L // 64) + [1 << e for e in reversed(range(6)) if L % 64 >> e & 1], (L, sizes)
