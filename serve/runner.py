@@ -184,8 +184,9 @@ class ModelRunner:
 
     @property
     def graph_prefill(self) -> bool:
-        """True when short prefills should come in block-sized chunks (k3.serve.engine) and mixed decode + prefill
-        steps run split (_split_step): CUDA graphs are captured, so a graph step beats an eager one by ~10x."""
+        """True when short prefills should come in graph chunks (64 tokens, then powers of two: k3.serve.engine,
+        tail_graphs.prefill_chunk) and mixed steps run split (_split_step): CUDA graphs are captured, so a graph step
+        beats an eager one by ~10x."""
         return self.tail_graphs is not None and (self.tail_graphs.capture or self.split_mixed_steps)
 
     def _split_step(self, seqs: list[StepSeq]) -> StepOutput | None:

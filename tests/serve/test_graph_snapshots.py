@@ -119,13 +119,13 @@ def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok, spec):
             eng.step()
         outs[name] = out
     assert outs["split"] == outs["eager"] == outs["nocache"]
-    # request 0's 100 tokens: 64 + 36 (tail graphs); requests 1 (300 = 4 x 64 + 44) and 2 (40) join decoding
-    # request 0: their first chunks (64 and 40, unequal) run eagerly beside the decode graph, then 3 x 64 and 44
+    # request 0's 100 tokens: 64 + 32 + 4 (tail graphs); requests 1 (300 = 4 x 64 + 32 + 8 + 4) and 2 (40 = 32 + 8)
+    # join decoding request 0: their chunks of unequal lengths run one tail call per length beside the decode graph
     if not spec:
-        assert chunks == [64, 36, 64, 64, 64, 44], chunks
+        assert chunks == [64, 32, 4, 64, 32, 64, 8, 64, 64, 32, 8, 4], chunks
         assert any(1 in lens and max(lens) > 1 for lens in seen), seen  # a decode + prefill step was split
     else:  # request 0's prompt; the newcomers' chunks share steps with its verify steps, which are not split (eager)
-        assert chunks == [64, 36], chunks
+        assert chunks == [64, 32, 4], chunks
     for eng in (split, engines["eager"]):
         eng.stored = {h for h, i in eng.snaps.entry_of.items() if eng.snaps.valid[i]}
     assert split.stored == engines["eager"].stored and len(split.stored) >= 6
@@ -143,5 +143,5 @@ def test_prompt_logprobs_prefill_is_not_chunked(model_tok):
     eng.submit(prompt[:150], SamplingParams(temperature=0.0, max_tokens=2), lambda ev: None)
     while eng.has_work():
         eng.step()
-    # the logprobs prompt in one step; the other prompt (150 tokens) in 64 + 64 + 22 beside it
-    assert sizes[0] == [200] and [1, 64] in sizes and [22] in sizes, sizes
+    # the logprobs prompt in one step; the other prompt (150 tokens) in 64 + 64 + 16 + 4 + 2 beside it
+    assert sizes[0] == [200] and [1, 64] in sizes and [16] in sizes and [4] in sizes and [2] in sizes, sizes

@@ -3,6 +3,9 @@ prompt tokens, run eagerly on the CPU (the function CUDA captures), equals Model
 tokens, hidden rows, every cache afterwards); padded rows touch nothing else; the function does no host sync; an
 engine serving a prefix-cache hit through it gives the cache-off tokens (and, speculating, the miss's drafts);
 accepts() takes only equal 2..64-token "last" tails; on CUDA a captured graph's replay equals the eager step.
+With graph prefill, prompt rests of at most 512 tokens come in 64-token chunks and power-of-two remainders (never
+across a block, snapshots where they were), the warm-up captures exactly those lengths, a step of chunks of
+different lengths runs one tail call per length, and the tokens equal a cache-off eager engine's.
 
 Legend: B sequences in a step, Bb batch bucket, Tn tokens per sequence, Gb page bucket."""
 
@@ -241,8 +244,8 @@ def test_prefill_chunk_powers_of_two():
             assert (start % 64) + sizes[-1] <= 64  # inside one block
             start += sizes[-1]
         assert start == rem and all(n & (n - 1) == 0 and n <= 64 for n in sizes)
-        assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
-        assert len([n for n in sizes if n < 64]) == bin(rem % 64).count("1")
+        assert sizes == sorted(sizes, reverse=True)
+        assert len([n for n in sizes if n < 64]) == (rem % 64).bit_count()
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
