@@ -5,7 +5,9 @@ Stdlib only, so the CLI can build it without importing torch or FastAPI.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,3 +61,20 @@ class ServeConfig:
         if bad:
             raise ValueError(f"cuda_graph_batches must be positive batch sizes, got {bad} in "
                              f"{self.cuda_graph_batches}; e.g. [1, 8, 32]")
+
+
+def serve_dtype(requested: str, device: str, ckpt: str) -> str:
+    """The dtype `k3 serve` holds the weights in: an explicit --dtype as given; "auto" = float32 on the CPU (bf16
+    matmuls are slow there) and bfloat16 on a GPU (serving.md 2.5, "Weights: bf16 by default"; vLLM's "auto" also
+    serves float32 checkpoints in half precision), except that a float16 checkpoint stays float16. The checkpoint's
+    dtype is config.json's torch_dtype (float32 when absent). Example: serve_dtype("auto", "cuda", d) -> "bfloat16"
+    for a float32 release d."""
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return "float32"
+    try:
+        saved = json.loads((Path(ckpt) / "config.json").read_text()).get("torch_dtype", "float32")
+    except (OSError, ValueError):
+        saved = "float32"  # load_model reports a missing or corrupt config.json with its own message
+    return "float16" if saved == "float16" else "bfloat16"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import hmac
-import json
 import logging
 import sys
 import threading
@@ -29,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatTemplate
-from .config import ServeConfig
+from .config import ServeConfig, serve_dtype
 from .engine import Engine
 from .jobs import Delivery, Job, sse_response
 from .metrics import Metrics
@@ -279,23 +278,6 @@ def build_app(state: ServerState) -> FastAPI:
         return await job.collect_chat(req)
 
     return app
-
-
-def serve_dtype(requested: str, device: str, ckpt: str) -> str:
-    """The dtype `k3 serve` holds the weights in: an explicit --dtype as given; "auto" = float32 on the CPU (bf16
-    matmuls are slow there) and bfloat16 on a GPU (serving.md 2.5, "Weights: bf16 by default"; vLLM's "auto" also
-    serves float32 checkpoints in half precision), except that a float16 checkpoint stays float16. The checkpoint's
-    dtype is config.json's torch_dtype (float32 when absent). Example: serve_dtype("auto", "cuda", d) -> "bfloat16"
-    for a float32 release d."""
-    if requested != "auto":
-        return requested
-    if device == "cpu":
-        return "float32"
-    try:
-        saved = json.loads((Path(ckpt) / "config.json").read_text()).get("torch_dtype", "float32")
-    except (OSError, ValueError):
-        saved = "float32"  # load_model reports a missing or corrupt config.json with its own message
-    return "float16" if saved == "float16" else "bfloat16"
 
 
 def load_state(cfg: ServeConfig, state: ServerState) -> None:

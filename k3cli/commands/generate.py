@@ -21,6 +21,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0, help="keep the k most likely tokens (0 = off)"),
     seed: int | None = typer.Option(None, "--seed", help="sampling seed for reproducible output"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16; auto = bfloat16 on a "
+                              "GPU (float16 for a float16 checkpoint), float32 on the CPU, as k3 serve"),
 ) -> None:
     """Generate text: one prefill of the prompt, then one decode step per new token (the serving engine; on a GPU
     each decode step replays a CUDA graph)."""
@@ -28,10 +30,14 @@ def generate(
 
     from k3.model.checkpoint import load_model
     from k3.model.tokenizer import K3Tokenizer
+    from k3.serve.config import serve_dtype
     from k3.serve.generate import stream_text
 
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16",
+                                 param_hint="--dtype")
     dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    model, _ = load_model(ckpt, device=dev)
+    model, _ = load_model(ckpt, device=dev, dtype=serve_dtype(dtype, dev, str(ckpt)))
     tok = K3Tokenizer.from_file(ckpt)
     ids = tok.encode(prompt, add_bos=True)
     sys.stdout.write(prompt)

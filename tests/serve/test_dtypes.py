@@ -79,7 +79,7 @@ def test_bf16_compute_on_cpu_tracks_fp32(model_tok, ckpt, tmp_path):
 def test_serve_dtype_policy(tmp_path):
     """`k3 serve --dtype auto`: float32 on the CPU, bfloat16 on a GPU (serving.md 2.5: bf16 by default) unless the
     checkpoint is float16; an explicit dtype is kept. Read from config.json's torch_dtype."""
-    from k3.serve.server import serve_dtype
+    from k3.serve.config import serve_dtype
 
     for saved, gpu in (("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float16", "float16"), (None, "bfloat16")):
         d = tmp_path / str(saved)

@@ -29,3 +29,14 @@ def test_generate_cli_seeded_sampling_is_reproducible(ckpt):
     a, b = CliRunner().invoke(app, args), CliRunner().invoke(app, args)
     assert a.exit_code == b.exit_code == 0, a.output
     assert a.stdout == b.stdout and a.stdout.startswith("import ")
+
+
+def test_generate_cli_dtype(ckpt):
+    """--dtype bfloat16 runs the engine in bf16 (k3 serve's dtype policy); an unknown dtype is a usage error naming
+    the choices."""
+    args = ["generate", str(ckpt), "--prompt", "import ", "--max-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    res = CliRunner().invoke(app, args + ["--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("import ") and "[" in res.output
+    bad = CliRunner().invoke(app, args + ["--dtype", "fp8"])
+    assert bad.exit_code == 2 and "bfloat16" in bad.output
