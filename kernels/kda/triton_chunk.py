@@ -46,7 +46,7 @@ import triton.language as tl
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .gate import naive_kda_gate, naive_kda_lowerbound_gate
-from .triton_common import _chunk_bounds, _diag_block, _seq_bounds
+from .triton_common import _chunk_bounds, _chunk_gamma_keys, _seq_bounds, _sub_chunk_rows
 from .triton_l2norm import l2norm_triton
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -60,6 +60,20 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     "scan": {"num_warps": 4, "num_stages": 2, "BV": 64},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
+
+
+# Intra-chunk + solve forward variant, read by chunk_fwd_pipeline (the forward and the backward's recompute):
+# "split" (default): `_intra_kernel` writes L to an fp32 buffer, `_solve_kernel` reads it back and inverts it;
+# "fused": one kernel (triton_intra_solve.py) computes M = (I + L)^-1 from L in registers (issue 4; H200 timing
+# pending in benchmarks/kda.py --intra-solve split fused).
+FWD_INTRA = "split"
+
+
+def fwd_intra() -> str:
+    """FWD_INTRA, checked: "split" or "fused"."""
+    if FWD_INTRA not in ("split", "fused"):
+        raise ValueError(f"triton_chunk.FWD_INTRA must be 'split' or 'fused', got {FWD_INTRA!r}; set one of those")
+    return FWD_INTRA
 
 
 def launch_opts(name: str) -> dict[str, int]:
@@ -81,53 +95,10 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, 
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
-    m_tk = m_t[:, None] & m_k[None, :]
-    # Gamma of the whole chunk [BT, BK], fp32, log2 units; padded rows/columns load g = 0 (identity steps)
-    b_g = tl.load(g + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G = tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950408889634
-    tl.store(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_G, mask=m_tk)
-    b_G3 = tl.reshape(b_G, (NC, BC, BK))
-    b_kall = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    o_c = tl.arange(0, BC)
-    o_nc = tl.arange(0, NC)
-    for s in tl.static_range(NC):
-        r_s = s * BC + o_c  # rows of sub-chunk s within the chunk
-        m_s = r_s < n_valid
-        m_sk = m_s[:, None] & m_k[None, :]
-        b_q = tl.load(q + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
-        b_q = b_q.to(tl.float32) * scale
-        b_k = tl.load(k + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
-        b_k = b_k.to(tl.float32)
-        b_b = tl.load(beta + (start + r_s) * HV + i_hv, mask=m_s, other=0.0).to(tl.float32)
-        b_Gs = tl.sum(tl.where(o_nc[:, None, None] == s, b_G3, 0.0), axis=0)  # exact row extraction [BC, BK]
-        b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_Gs, 0.0), axis=0)  # anchor: first row of sub-chunk [BK]
-        p_A = ((start + r_s[:, None]) * HV + i_hv) * BT + o_t[None, :]
-        m_store = m_s[:, None] & ((o_t[None, :] < s * BC) | (o_t[None, :] >= s * BC + BC))
-        if s > 0:  # off-diagonal columns j < s * BC: both exponents <= 0
-            e_q = tl.exp2(b_Gs - b_Gn[None, :])
-            b_qf = (b_q * e_q).to(b_kall.dtype)
-            b_kf = (b_k * e_q).to(b_kall.dtype)
-            e_k = tl.exp2(tl.where(o_t[:, None] < s * BC, b_Gn[None, :] - b_G, float("-inf")))
-            b_kc = (b_kall.to(tl.float32) * e_k).to(b_kall.dtype)  # [BT, BK], zero rows from s * BC on
-            b_Aoff = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BT]
-            b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
-        else:
-            b_Aoff = tl.zeros([BC, BT], dtype=tl.float32)
-            b_Loff = tl.zeros([BC, BT], dtype=tl.float32)
-        tl.store(Aqk + p_A, b_Aoff.to(Aqk.dtype.element_ty), mask=m_store)
-        if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
-            tl.store(Akk + p_A, b_Loff, mask=m_store)
-        tl.store(Lkk + p_A, b_Loff * b_b[:, None], mask=m_store)
-        b_Ad, b_Ld = _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC, SAFE, PREC)  # diagonal 16 x 16 block
-        p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
-        tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
-        if STORE_AKK:
-            tl.store(Akk + p_D, b_Ld, mask=m_s[:, None])
-        tl.store(Lkk + p_D, b_Ld * b_b[:, None], mask=m_s[:, None])
+    b_G, b_G3, b_kall = _chunk_gamma_keys(k, g, Gam, start, n_valid, i_h, i_hv, H, HV, K, BK, BT, BC, NC)
+    for s in tl.static_range(NC):  # L stored by the helper, as soon as each block exists
+        _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid, i_h, i_hv, scale, shift, s, H, HV,
+                        K, BK, BT, BC, NC, SAFE, STORE_AKK, True, PREC)
 
 
 @triton.jit
@@ -343,6 +314,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                        cu_host=None):
     """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
+    Lkk is None with FWD_INTRA = "fused" (L stays in registers; nothing reads it but `_solve_kernel`);
     with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped).
     cu_host: cu_seqlens as host ints, or None (chunk_layout)."""
     B, T, H, K = q.shape
@@ -359,9 +331,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     varlen = cu_seqlens is not None
     T_all = B * T
     f32 = torch.float32
+    fused = fwd_intra() == "fused"
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
+         "Lkk": None if fused else torch.empty(T_all, HV, BT, dtype=f32, device=dev),
          "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if for_backward else None,
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "w": torch.empty(T_all, HV, K, dtype=dt, device=dev),
@@ -377,12 +350,19 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     common = {"VARLEN": varlen, "PREC": prec}
     Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
                                                                  "hbuf", "o", "ht"))
-    Akk = r["Akk"] if for_backward else Lkk
-    _intra_kernel[(NT_all, HV)](
-        q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK,
-        BT=BT, BC=BC, NC=NC, SAFE=safe_shift is not None, STORE_AKK=for_backward, **common, **launch_opts("intra"))
-    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
-                                **launch_opts("solve"))
+    Akk = r["Akk"] if for_backward else Gam if fused else Lkk  # unused placeholders when STORE_AKK is off
+    intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
+             "STORE_AKK": for_backward, **common}
+    if fused:  # one program: Gamma, Aqk, Akk and M = (I + L)^-1, L kept in registers (triton_intra_solve.py)
+        from . import triton_intra_solve as fused_mod  # imported here: that module imports this one
+
+        fused_mod._intra_solve_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Akk, Mm, chunk_indices, cu, float(scale),
+                                                    shift, T, NT, **intra, **fused_mod.LAUNCH["intra_solve"])
+    else:
+        _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
+                                    **intra, **launch_opts("intra"))
+        _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
+                                    **launch_opts("solve"))
     BVu = v_block("wu", V, BK)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
                              BV=BVu, BT=BT, **common, **launch_opts("wu"))
