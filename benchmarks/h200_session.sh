@@ -18,7 +18,8 @@
 #            (the stacked Muon update)
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
-#   table:   benchmarks/kda.py alone (k3 against fla in one process, issue 4's table), the call's whole time for it
+#   table:   benchmarks/kda.py --intra-solve split fused alone (k3 against fla in one process, issue 4's table), the
+#            call's whole time for it
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -105,8 +106,9 @@ anchor)
   echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
   ;;
 table)
-  # only benchmarks/kda.py (k3 and fla side by side in one process), with the whole call for fla's first autotuning
-  timeout 560 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  # only benchmarks/kda.py (k3 and fla side by side in one process, k3's split and fused intra + solve forward),
+  # with the whole call for fla's first autotuning
+  timeout 560 python3 benchmarks/kda.py --intra-solve split fused > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
   ;;
