@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SERVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(kw_only=True, slots=True)
 class ServeConfig:
@@ -57,6 +59,10 @@ class ServeConfig:
     log_level: str = "warning"  # uvicorn log level
 
     def __post_init__(self) -> None:
+        if self.dtype not in SERVE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SERVE_DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         bad = [b for b in self.cuda_graph_batches if not isinstance(b, int) or isinstance(b, bool) or b < 1]
         if bad:
             raise ValueError(f"cuda_graph_batches must be positive batch sizes, got {bad} in "

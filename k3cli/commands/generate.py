@@ -30,12 +30,11 @@ def generate(
 
     from k3.model.checkpoint import load_model
     from k3.model.tokenizer import K3Tokenizer
-    from k3.serve.config import serve_dtype
+    from k3.serve.config import SERVE_DTYPES, serve_dtype
     from k3.serve.generate import stream_text
 
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise typer.BadParameter(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16",
-                                 param_hint="--dtype")
+    if dtype not in SERVE_DTYPES:
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use {', '.join(SERVE_DTYPES)}", param_hint="--dtype")
     dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     model, _ = load_model(ckpt, device=dev, dtype=serve_dtype(dtype, dev, str(ckpt)))
     tok = K3Tokenizer.from_file(ckpt)

@@ -51,7 +51,7 @@ def serve(
                                         "on an H200) for 1-2 min of compilation per captured shape at startup"),
 ) -> None:
     """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
-    from k3.serve.config import ServeConfig
+    from k3.serve.config import SERVE_DTYPES, ServeConfig
     from k3.serve.server import run_server
 
     try:
@@ -64,6 +64,10 @@ def serve(
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise typer.BadParameter(f"unknown log level {log_level!r}; use critical, error, warning, info, debug or "
                                  "trace", param_hint="--log-level")
+    if dtype not in SERVE_DTYPES:
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use {', '.join(SERVE_DTYPES)}", param_hint="--dtype")
+    if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N", param_hint="--device")
     keys = list(api_key or [])
     if not keys and os.environ.get("K3_API_KEY"):
         keys = [os.environ["K3_API_KEY"]]

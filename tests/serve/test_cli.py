@@ -21,6 +21,25 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     assert "checkpoint directory not found" in res.output
 
 
+def test_bad_dtype_or_device_is_a_usage_error(ckpt):
+    """An unknown --dtype or --device stops `k3 serve` before anything loads (exit 2, the choices named), and
+    ServeConfig refuses them too."""
+    import pytest
+
+    from k3.serve.config import ServeConfig
+
+    app = typer.Typer()
+    app.command("serve")(serve)
+    for flag, value, choice in (("--dtype", "fp8", "bfloat16"), ("--device", "tpu", "cuda:N")):
+        res = CliRunner().invoke(app, [str(ckpt), flag, value])
+        assert res.exit_code == 2 and choice in res.output, res.output
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ServeConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="device must be"):
+        ServeConfig(device="tpu")
+    assert ServeConfig(device="cuda:1", dtype="float16").device == "cuda:1"
+
+
 def test_serve_process_end_to_end(ckpt):
     import socket
 
