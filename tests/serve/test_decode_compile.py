@@ -67,3 +67,33 @@ def test_cuda_compiled_graphs_match_eager(ckpt, monkeypatch):
                                                                            ignore_eos=True))[0]
         outs.append([t for ev in events for t in ev.token_ids])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_steps_run_on_the_compiled_bucket(ckpt, monkeypatch):
+    """On a GPU with compile on and batches [1, 4]: steps of 2 and 3 sequences replay the compiled bucket 4 (no plain
+    graph of bucket 2 is ever captured), and the greedy tokens equal the eager engine's (bf16)."""
+    monkeypatch.setattr(torch, "empty", getattr(torch.empty, "real", torch.empty))  # see the test above
+    model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
+    tok = K3Tokenizer.from_file(ckpt)
+    prompts = [tok.encode(p) for p in ("def main():\n    ", "import os\n", "class A:\n    def f(self):")]
+    outs = []
+    for graphs in (False, True):
+        cfg = ServeConfig(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256,
+                          enable_prefix_caching=False, cuda_graphs=graphs, compile_decode=graphs,
+                          cuda_graph_batches=[1, 4])
+        eng = Engine(model, tok, cfg)
+        eng.warmup()
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 9)]  # 3, then 2
+        got: dict[int, list[int]] = {i: [] for i in range(3)}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.submit(p, sp, lambda ev, i=i, got=got: got[i].extend(ev.token_ids))
+        while eng.has_work():
+            eng.step()
+        outs.append(got)
+        if graphs:
+            g = eng.runner.graphs
+            assert {k[0] for k in g.shapes} <= {1, 4}, sorted(g.shapes)  # 2 and 3 streams ran on bucket 4
+            assert all(b.compiled for b in g.shapes.values() if not b.failed)
+    assert outs[0] == outs[1]
