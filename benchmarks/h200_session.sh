@@ -3,9 +3,10 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
-#   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode) alongside the
-#            CUDA serving tests (decode / verify / MTP graphs, compiled decode), then benchmarks/kda.py: k3 against fla
-#            in the same process, the library defaults
+#   kernels: GPU kernel tests (KDA chunk/recurrent incl. the fused intra + solve variant, K-block backward inter
+#            kernel, paged MLA decode) alongside every CUDA serving test (`tests/serve -k cuda`: graphs, compiled
+#            routing, tail chunks, one-sync speculative steps, quantized serving; needs the openai wheel in .whl),
+#            then benchmarks/kda.py: k3 against fla in the same process, the library defaults
 #   serve:   the compiled server (--compile-decode --cuda-graph-batches 1 32, k3-small, random weights) against the
 #            Hugging Face anchors at batch 1 and 32 through HTTP, the CUDA compiled-decode test alongside; then
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
@@ -39,11 +40,12 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | t
 
 case "$MODE" in
 kernels)
-  K3_KERNELS=triton timeout -s INT -k 10 200 python3 -m pytest tests/serve/test_decode_graphs.py tests/serve/test_spec_graphs.py \
-    tests/serve/test_decode_compile.py -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
+    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
   serve_tests=$!
-  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_mla_decode.py -q -p no:cacheprovider -rf -n 10 > "$OUT/ktests.log" 2>&1
+  timeout -s INT -k 10 240 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+    tests/kernels/test_kda_intra_solve.py tests/kernels/test_mla_decode.py -q -p no:cacheprovider -rf -n 10 \
+    > "$OUT/ktests.log" 2>&1
   echo "kernel tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
   # fla's autotuner compiles its configurations on the first shape: minutes on a fresh machine
