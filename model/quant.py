@@ -151,6 +151,12 @@ class QuantGroupedExperts(nn.Module):
                 setattr(self, n + "_scales", s.to(device=new.device, dtype=torch.float32))
         return self
 
+    def logical_weights(self) -> list[tuple[str, int]]:
+        """(name, element count) of the unquantized weights these buffers stand for (model.transformer.weight_numels):
+        gate_up_proj [E, 2F, L] and down_proj [E, L, F]."""
+        per_byte = 2 if self.fmt == "w4a8" else 1  # w4a8: two int4 values per byte along the in-features
+        return [(n, getattr(self, n).numel() * per_byte) for n in EXPERT_WEIGHTS]
+
     def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight `name` ("gate_up_proj" | "down_proj") as [E, N, K] in `dtype` (for references)."""
         return dequantize_weight(getattr(self, name), getattr(self, name + "_scales"), self.fmt, dtype)

@@ -218,19 +218,31 @@ def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "c
     return model.to(device)
 
 
+def weight_numels(model: nn.Module) -> dict[str, int]:
+    """name -> element count of every weight: the parameters, plus the logical weights of quantized routed experts
+    (k3.model.quant.QuantGroupedExperts holds them as packed integer buffers), counted as the tensors they stand for,
+    so a quantized model counts as its unquantized source."""
+    out = {n: p.numel() for n, p in model.named_parameters()}
+    for mn, m in model.named_modules():
+        for n, numel in getattr(m, "logical_weights", lambda: ())():
+            out[f"{mn}.{n}"] = numel
+    return out
+
+
 def count_parameters(model: K3Model) -> dict[str, int]:
     """Parameter counts as in architecture.md section 2 (main model, MTP counted apart).
 
     total / active (top-K of the routed experts) / active_nonembed (without embedding and head) / mtp.
     """
     cfg = model.config
-    main = {n: p for n, p in model.named_parameters() if not n.startswith("mtp.")}
-    total = sum(p.numel() for p in main.values())
+    numels = weight_numels(model)
+    main = {n: k for n, k in numels.items() if not n.startswith("mtp.")}
+    total = sum(main.values())
     inactive = 0
-    for n, p in main.items():
+    for n, k in main.items():
         if ".mlp.experts." in n:
-            inactive += p.numel() * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+            inactive += k * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
     embed = model.model.embed_tokens.weight.numel() + (0 if cfg.tie_word_embeddings else model.lm_head.weight.numel())
-    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    mtp = sum(k for n, k in numels.items() if n.startswith("mtp."))
     return {"total": total, "active": total - inactive, "active_nonembed": total - inactive - embed,
             "total_nonembed": total - embed, "mtp": mtp}

@@ -286,6 +286,7 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
 
     from k3.model.checkpoint import load_model
     from k3.model.tokenizer import K3Tokenizer
+    from k3.model.transformer import weight_numels
 
     t0 = time.monotonic()
     try:
@@ -296,7 +297,7 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
         log.info("loading %s on %s", cfg.ckpt, dev)
         model, _ = load_model(cfg.ckpt, device=dev, dtype=dtype)
         tok = K3Tokenizer.from_file(cfg.ckpt)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(weight_numels(model).values())  # quantized experts counted as the weights they stand for
         log.info("loaded %.1fM parameters (%s) in %.1f s; warming up%s", n_params / 1e6,
                  next(model.parameters()).dtype, time.monotonic() - t0,
                  " (CUDA graphs%s)" % (", compiled: minutes" if cfg.compile_decode else "")

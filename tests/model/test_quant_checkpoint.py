@@ -267,3 +267,18 @@ def test_module_state_dict_names_and_float_casts():
     assert torch.equal(q2.dequantized("gate_up_proj"), ref_dequant(q.gate_up_proj, q.gate_up_proj_scales).float())
     with pytest.raises(ValueError, match="must be even and divide"):
         QuantGroupedExperts(4, 48, 32, "w4a8", 32)
+
+
+@pytest.mark.parametrize("fmt", ["w4a8", "w8a16"])
+def test_quantized_model_counts_as_its_source(release, qrel, fmt):
+    """count_parameters (and `k3 serve`'s log) count a quantized model's expert buffers as the weights they stand
+    for: every count equals the unquantized release's, and the expert weights are a real share of it."""
+    from k3.model.transformer import count_parameters, weight_numels
+
+    src, _ = load_model(release)
+    q, _ = load_model(qrel[fmt])
+    assert count_parameters(q) == count_parameters(src)
+    assert sum(weight_numels(q).values()) == sum(weight_numels(src).values())
+    experts = sum(k for n, k in weight_numels(q).items() if ".mlp.experts." in n)
+    assert experts == sum(p.numel() for n, p in src.named_parameters() if ".mlp.experts." in n) > 0
+    assert sum(p.numel() for p in q.parameters()) < sum(weight_numels(q).values())  # buffers, not parameters
