@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_chunk import _inv_unit_lower, _store_block
+from .triton_chunk import _inv_unit_lower, _merge_row1, _merge_row2, _merge_row3, _store_block
 from .triton_common import _chunk_bounds, _chunk_gamma_keys, _sub_chunk_rows
 
 # Triton launch settings of the fused kernel (benchmarks/kda_tune.py sweeps them like triton_chunk.LAUNCH); untuned:
@@ -71,7 +71,7 @@ def _intra_solve_kernel(q, k, g, beta, Gam, Aqk, Akk, Mm, chunk_indices, cu_seql
                                    shift, 1, H, HV, K, BK, BT, BC, NC, SAFE, STORE_AKK, False, PREC)
         L10 = _col_block(Lr1, 0, BC, NC)
         M11 = _inv_unit_lower(L11, BC)
-        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
+        M10 = _merge_row1(M11, L10, M00, PREC)
         _store_block(Mm, M11, start, n_valid, i_hv, 1, 1, HV, BT, BC)
         _store_block(Mm, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
@@ -80,9 +80,7 @@ def _intra_solve_kernel(q, k, g, beta, Gam, Aqk, Akk, Mm, chunk_indices, cu_seql
         L20 = _col_block(Lr2, 0, BC, NC)
         L21 = _col_block(Lr2, 1, BC, NC)
         M22 = _inv_unit_lower(L22, BC)
-        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
-        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
-                      input_precision=PREC)
+        M21, M20 = _merge_row2(M22, L20, L21, M00, M10, M11, PREC)
         _store_block(Mm, M22, start, n_valid, i_hv, 2, 2, HV, BT, BC)
         _store_block(Mm, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
         _store_block(Mm, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
@@ -92,11 +90,7 @@ def _intra_solve_kernel(q, k, g, beta, Gam, Aqk, Akk, Mm, chunk_indices, cu_seql
         L31 = _col_block(Lr3, 1, BC, NC)
         L32 = _col_block(Lr3, 2, BC, NC)
         M33 = _inv_unit_lower(L33, BC)
-        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
-        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
-                      input_precision=PREC)
-        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
-                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
+        M32, M31, M30 = _merge_row3(M33, L30, L31, L32, M00, M10, M11, M20, M21, M22, PREC)
         _store_block(Mm, M33, start, n_valid, i_hv, 3, 3, HV, BT, BC)
         _store_block(Mm, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)
         _store_block(Mm, M31, start, n_valid, i_hv, 3, 1, HV, BT, BC)
