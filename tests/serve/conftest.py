@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,4 +179,37 @@ def spy_reads(monkeypatch):
 
             mp.setattr(torch.Tensor, name, spy)
         return where
+    return start
+
+
+@pytest.fixture
+def serve_process():
+    """serve_process(ckpt, *flags) -> context manager: `k3 serve CKPT --port P *flags` as its own process (torch
+    kernels), /health polled until 200 (or the process exits, or 60 s). Yields a namespace: url, statuses (every
+    /health answer, None while not listening), log (the process output, set once it exited); terminated on exit."""
+    @contextlib.contextmanager
+    def start(ckpt, *flags):
+        port = free_port()
+        code = "import typer; from k3.cli.commands.serve import serve; typer.run(serve)"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(ckpt), "--port", str(port), *flags],
+                                env={**os.environ, "K3_KERNELS": "torch"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        run = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", statuses=[], log="")
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    run.statuses.append(httpx.get(run.url + "/health", timeout=2).status_code)
+                except httpx.TransportError:
+                    run.statuses.append(None)  # not listening yet
+                if run.statuses[-1] == 200:
+                    break
+                time.sleep(0.05)
+            if proc.poll() is not None:  # it died: its output is the failure message
+                run.log = proc.stdout.read().decode()
+            yield run
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            run.log = run.log or proc.stdout.read().decode()
     return start

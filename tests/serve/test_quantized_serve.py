@@ -2,14 +2,8 @@
 Engine on the bf16/fp32 model holding the dequantized expert weights (with the same FP8 activation fake-quant), and
 `k3 serve` loads the quantized directory and answers a completion through the openai client."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
 import types
 
-import httpx
 import pytest
 import torch
 
@@ -76,34 +70,14 @@ def test_engine_greedy_equals_dequantized_reference(ckpt, qckpt):
     assert got == _greedy(_dequantized_reference(ckpt, qmodel), tok, prompts)
 
 
-def test_k3_serve_loads_the_quantized_checkpoint(qckpt):
+def test_k3_serve_loads_the_quantized_checkpoint(qckpt, serve_process):
     from openai import OpenAI
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = "import typer; from k3.cli.commands.serve import serve; typer.run(serve)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(qckpt), "--port", str(port), "--max-model-len", "256",
-                             "--max-batch", "2"], env={**os.environ, "K3_KERNELS": "torch"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        status, deadline = None, time.time() + 60
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                status = httpx.get(url + "/health", timeout=2).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            time.sleep(0.05)
-        assert status == 200, proc.stdout.read1().decode() if proc.poll() is not None else status
-        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with serve_process(qckpt, "--max-model-len", "256", "--max-batch", "2") as run:
+        assert run.statuses and run.statuses[-1] == 200, run.log or run.statuses[-5:]
+        client = OpenAI(base_url=run.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model=client.models.list().data[0].id, prompt="def", max_tokens=4,
                                       temperature=0, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 4 and isinstance(r.choices[0].text, str)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    log = proc.stdout.read().decode()
+    log = run.log
     assert "k3 serve: ready in" in log, log
