@@ -1,7 +1,6 @@
 """`k3 serve` command: clear errors for a bad checkpoint, and a real server process that reports 503 while
 loading, then 200, and answers a completion."""
 
-
 import httpx
 import typer
 from typer.testing import CliRunner
