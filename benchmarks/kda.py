@@ -163,6 +163,8 @@ def floor_ms(B, T, H, D, bw, mm, bwd):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all", choices=["all", "small"])
+    ap.add_argument("--only", nargs="+", default=None, metavar="B,T,H,D",
+                    help="time only these chunk shapes (e.g. 16,2048,32,64), then decode")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
@@ -188,6 +190,8 @@ def main():
     bw, mm = ceilings()
     print(f"# ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
+    if args.only:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.only]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
     print("| shape (B,T,H,D) | k3 intra+solve | k3 bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")

@@ -46,7 +46,9 @@ def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, ws_m, ws_l, ws_acc, scale,
                       SPLIT: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)  # key range [i_s * KPS, (i_s + 1) * KPS) with SPLIT, else all keys
-    T = T.to(tl.int64)
+    # no `.to` on T or the other integer arguments: inductor's launch of this kernel (torch.compile of the decode step)
+    # passes them as Python ints, which have no `.to` (H200, 2026-11-29); i_n is int64, so every offset below is
+    # computed in int64 all the same
     scale = tl.full([], scale, tl.float32)  # fp64 when launched by inductor (torch.compile of the decode step)
     o_m = tl.arange(0, BM)
     m_row = o_m < T * H

@@ -116,3 +116,37 @@ def test_warm_up_compiles_every_query_length(dtype):
         q, qr, pool_T, bt, pos = make(2, T, H, C, R, PS, [70, 2 * T + 5], dtype, seed=T)
         triton_decode.paged_mla_decode_triton(q, qr, pool_T, bt, pos, scale=0.1, min_key=T % 2)
     assert len(cache) == n, f"{len(cache) - n} kernel(s) compiled after warm_up"
+
+
+_COMPILE_INLINED = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3.kernels.mla.triton_decode import _paged_mla_kernel as fn
+consts = {"min_key": 0, "G": 4, "KPS": 128, "T": 1, "H": 4, "C": 64, "R": 16, "PS": 64, "BM": 16, "BC": 64, "BR": 16,
+          "BS": 64, "PREC": "tf32", "SPLIT": sys.argv[1] == "split"}
+sig = {"q_lat": "*bf16", "q_rope": "*bf16", "kv": "*bf16", "bt": "*i32", "qpos": "*i32", "o": "*bf16",
+       "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "scale": "fp32"}
+sig.update({k: "constexpr" for k in consts})
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+assert ".entry _paged_mla_kernel" in compiled.asm["ptx"]
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("split", ["single", "split"])
+def test_kernel_compiles_with_integer_arguments_inlined(split):
+    """torch.compile of the serving decode step launches the kernel through inductor, which passes T, min_key, G and
+    KPS as Python ints baked into the kernel (constants), not as runtime scalars: the kernel must compile either way.
+    Compiled for sm_90 without a GPU (Triton's front end, then ptxas), in a process of its own without the
+    interpreter; a `.to` on one of them broke the compiled server on the H200 (2026-11-29)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_INLINED, split], check=False, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
