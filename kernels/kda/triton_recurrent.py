@@ -60,7 +60,7 @@ def _recurrent_kda_kernel(
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
     # cast them, else the state would turn fp64 and the loop below would not compile
     scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
@@ -190,7 +190,11 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
 
     BK = triton.next_power_of_2(K)
     BV = v_block(N, HV, V)
-    grid = (triton.cdiv(V, BV), N, HV)
+    # programs in launch order walk each sequence's state [HV, K, V] front to back (V blocks, then heads, then
+    # sequences), the order of its bytes in memory: the grid (V blocks, N, HV) of sessions 1-5 jumped a whole state
+    # (HV * K * V * 4 bytes) between neighbours. fla's decode kernel (fla-core 0.6.0) walks heads within a sequence
+    # too and ran 108.6 us against this kernel's 145.6 at B = 256 (H200, 2026-11-29); this order is untimed yet
+    grid = (triton.cdiv(V, BV), HV, N)
     if N and HV:
         _recurrent_kda_kernel[grid](
             q, k, v, g, beta, o,
