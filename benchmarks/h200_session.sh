@@ -3,10 +3,10 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
-#   kernels: GPU kernel tests (KDA chunk/recurrent incl. the fused intra + solve variant, K-block backward inter
-#            kernel, paged MLA decode) alongside every CUDA serving test (`tests/serve -k cuda`: graphs, compiled
-#            routing, tail chunks, one-sync speculative steps, quantized serving; needs the openai wheel in .whl),
-#            then benchmarks/kda.py: k3 against fla in the same process, the library defaults
+#   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
+#            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
+#            compiled routing, tail chunks, one-sync speculative steps, quantized serving; needs the openai wheel in
+#            .whl), then benchmarks/kda.py: k3 against fla in the same process, the library defaults
 #   serve:   the compiled server (--compile-decode --cuda-graph-batches 1 32, k3-small, random weights) against the
 #            Hugging Face anchors at batch 1 and 32 through HTTP, the CUDA compiled-decode test alongside; then
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
@@ -19,8 +19,7 @@
 #            (the stacked Muon update)
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
-#   table:   benchmarks/kda.py --intra-solve split fused alone (k3 against fla in one process, issue 4's table), the
-#            call's whole time for it
+#   table:   benchmarks/kda.py alone (k3 against fla in one process, issue 4's table), the call's whole time for it
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -44,7 +43,8 @@ kernels)
     -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
   serve_tests=$!
   timeout -s INT -k 10 240 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_kda_intra_solve.py tests/kernels/test_mla_decode.py -q -p no:cacheprovider -rf -n 10 \
+    tests/kernels/test_mla_decode.py tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py \
+    tests/kernels/test_triton_end_to_end.py -q -p no:cacheprovider -rf -n 10 \
     > "$OUT/ktests.log" 2>&1
   echo "kernel tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
@@ -108,9 +108,8 @@ anchor)
   echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
   ;;
 table)
-  # only benchmarks/kda.py (k3 and fla side by side in one process, k3's split and fused intra + solve forward),
-  # with the whole call for fla's first autotuning
-  timeout 560 python3 benchmarks/kda.py --intra-solve split fused > "$OUT/kda.log" 2>&1
+  # only benchmarks/kda.py (k3 and fla side by side in one process), with the whole call for fla's first autotuning
+  timeout 560 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
   ;;

@@ -1,11 +1,9 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--bwd-inter-bk 256 64] [--intra-solve split fused]`. `--bwd-inter-bk` times k3 once per K block of the backward
-inter kernel (triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]) in the same process, one table row each; default: the
-library default. `--intra-solve` does the same per intra + solve forward variant (triton_chunk.FWD_INTRA: "split" =
-intra kernel + solve kernel, "fused" = one kernel, triton_intra_solve.py), fwd and fwd+bwd rows per variant (the
-backward's forward recompute uses the same variant).
+[--only B,T,H,D ...] [--fwd-only] [--decode-sweep] [--bwd-inter-bk 256 64]`. `--only 16,2048,32,64` times just
+those chunk shapes. `--bwd-inter-bk` times k3 once per K block of the backward inter kernel
+(triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]) in the same process, one table row each; default: the library default.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk_bwd
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -170,12 +168,7 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
     ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
-    ap.add_argument("--intra-solve", nargs="+", choices=["split", "fused"], default=None,
-                    help="intra + solve forward variants to time side by side (triton_chunk.FWD_INTRA; default: the "
-                    "library default)")
     args = ap.parse_args()
-    default_variant = triton_chunk.FWD_INTRA
-    variants = args.intra_solve or [default_variant]
     default_bk = triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]
     bks = args.bwd_inter_bk or [default_bk]
     fla_chunk = fla_rec = None
@@ -193,9 +186,9 @@ def main():
     if args.only:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.only]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 intra+solve | k3 bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
@@ -209,19 +202,17 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        for variant, bk in itertools.product(variants, bks):  # k3 per variant and K block, same inputs and process
-            triton_chunk.FWD_INTRA = variant
+        for bk in bks:  # k3 per K block, same inputs, same process
             triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = bk
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {variant} | {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
         triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = default_bk
-        triton_chunk.FWD_INTRA = default_variant
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

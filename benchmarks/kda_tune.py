@@ -1,7 +1,7 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--intra-solve split fused]`. Every configuration (num_warps,
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64]`. Every configuration (num_warps,
 num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
 (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -9,10 +9,6 @@ table gives each kernel's mean device time per fwd+bwd in microseconds (forward 
 forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts, reductions). The
 best configuration per kernel is starred, and its registers / spilled bytes per thread are printed, so the defaults
 in LAUNCH can be set from one run.
-`--intra-solve split fused` profiles every configuration once per intra + solve forward variant
-(triton_chunk.FWD_INTRA: "split" = `_intra_kernel` + `_solve_kernel`, "fused" = `_intra_solve_kernel` of
-triton_intra_solve.py, whose num_warps / num_stages the sweep sets too), one table column per (configuration,
-variant), so one GPU call compares them kernel by kernel.
 """
 
 from __future__ import annotations
@@ -40,15 +36,6 @@ KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solv
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
            "_bwd_intra_kernel": (bwd_mod, "bwd_intra")}
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
-VARIANTS = ("split", "fused")  # triton_chunk.FWD_INTRA values
-
-
-def add_fused_kernel() -> None:
-    """Register the fused intra + solve kernel for the sweep. Imported only here (not at module import), so that
-    `--help` on a CPU never imports that Triton module outside the interpreter before the CPU tests do."""
-    from k3.kernels.kda import triton_intra_solve
-
-    KERNELS["_intra_solve_kernel"] = (triton_intra_solve, "intra_solve")
 
 
 def ints(s: str) -> list[int]:
@@ -110,15 +97,9 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--intra-solve", nargs="+", choices=VARIANTS, default=None,
-                    help="intra + solve forward variants to profile side by side (triton_chunk.FWD_INTRA; default: the "
-                    "library default)")
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     args = ap.parse_args()
-    variants = args.intra_solve or [fwd_mod.FWD_INTRA]
-    if "fused" in variants:
-        add_fused_kernel()
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     B, T, H, D = ints(args.shape)
@@ -130,26 +111,22 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"backward inter K block {bwd_mod.LAUNCH['bwd_inter']['BK']}; intra + solve variants {variants}")
-    configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv), variants))
+          f"backward inter K block {bwd_mod.LAUNCH['bwd_inter']['BK']}")
+    configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
     results = {}
     names = [*KERNELS, "torch ops", "total"]
     print("# per configuration, as measured (us): " + ", ".join(n.strip("_").removesuffix("_kernel") for n in names))
-    default_variant = fwd_mod.FWD_INTRA
     for cfg in configs:
-        apply(*cfg[:3])
-        fwd_mod.FWD_INTRA = cfg[3]
+        apply(*cfg)
         try:
             results[cfg] = profile_once(xs, do, args.iters)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is reported, not fatal
-            print(f"# config warps={cfg[0]} stages={cfg[1]} BV={cfg[2]} {cfg[3]} failed: {type(e).__name__}: {e}")
+            print(f"# config warps={cfg[0]} stages={cfg[1]} BV={cfg[2]} failed: {type(e).__name__}: {e}")
             continue
-        finally:
-            fwd_mod.FWD_INTRA = default_variant
         row = " ".join(f"{results[cfg].get(n, float('nan')):.0f}" for n in names)
-        print(f"# w{cfg[0]} s{cfg[1]} bv{cfg[2]} {cfg[3]} at {datetime.datetime.now():%H:%M:%S}: {row}", flush=True)
+        print(f"# w{cfg[0]} s{cfg[1]} bv{cfg[2]} at {datetime.datetime.now():%H:%M:%S}: {row}", flush=True)
     ok = [c for c in configs if c in results]
-    print("| kernel | " + " | ".join(f"w{c[0]} s{c[1]} bv{c[2]} {c[3]}" for c in ok) + " |")
+    print("| kernel | " + " | ".join(f"w{c[0]} s{c[1]} bv{c[2]}" for c in ok) + " |")
     print("|---|" + "---:|" * len(ok))
     best = {}
     for n in names:
@@ -162,8 +139,8 @@ def main():
     print("\n# best per kernel (registers / spills of that variant):")
     for n in KERNELS:
         if n in best:
-            nw, ns, bv, variant = best[n]
-            print(f"#   {n}: num_warps={nw} num_stages={ns} BV={bv} ({variant}): {results[best[n]][n]:.0f} us; "
+            nw, ns, bv = best[n]
+            print(f"#   {n}: num_warps={nw} num_stages={ns} BV={bv}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
 
 

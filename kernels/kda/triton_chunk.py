@@ -13,7 +13,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
        units), s = -lower_bound (2 if unset), so appending tokens cannot move C; otherwise exact pairwise exponents,
        one column at a time in fp32 (any g, including -1000).
    (Tried and measured on an H200, then removed: block-by-block Gamma re-reads (v2), reloaded tiles (v4), and one
-   program per 16-row sub-chunk looping over K blocks ("rows"): all slower, benchmarks/RESULTS.md sessions 2-4.)
+   program per 16-row sub-chunk looping over K blocks ("rows"): all slower, benchmarks/RESULTS.md sessions 2-4.
+   Also removed (issue 4): steps 1 and 2 in one kernel, L kept in registers: 1.2-1.5x slower on the H200.)
 2. `_solve_kernel`: M = (I + L)^-1 by fp32 forward substitution on each diagonal 16 x 16 block and block-inverse
    merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
 3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v).
@@ -62,20 +63,6 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
 }
 
 
-# Intra-chunk + solve forward variant, read by chunk_fwd_pipeline (the forward and the backward's recompute):
-# "split" (default): `_intra_kernel` writes L to an fp32 buffer, `_solve_kernel` reads it back and inverts it;
-# "fused": one kernel (triton_intra_solve.py) computes M = (I + L)^-1 from L in registers (issue 4; H200 timing
-# pending in benchmarks/kda.py --intra-solve split fused).
-FWD_INTRA = "split"
-
-
-def fwd_intra() -> str:
-    """FWD_INTRA, checked: "split" or "fused"."""
-    if FWD_INTRA not in ("split", "fused"):
-        raise ValueError(f"triton_chunk.FWD_INTRA must be 'split' or 'fused', got {FWD_INTRA!r}; set one of those")
-    return FWD_INTRA
-
-
 def launch_opts(name: str) -> dict[str, int]:
     """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
@@ -98,7 +85,7 @@ def _intra_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, 
     b_G, b_G3, b_kall = _chunk_gamma_keys(k, g, Gam, start, n_valid, i_h, i_hv, H, HV, K, BK, BT, BC, NC)
     for s in tl.static_range(NC):  # L stored by the helper, as soon as each block exists
         _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid, i_h, i_hv, scale, shift, s, H, HV,
-                        K, BK, BT, BC, NC, SAFE, STORE_AKK, True, PREC)
+                        K, BK, BT, BC, NC, SAFE, STORE_AKK, PREC)
 
 
 @triton.jit
@@ -334,7 +321,6 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                        cu_host=None):
     """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
-    Lkk is None with FWD_INTRA = "fused" (L stays in registers; nothing reads it but `_solve_kernel`);
     with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped).
     cu_host: cu_seqlens as host ints, or None (chunk_layout)."""
     B, T, H, K = q.shape
@@ -351,10 +337,9 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     varlen = cu_seqlens is not None
     T_all = B * T
     f32 = torch.float32
-    fused = fwd_intra() == "fused"
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": None if fused else torch.empty(T_all, HV, BT, dtype=f32, device=dev),
+         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
          "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if for_backward else None,
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "w": torch.empty(T_all, HV, K, dtype=dt, device=dev),
@@ -370,19 +355,13 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     common = {"VARLEN": varlen, "PREC": prec}
     Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
                                                                  "hbuf", "o", "ht"))
-    Akk = r["Akk"] if for_backward else Gam if fused else Lkk  # unused placeholders when STORE_AKK is off
+    Akk = r["Akk"] if for_backward else Lkk  # unused placeholder when STORE_AKK is off
     intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
              "STORE_AKK": for_backward, **common}
-    if fused:  # one program: Gamma, Aqk, Akk and M = (I + L)^-1, L kept in registers (triton_intra_solve.py)
-        from . import triton_intra_solve as fused_mod  # imported here: that module imports this one
-
-        fused_mod._intra_solve_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Akk, Mm, chunk_indices, cu, float(scale),
-                                                    shift, T, NT, **intra, **fused_mod.LAUNCH["intra_solve"])
-    else:
-        _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
-                                    **intra, **launch_opts("intra"))
-        _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
-                                    **launch_opts("solve"))
+    _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
+                                **intra, **launch_opts("intra"))
+    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
+                                **launch_opts("solve"))
     BVu = v_block("wu", V, BK)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
                              BV=BVu, BT=BT, **common, **launch_opts("wu"))

@@ -1,6 +1,6 @@
-"""Triton helpers shared by the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py
-backward): a program's chunk or sequence bounds (padded and varlen layouts) and the diagonal 16 x 16 block of the
-intra-chunk step. Legend as in triton_chunk.py.
+"""Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): a program's
+chunk or sequence bounds (padded and varlen layouts, both directions) and the forward's intra-chunk step (Gamma
+prologue, the rows of one sub-chunk, the diagonal 16 x 16 block). Legend as in triton_chunk.py.
 """
 
 from __future__ import annotations
@@ -92,13 +92,11 @@ def _chunk_gamma_keys(k, g, Gam, start, n_valid, i_h, i_hv, H: tl.constexpr, HV:
 def _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid, i_h, i_hv, scale, shift,
                     s: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                    STORE_AKK: tl.constexpr, STORE_L: tl.constexpr, PREC: tl.constexpr):
-    """Rows of sub-chunk s of a chunk (the intra-chunk step of triton_chunk._intra_kernel and
-    triton_intra_solve._intra_solve_kernel): store Aqk (with STORE_AKK also Akk, with STORE_L also L into Lkk) for
-    them; return L's row block [BC, BT] (beta applied; zero from column s * BC on) and its diagonal block L_ss
-    [BC, BC] (strictly lower). Each block is stored as soon as it exists, in the order the split kernel always used:
-    storing L after the helper returned lengthened live ranges enough to double the spills at K = 128 (ptxas for
-    sm_90a: 620 -> 1508 B of spill stores).
+                    STORE_AKK: tl.constexpr, PREC: tl.constexpr):
+    """Rows of sub-chunk s of a chunk (the intra-chunk step of triton_chunk._intra_kernel): store their rows of
+    Aqk [BC, BT], of L = diag(beta) k k^T with decay into Lkk (fp32, strictly lower) and, with STORE_AKK, of Akk.
+    Each block is stored as soon as it exists: storing L later lengthened live ranges enough to double the spills at
+    K = 128 (ptxas for sm_90a: 620 -> 1508 B of spill stores).
     Off-diagonal columns j < s * BC: one dot with the anchor Gamma_n = first row of sub-chunk s, query factor
     exp2(Gamma_i - Gamma_n) <= 1, key factor exp2(Gamma_n - Gamma_j) <= 1 (kda.md 3.3); the diagonal block by
     `_diag_block`."""
@@ -133,15 +131,12 @@ def _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid
     tl.store(Aqk + p_A, b_Aoff.to(Aqk.dtype.element_ty), mask=m_store)
     if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
         tl.store(Akk + p_A, b_Loff, mask=m_store)
-    b_Lr = b_Loff * b_b[:, None]
-    if STORE_L:
-        tl.store(Lkk + p_A, b_Lr, mask=m_store)
+    b_Lr = b_Loff * b_b[:, None]  # named before the store: this order gives the PTX the kernel was tuned with
+    tl.store(Lkk + p_A, b_Lr, mask=m_store)
     b_Ad, b_Ld = _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC, SAFE, PREC)  # diagonal 16 x 16 block
     p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
     tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
     if STORE_AKK:
         tl.store(Akk + p_D, b_Ld, mask=m_s[:, None])
     b_Ld = b_Ld * b_b[:, None]
-    if STORE_L:
-        tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])
-    return b_Lr, b_Ld
+    tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])

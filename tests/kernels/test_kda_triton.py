@@ -2,10 +2,9 @@
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set per test), so shapes are tiny: T <= 80,
 H <= 2, D in {32, 60}. Gradients (Triton chunk backward, triton_chunk_bwd.py) are checked against autograd through
-the float64 recurrence with the kda.md 6.2 thresholds. On a CUDA machine the same tests run on the GPU in fp32 and bf16. Outputs are allocated with
-torch.empty, which conftest NaN-poisons, so any element a kernel fails to write fails the comparison.
-The chunk forward and gradient tests run both intra + solve forward variants (fixture `fwd_intra`: "split",
-"fused"); test_kda_intra_solve.py compares the two variants' intermediates directly.
+the float64 recurrence with the kda.md 6.2 thresholds. On a CUDA machine the same tests run on the GPU in fp32 and
+bf16. Outputs are allocated with torch.empty, which conftest NaN-poisons, so any element a kernel fails to write fails
+the comparison.
 Metric (kda.md 6.1): pass if max |ref - out| <= 1e-6, else no NaN and rms(ref - out) / (rms(ref) + 1e-8) < ratio.
 """
 
@@ -53,17 +52,6 @@ def _triton_backend(monkeypatch, triton_cpu):
     assert dispatch.kernel_backend() == "triton"
     yield
     dispatch.kernel_backend.cache_clear()
-
-
-
-@pytest.fixture(params=["split", "fused"])
-def fwd_intra(request, monkeypatch):
-    """The intra-chunk + solve forward variant (triton_chunk.FWD_INTRA), used by the forward and by the backward's
-    recompute: "split" (two kernels, default) or "fused" (triton_intra_solve.py). Restored after each test."""
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setattr(triton_chunk, "FWD_INTRA", request.param)
-    return request.param
 
 
 def make_inputs(B, T, H, HV, K, V, dtype, N=None):
@@ -222,7 +210,7 @@ CHUNK_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe", CHUNK_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in CHUNK_CASES])
-def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype, fwd_intra):
+def test_chunk_forward_matches_naive(B, T, H, HV, D, BT, safe, dtype):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype)
     ro, rs = naive64(q, k, v, g, beta, h0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=BT, safe_gate=safe,
@@ -274,7 +262,7 @@ GRAD_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, initial state, loss th
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final", GRAD_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}-{'h0' if c[7] else 'noh0'}-"
                               f"{'dht' if c[8] else 'nodht'}" for c in GRAD_CASES])
-def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype, fwd_intra):
+def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype):
     """Triton forward + Triton backward: gradients of q, k, v, g, beta and h0 vs autograd through the recurrence."""
     q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
@@ -283,7 +271,7 @@ def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype,
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
-def test_chunk_gradients_varlen(fwd_intra):
+def test_chunk_gradients_varlen():
     """cu_seqlens with an empty sequence and a partial last chunk; dh0 per sequence."""
     cu = [0, 15, 15, 80]
     q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, 32, 32, torch.float32, N=3)
