@@ -1,9 +1,10 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--decode-sweep] [--bwd-inter-bk 256 64]`. `--only 16,2048,32,64` times just
-those chunk shapes. `--bwd-inter-bk` times k3 once per K block of the backward inter kernel
-(triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]) in the same process, one table row each; default: the library default.
+[--only B,T,H,D ...] [--fwd-only] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]`.
+`--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
+of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]) in the same process,
+one table row per pair; default: the library defaults.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -168,9 +169,12 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
     ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
+    ap.add_argument("--bwd-intra-bk", nargs="+", type=int, default=None, help="K blocks of the backward intra "
+                    "kernel (one program per chunk, head and K block) to time side by side (default: the library's)")
     args = ap.parse_args()
-    default_bk = triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"]
-    bks = args.bwd_inter_bk or [default_bk]
+    launch = triton_chunk_bwd.LAUNCH
+    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"])
+    bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]]))
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -186,7 +190,7 @@ def main():
     if args.only:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.only]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 bwd-inter BK | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 bwd BK inter / intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
@@ -202,17 +206,17 @@ def main():
                   f"{fla_fb:.3f} ms", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
-        for bk in bks:  # k3 per K block, same inputs, same process
-            triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = bk
+        for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
+            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {bk} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
-        triton_chunk_bwd.LAUNCH["bwd_inter"]["BK"] = default_bk
+        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

@@ -1,7 +1,7 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64]`. Every configuration (num_warps,
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32]`. Every configuration (num_warps,
 num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
 (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -99,9 +99,13 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
+    ap.add_argument("--bwd-intra-bk", type=int, default=None, help="K block of the backward intra kernel (one "
+                    "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
     args = ap.parse_args()
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
+    if args.bwd_intra_bk:
+        bwd_mod.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
     B, T, H, D = ints(args.shape)
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -111,7 +115,7 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"backward inter K block {bwd_mod.LAUNCH['bwd_inter']['BK']}")
+          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
     results = {}
     names = [*KERNELS, "torch ops", "total"]

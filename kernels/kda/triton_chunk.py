@@ -24,10 +24,17 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
-Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py: recompute of Gamma, Aqk, Akk, M,
-w, u, v_new, h by `chunk_fwd_pipeline`, then reverse state scan, inter-chunk and intra-chunk gradient kernels).
-K3_KDA_BWD selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the interpreter in fp32 and on
-an H200 in fp32 and bf16) or "torch", which recomputes the forward with the PyTorch implementation (chunk.py,
+Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
+(grad mode on and an input requiring grad) also stores Akk = k k^T with decay (no beta, fp32) from the intra kernel
+(STORE_AKK) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
+v_new and the states, in fp32) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
+Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
+bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
+Aqk and Akk and recomputes w, u and h in its backward). A forward without gradients (inference) stores no Akk and
+keeps nothing.
+K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the
+interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
+(not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,
 hand-written blockwise backward) and returns its gradients, at PyTorch speed.
 The in-kernel steps run around the core under autograd: the q/k L2 norm as one Triton pass each way
 (triton_l2norm.py), the gate and the beta sigmoid as PyTorch ops.
@@ -317,51 +324,40 @@ def _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host=None):
     return len(lens), 0, NT_all, chunk_indices, chunk_offsets, cu
 
 
-def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, for_backward=False,
-                       cu_host=None):
-    """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
-    Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
-    with `for_backward` also Akk (k k^T with decay, no beta, fp32), and no output (o is None, its kernel skipped).
-    cu_host: cu_seqlens as host ints, or None (chunk_layout)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    dev, dt = q.device, q.dtype
-    BT, BC = chunk_size, SUB_CHUNK
-    NC = BT // BC
-    BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
-    prec = "ieee" if dt == torch.float32 else "tf32"
-    q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
-    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
+def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
+    """chunk_layout with the varlen index tensors replaced by `placeholder` when there is no varlen (the kernels
+    take them as arguments and ignore them under VARLEN=False)."""
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host)
     if cu_seqlens is None:
-        chunk_indices = chunk_offsets = cu = q  # unused placeholders (VARLEN=False)
-    varlen = cu_seqlens is not None
+        chunk_indices = chunk_offsets = cu = placeholder
+    return N, NT, NT_all, chunk_indices, chunk_offsets, cu
+
+
+def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None):
+    """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
+    The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
+    Mm its forward saved).
+
+    k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] fp32; Gam: [T_all, HV, K] fp32 (log2 units);
+    Mm: [T_all, HV, BT] = (I + L)^-1 per chunk, in the input dtype (the dtype of w, u, v_new); h0: [N, HV, K, V] fp32
+    or None. Returns (w [T_all, HV, K], u [T_all, HV, V], vnew [T_all, HV, V] in Mm.dtype, hbuf [NT_all, HV, K, V]
+    = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32). cu_host: as chunk_layout."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev, dt = k.device, Mm.dtype
+    BT = chunk_size
+    BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
+    k, v, beta = k.to(dt).contiguous(), v.to(dt).contiguous(), beta.contiguous()
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, k)
     T_all = B * T
-    f32 = torch.float32
-    r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
-         "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
-         "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if for_backward else None,
-         "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "w": torch.empty(T_all, HV, K, dtype=dt, device=dev),
-         "u": torch.empty(T_all, HV, V, dtype=dt, device=dev),
-         "vnew": torch.empty(T_all, HV, V, dtype=dt, device=dev),
-         "hbuf": torch.empty(NT_all, HV, K, V, dtype=f32 if h_fp32 else dt, device=dev),
-         "o": None if for_backward else torch.empty(B, T, HV, V, dtype=v.dtype, device=dev),
-         "ht": torch.empty(N, HV, K, V, dtype=f32, device=dev)}
+    w = torch.empty(T_all, HV, K, dtype=dt, device=dev)
+    u, vnew = (torch.empty(T_all, HV, V, dtype=dt, device=dev) for _ in range(2))
+    hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     if NT_all == 0 or HV == 0:
-        r["ht"].copy_(h0 if h0 is not None else torch.zeros_like(r["ht"]))
-        return r
-    shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
-    common = {"VARLEN": varlen, "PREC": prec}
-    Gam, Aqk, Lkk, Mm, w, u, vnew, hbuf, o, ht = (r[n] for n in ("Gam", "Aqk", "Lkk", "Mm", "w", "u", "vnew",
-                                                                 "hbuf", "o", "ht"))
-    Akk = r["Akk"] if for_backward else Lkk  # unused placeholder when STORE_AKK is off
-    intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-             "STORE_AKK": for_backward, **common}
-    _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
-                                **intra, **launch_opts("intra"))
-    _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
-                                **launch_opts("solve"))
+        ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
+        return w, u, vnew, hbuf, ht
+    common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
                              BV=BVu, BT=BT, **common, **launch_opts("wu"))
@@ -370,12 +366,50 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](k, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
                                                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
                                                STORE_HT=True, **common, **launch_opts("scan"))
-    if for_backward:
-        return r
-    BVo = v_block("output", V, BK)
-    _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu, float(scale),
-                                                      T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVo, BT=BT, **common,
-                                                      **launch_opts("output"))
+    return w, u, vnew, hbuf, ht
+
+
+def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
+                       cu_host=None):
+    """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
+    Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
+    Akk (k k^T with decay, no beta, fp32 [T_all, HV, BT]) with `store_akk` (a training forward: the backward reads
+    it), else None. cu_host: cu_seqlens as host ints, or None (chunk_layout)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev, dt = q.device, q.dtype
+    BT, BC = chunk_size, SUB_CHUNK
+    NC = BT // BC
+    BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
+    q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
+    _N, NT, NT_all, chunk_indices, _, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, q)
+    T_all = B * T
+    f32 = torch.float32
+    r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
+         "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
+         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
+         "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if store_akk else None,
+         "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
+         "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
+    launch = NT_all > 0 and HV > 0
+    common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
+    Gam, Aqk, Lkk, Mm = r["Gam"], r["Aqk"], r["Lkk"], r["Mm"]
+    if launch:
+        shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
+        Akk = r["Akk"] if store_akk else Lkk  # unused placeholder when STORE_AKK is off
+        intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
+                 "STORE_AKK": store_akk, **common}
+        _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
+                                    **intra, **launch_opts("intra"))
+        _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
+                                    **launch_opts("solve"))
+    r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"] = chunk_fwd_states(
+        k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
+    if launch:
+        BVo = v_block("output", V, BK)
+        _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
+                                                          cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+                                                          BV=BVo, BT=BT, **common, **launch_opts("output"))
     return r
 
 
@@ -390,34 +424,52 @@ def chunk_fwd_triton(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_
 
 
 class _ChunkKDATriton(torch.autograd.Function):
-    """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute).
+    """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute), read when the
+    forward runs with gradients needed (cfg["grad"]: grad mode at the call, and some input requires grad).
 
     q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
-    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient)."""
+    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient).
+
+    Kept for the backward (ctx.bwd):
+      None (inference): nothing, and the intra kernel stores no Akk.
+      "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
+        Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. The backward recomputes only w, u, v_new
+        and the fp32 states (chunk_fwd_states). Per token and value head that is Gam 4K bytes + Aqk 2 BT + Akk 4 BT
+        + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no intra or solve kernel in the
+        backward. The same policy as fla-core 0.6.0's `ChunkKDAFunction` (fla.ops.kda.chunk), which saves the gate
+        cumsum, Aqk and Akk from its forward and recomputes w, u and h in its backward.
+      "torch": q, k, v, g, beta, h0 (the PyTorch backward recomputes everything from them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cfg):
-        o, ht, hbuf = chunk_fwd_triton(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
-                                       chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"],
-                                       h_fp32=cfg["h_fp32"], cu_host=cfg["cu_host"])
-        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(hbuf)
-        return o, ht, hbuf
+        r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
+                               chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
+                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"])
+        if ctx.bwd == "triton":
+            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"])
+            ctx.g_dtype = g.dtype
+        elif ctx.bwd == "torch":
+            ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.mark_non_differentiable(r["hbuf"])
+        return r["o"], r["ht"], r["hbuf"]
 
     @staticmethod
     def backward(ctx, do, dht, _dh):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
         cfg = ctx.cfg
-        if backward_impl() == "triton":
+        if ctx.bwd == "triton":
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
-            grads = chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
-                                     chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"])
-            out = [d.to(x.dtype) if d is not None else None for d, x in zip(grads, (q, k, v, g, beta, h0),
-                                                                              strict=True)]
+            q, k, v, beta, h0, Gam, Aqk, Akk, Mm = ctx.saved_tensors
+            grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
+                                     safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
+                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"])
+            dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
+            out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
             return (*out, None)
+        q, k, v, g, beta, h0 = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
             o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
@@ -433,9 +485,10 @@ class _ChunkKDATriton(torch.autograd.Function):
 
 
 def backward_impl() -> str:
-    """Which backward `_ChunkKDATriton` runs: K3_KDA_BWD=triton (default: triton_chunk_bwd.py, which passes the
-    interpreter tests on the CPU and the fp32/bf16 suite on an H200) or K3_KDA_BWD=torch (recompute with the PyTorch
-    path and return its gradients; slower, kept as a cross-check)."""
+    """Which backward `_ChunkKDATriton` runs, read by its forward (which keeps what that backward needs):
+    K3_KDA_BWD=triton (default: triton_chunk_bwd.py, which passes the interpreter tests on the CPU and the fp32/bf16
+    suite on an H200) or K3_KDA_BWD=torch (recompute with the PyTorch path and return its gradients; slower, kept as a
+    cross-check)."""
     name = os.environ.get("K3_KDA_BWD", "triton").strip().lower() or "triton"
     if name not in ("triton", "torch"):
         raise ValueError(f"K3_KDA_BWD must be 'triton' or 'torch', got {name!r}; unset it for the default backward")
@@ -490,7 +543,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu}
+           "cu_host": cu_seqlens_cpu, "grad": torch.is_grad_enabled()}  # the Function's forward runs without it
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None
     if output_final_state:

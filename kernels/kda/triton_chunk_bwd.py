@@ -27,7 +27,10 @@ Kernels:
 3. `_bwd_intra_kernel`, one program per (chunk, value head): the gradient of Aqk and Akk w.r.t. q, k, Gamma per
    16-token sub-chunk: off-diagonal columns with the anchor Gamma_n (first row of the query sub-chunk, both factors
    <= 1), diagonal blocks with the fixed anchor C (safe gate) or exact pairwise exponents; then dg.
-The forward intermediates are recomputed (triton_chunk.chunk_fwd_pipeline with fp32 states), not saved.
+Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
+only w, u, v_new and the states (fp32) are recomputed from them (triton_chunk.chunk_fwd_states), so the backward runs
+no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
+replace g's 4K: fla-core 0.6.0's policy too (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
 All backward arithmetic is fp32; dots run in IEEE fp32 for fp32 inputs and in 'bf16x3' (three bf16 MMAs, near-fp32
 accuracy) for bf16/fp16 inputs, as kda.md 3.3 prescribes for the safe-path backward (HALF_INPUT_PRECISION).
 """
@@ -39,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, chunk_fwd_pipeline, chunk_layout
+from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout
 from .triton_common import _chunk_bounds, _seq_bounds
 
 # 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
@@ -54,7 +57,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # accumulators at K = 128: 4,378 us per fwd+bwd at (8, 4096, 16, 128) with BV 64, against 5,260 for the best
     # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
     "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64},
-    "bwd_intra": {"num_warps": 8, "num_stages": 1},
+    # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
+    # sm_90a, 8 warps; 972 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
+    # --bwd-intra-bk 128 64 32 times the three in one process
+    "bwd_intra": {"num_warps": 8, "num_stages": 1, "BK": 32},
 }
 
 
@@ -198,12 +204,17 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
                       shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
                       VARLEN: tl.constexpr, PREC: tl.constexpr):
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    # one program per (chunk, K block of BK columns, value head), the K blocks of a chunk adjacent in launch order
+    # (they read the same dAq / dAk tiles): every output column k reads only column k of q, k, Gamma, dqs, dkk, dG
+    # (the dots contract over time), so K blocks are independent. At K = 128, BK 32 instead of one 128-wide program
+    # removes the spills (ptxas, sm_90a, 8 warps, bf16x3: 972 B of spill stores per thread at BK 128, 152 at 64,
+    # none at 32) and gives 4x the programs
+    i_t, i_kb, i_hv = tl.program_id(0) // tl.cdiv(K, BK), tl.program_id(0) % tl.cdiv(K, BK), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
-    o_k = tl.arange(0, BK)
+    o_k = i_kb * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     o_c = tl.arange(0, BC)
@@ -281,9 +292,13 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
     tl.store(dg_out + p_tk, b_dg, mask=m_tk)
 
 
-def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens):
-    """Gradients of the chunkwise KDA core. q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; g: [B, T, HV, K] fp32;
-    beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None; do: [B, T, HV, V]; dht: [N, HV, K, V].
+def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
+                     cu_host=None):
+    """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
+    q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
+    the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
+    fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. Only w, u, v_new and
+    the fp32 states are recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -292,11 +307,11 @@ def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
     prec = "ieee" if dt == torch.float32 else HALF_INPUT_PRECISION
-    r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=scale, safe_shift=safe_shift, chunk_size=BT,
-                           cu_seqlens=cu_seqlens, h_fp32=True, for_backward=True)
+    w, u, vnew, hbuf, _ = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
+                                           h_fp32=True, cu_host=cu_host)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
-    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev)
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
     varlen = cu_seqlens is not None
     if not varlen:
         chunk_indices = chunk_offsets = cu = q  # unused placeholders
@@ -323,19 +338,21 @@ def chunk_bwd_triton(q, k, v, g, beta, h0, do, dht, *, scale, safe_shift, chunk_
     else:
         common = {"VARLEN": varlen, "PREC": prec}
         BVs = _bv("bwd_scan", V)
-        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, r["w"], r["Gam"], r["Aqk"], do, dht, dvn, dhs, dh0, cu,
+        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
                                                        chunk_offsets, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                                        BK=BK, BV=BVs, BT=BT, **_opts("bwd_scan"), **common)
         BVi = _bv("bwd_inter", V)
-        _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, r["Gam"], r["Akk"], r["Mm"], r["w"], r["u"], r["vnew"],
-                                        r["hbuf"], dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db, chunk_indices, cu,
-                                        float(scale), T, NT, H=H, HV=HV, K=K, V=V,
+        _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
+                                        dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, **_opts("bwd_inter"),
                                         **common)
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
-        _bwd_intra_kernel[(NT_all, HV)](q, k, r["Gam"], dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu,
-                                        float(scale), shift, T, NT, H=H, HV=HV, K=K, BK=BK, BT=BT, BC=BC,
-                                        NC=BT // BC, SAFE=safe_shift is not None, **_opts("bwd_intra"), **common)
+        BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
+        _bwd_intra_kernel[(NT_all * triton.cdiv(K, BKi), HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
+                                                              chunk_indices, cu, float(scale), shift, T, NT, H=H,
+                                                              HV=HV, K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
+                                                              SAFE=safe_shift is not None, **_opts("bwd_intra"),
+                                                              **common)
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K).to(dt)
     else:

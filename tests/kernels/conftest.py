@@ -57,3 +57,15 @@ def triton_cpu(monkeypatch, single_thread):
     """Triton kernels on a CPU: TRITON_INTERPRET=1 for the test (restored after); nothing on a CUDA machine."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def triton_kda_backward(monkeypatch, triton_cpu):
+    """The Triton kernels with the Triton KDA backward (K3_KERNELS=triton, K3_KDA_BWD=triton) for one test."""
+    from k3.kernels import dispatch
+
+    monkeypatch.setenv("K3_KERNELS", "triton")
+    monkeypatch.setenv("K3_KDA_BWD", "triton")
+    dispatch.kernel_backend.cache_clear()
+    yield
+    dispatch.kernel_backend.cache_clear()

@@ -14,19 +14,12 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
-from k3.kernels import dispatch
 from k3.kernels.kda import chunk_kda, l2norm, triton_chunk_bwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _triton_backward(monkeypatch, triton_cpu):
-    monkeypatch.setenv("K3_KERNELS", "triton")
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
-    dispatch.kernel_backend.cache_clear()
-    yield
-    dispatch.kernel_backend.cache_clear()
+pytestmark = pytest.mark.usefixtures("triton_kda_backward")  # tests/kernels/conftest.py
 
 
 def _grads(monkeypatch, bk, *, T, HV, D, BT, safe, cu=None):

@@ -1,0 +1,177 @@
+"""What the Triton KDA chunk forward keeps for its backward (triton_chunk._ChunkKDATriton, issue 4).
+
+A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M; the backward then
+launches no intra or solve kernel, only w/u and the state scan (chunk_fwd_states) before its three gradient kernels.
+An inference forward (no_grad, or no input requiring grad) stores no Akk and saves nothing. Kernel launches are
+counted by wrapping the module-level kernels (the launch code looks them up at call time); what is saved is read
+from the autograd node and from a spy on save_for_backward. Gradients: bitwise equal to the previous full-recompute
+backward (the forward pipeline rerun with Akk and fp32 states, then chunk_bwd_triton on its Gamma, Aqk, Akk, M);
+test_kda_triton.py checks them against the float64 recurrence. CPU: Triton's interpreter (tiny shapes).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+# after the skip; conftest imported the kernel modules under the interpreter on a CPU
+from k3.kernels.kda import chunk_kda, l2norm, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda.chunk import SUB_CHUNK
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FWD = ("_intra_kernel", "_solve_kernel", "_wu_kernel", "_scan_kernel", "_output_kernel")
+BWD = ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel")
+LB = -5.0  # lower bound of the safe-gate cases
+
+
+pytestmark = pytest.mark.usefixtures("triton_kda_backward")  # tests/kernels/conftest.py
+
+
+class _Counted:
+    """A kernel whose launches `kernel[grid](...)` are logged as (name, STORE_AKK or None), then run."""
+
+    def __init__(self, name, kernel, log):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.log.append((self.name, kwargs.get("STORE_AKK")))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The list every forward and backward kernel launch is appended to."""
+    log = []
+    for mod, names in ((triton_chunk, FWD), (triton_chunk_bwd, BWD)):
+        for name in names:
+            monkeypatch.setattr(mod, name, _Counted(name, getattr(mod, name), log))
+    return log
+
+
+@pytest.fixture
+def saves(monkeypatch):
+    """The tensors of every save_for_backward call made by _ChunkKDATriton's forward."""
+    calls = []
+    real = torch.autograd.function.FunctionCtx.save_for_backward
+
+    def spy(ctx, *tensors):
+        if type(ctx).__name__.startswith("_ChunkKDATriton"):
+            calls.append(tensors)
+        return real(ctx, *tensors)
+
+    monkeypatch.setattr(torch.autograd.function.FunctionCtx, "save_for_backward", spy)
+    return calls
+
+
+def _inputs(T=40, HV=2, D=32, N=1, dtype=torch.float32):
+    """q, k (L2-normalized), v, g = logsigmoid (>= LB after the clamp), beta, h0 on DEV."""
+    q, k = l2norm(torch.rand(1, T, 1, D)), l2norm(torch.rand(1, T, 1, D))
+    v = torch.rand(1, T, HV, D)
+    g = F.logsigmoid(torch.randn(1, T, HV, D)).clamp_min(LB)
+    beta = torch.randn(1, T, HV).sigmoid()
+    h0 = torch.randn(N, HV, D, D)
+    return [x.to(DEV, dtype) for x in (q, k, v)] + [g.to(DEV), beta.to(DEV, dtype), h0.to(DEV)]
+
+
+def _run(xs, *, BT=32, safe=True, cu=None):
+    return chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=BT, safe_gate=safe,
+                     lower_bound=LB if safe else None, cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
+
+
+def _kda_node(o):
+    """The _ChunkKDATriton node of o's autograd graph."""
+    todo, seen = [o.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.startswith("_ChunkKDATriton"):
+            return node
+        todo.extend(n for n, _ in node.next_functions)
+    raise AssertionError("no _ChunkKDATriton node in the graph of o")
+
+
+def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_solve(launches, saves):
+    T, HV, D, BT = 40, 2, 32, 32
+    xs = [x.requires_grad_() for x in _inputs(T, HV, D)]
+    o, s = _run(xs, BT=BT)
+    assert launches == [("_intra_kernel", True), ("_solve_kernel", None), ("_wu_kernel", None),
+                        ("_scan_kernel", None), ("_output_kernel", None)]
+    assert len(saves) == 1 and len(saves[0]) == 9
+    saved = _kda_node(o).saved_tensors
+    q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved
+    assert [x.shape for x in (q, k, v, beta, h0)] == [xs[i].shape for i in (0, 1, 2, 4, 5)]
+    assert Gam.shape == (T, HV, D) and Gam.dtype == torch.float32
+    assert Aqk.shape == Akk.shape == Mm.shape == (T, HV, BT)
+    assert (Aqk.dtype, Akk.dtype, Mm.dtype) == (q.dtype, torch.float32, q.dtype)
+    assert not any(x is not None and x.data_ptr() == xs[3].data_ptr() for x in saved), "g is kept alive"
+    assert torch.isfinite(Akk).all(), "Akk not written by the forward's intra kernel (NaN-poisoned empty)"
+    launches.clear()
+    torch.autograd.grad((o.sum() + s.sum()), xs)
+    assert launches == [("_wu_kernel", None), ("_scan_kernel", None), ("_bwd_scan_kernel", None),
+                        ("_bwd_inter_kernel", None), ("_bwd_intra_kernel", None)]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "no_input_requires_grad"])
+def test_inference_forward_stores_no_akk_and_saves_nothing(launches, saves, mode):
+    xs = _inputs()
+    if mode == "no_grad":
+        xs = [x.requires_grad_() for x in xs]
+        with torch.no_grad():
+            o, s = _run(xs)
+    else:
+        o, s = _run(xs)
+    assert o.grad_fn is None
+    assert launches == [("_intra_kernel", False), ("_solve_kernel", None), ("_wu_kernel", None),
+                        ("_scan_kernel", None), ("_output_kernel", None)]
+    assert saves == []
+    o_train, s_train = _run([x.detach().requires_grad_() for x in xs])  # storing Akk changes no output
+    assert torch.equal(o, o_train.detach()) and torch.equal(s, s_train.detach())
+
+
+def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launches, saves):
+    monkeypatch.setenv("K3_KDA_BWD", "torch")
+    xs = [x.requires_grad_() for x in _inputs()]
+    o, s = _run(xs)
+    assert launches[0] == ("_intra_kernel", False)
+    assert len(saves) == 1 and len(saves[0]) == 6
+    assert saves[0][3].data_ptr() == xs[3].data_ptr()  # g itself, for the PyTorch recompute
+    launches.clear()
+    grads = torch.autograd.grad(o.sum() + s.sum(), xs)
+    assert launches == [] and all(torch.isfinite(d).all() for d in grads)
+
+
+def _old_full_recompute(xs, do, dht, *, BT, safe, cu):
+    """The backward before issue 4: rerun the whole forward pipeline (Akk stored, fp32 states), then the gradient
+    kernels on its Gamma, Aqk, Akk and M."""
+    q, k, v, g, beta, h0 = (x.detach() for x in xs)
+    beta = beta.float()
+    K = q.shape[-1]
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    shift = (SUB_CHUNK - 1) * -LB / 2 if safe else None  # chunk_kda_triton's safe_shift for lower_bound LB
+    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=K**-0.5, safe_shift=shift, chunk_size=BT,
+                                        cu_seqlens=cu_t, h_fp32=True, store_akk=True)
+    return triton_chunk_bwd.chunk_bwd_triton(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], do, dht,
+                                             scale=K**-0.5, safe_shift=shift, chunk_size=BT, cu_seqlens=cu_t)
+
+
+@pytest.mark.parametrize("safe,cu", [(True, None), (False, None), (True, [0, 9, 9, 40])],
+                         ids=["safe", "exact", "varlen"])
+def test_gradients_equal_the_full_recompute_backward(safe, cu):
+    xs = [x.requires_grad_() for x in _inputs(N=1 if cu is None else len(cu) - 1)]
+    o, s = _run(xs, safe=safe, cu=cu)
+    do, dht = torch.randn_like(o), torch.randn_like(s)
+    new = torch.autograd.grad((o * do).sum() + (s * dht).sum(), xs)
+    old = _old_full_recompute(xs, do, dht, BT=32, safe=safe, cu=cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), new, old, strict=True):
+        assert torch.equal(a, b.to(a.dtype)), f"{name} differs from the full-recompute backward"
