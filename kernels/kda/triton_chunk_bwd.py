@@ -58,7 +58,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
     "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64},
     # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
-    # sm_90a, 8 warps; 972 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
+    # sm_90a, 8 warps; 740 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
     # --bwd-intra-bk 128 64 32 times the three in one process
     "bwd_intra": {"num_warps": 8, "num_stages": 1, "BK": 32},
 }
@@ -207,7 +207,7 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
     # one program per (chunk, K block of BK columns, value head), the K blocks of a chunk adjacent in launch order
     # (they read the same dAq / dAk tiles): every output column k reads only column k of q, k, Gamma, dqs, dkk, dG
     # (the dots contract over time), so K blocks are independent. At K = 128, BK 32 instead of one 128-wide program
-    # removes the spills (ptxas, sm_90a, 8 warps, bf16x3: 972 B of spill stores per thread at BK 128, 152 at 64,
+    # removes the spills (ptxas, sm_90a, 8 warps, bf16x3: 740 B of spill stores per thread at BK 128, 120 at 64,
     # none at 32) and gives 4x the programs
     i_t, i_kb, i_hv = tl.program_id(0) // tl.cdiv(K, BK), tl.program_id(0) % tl.cdiv(K, BK), tl.program_id(1)
     i_h = i_hv // (HV // H)
