@@ -1,0 +1,117 @@
+"""Registers and spills of every Triton KDA chunk kernel for an H200 (sm_90a), without a GPU.
+
+Run anywhere Triton is installed (never in tests): `python benchmarks/kda_ptxas.py [--shape K,V,BT] [--intra-bk 32]`.
+Each kernel is compiled by Triton's own front end for sm_90a with the launch settings of triton_chunk.LAUNCH /
+triton_chunk_bwd.LAUNCH and the specialisation a GPU launch gets (pointers 16-byte aligned, T and NT multiples of
+16), then Triton's bundled `ptxas -v` reports registers and spill bytes per thread. Compiled this way, the forward
+kernels' registers match what the H200 reported for the same settings (w/u 148, scan 229-230, output 96, solve 115;
+RESULTS.md session 4); without the alignment hints they do not (w/u 255 with 1,148 B spilled). A prediction tool for
+kernel changes between GPU calls: spills cost time on the H200, but fewer spills are not always faster
+(RESULTS.md: the "rows" intra variant had none and lost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("kda_ptxas.py compiles for the GPU: unset TRITON_INTERPRET")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from k3.kernels.kda import triton_chunk as F
+from k3.kernels.kda import triton_chunk_bwd as B
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+
+
+def signature(fn, consts: dict, override: dict) -> dict[str, str]:
+    """Triton types of fn's arguments for a bf16 run (fp32 for gates, Gamma, L, Akk, states and gradients)."""
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in override:
+            sig[a] = override[a]
+        elif a in SCALARS:
+            sig[a] = SCALARS[a]
+        else:
+            sig[a] = "*i32" if a in INDEX else "*bf16" if a in HALF else "*fp32"
+    return sig
+
+
+def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread of fn compiled for sm_90a."""
+    sig = signature(fn, consts, override or {})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if sig[a].startswith("*") or a in ("T", "NT")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=aligned)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return regs, int(spills.group(1)), int(spills.group(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="128,128,64", help="K,V,BT (head dims and chunk size)")
+    ap.add_argument("--intra-bk", type=int, default=None, help="K block of the backward intra kernel (default: "
+                    "triton_chunk_bwd.LAUNCH)")
+    args = ap.parse_args()
+    K, V, BT = (int(x) for x in args.shape.split(","))
+    BK = max(16, triton.next_power_of_2(K))
+    heads = {"H": 16, "HV": 16}
+    intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"}
+    kv = {**heads, "K": K, "V": V, "BK": BK, "BT": BT, "VARLEN": False, "PREC": "tf32"}
+    bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}
+    bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
+    bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
+    rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
+        ("intra, safe gate (inference)", F._intra_kernel, {**intra, "SAFE": True, "STORE_AKK": False},
+         F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, safe gate (training: Akk)", F._intra_kernel, {**intra, "SAFE": True, "STORE_AKK": True},
+         F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, exact gate (training)", F._intra_kernel, {**intra, "SAFE": False, "STORE_AKK": True},
+         F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
+         F.launch_opts("solve"), {"Mout": "*bf16"}),
+        ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"]}, F.launch_opts("wu"), {}),
+        ("state scan (bf16 states)", F._scan_kernel, {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True},
+         F.launch_opts("scan"), {"hbuf": "*bf16"}),
+        ("state scan (fp32 states: backward)", F._scan_kernel,
+         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True}, F.launch_opts("scan"), {}),
+        ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
+        ("bwd scan", B._bwd_scan_kernel, {**bwd, "BV": B._bv("bwd_scan", V)}, B._opts("bwd_scan"), {}),
+        ("bwd inter", B._bwd_inter_kernel,
+         {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
+          "BV": B._bv("bwd_inter", V)}, B._opts("bwd_inter"), {}),
+        (f"bwd intra (K block {bki})", B._bwd_intra_kernel,
+         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True},
+         B._opts("bwd_intra"), {}),
+    ]
+    print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
+    print("| kernel | num_warps | registers | spill stores B | spill loads B |")
+    print("|---|---:|---:|---:|---:|")
+    for name, fn, consts, opts, override in rows:
+        regs, st, ld = ptxas(fn, consts, opts, override)
+        print(f"| {name} | {opts['num_warps']} | {regs} | {st} | {ld} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
