@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -19,7 +19,8 @@
 #            (the stacked Muon update)
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
-#   table:   benchmarks/kda.py alone (k3 against fla in one process, issue 4's table), the call's whole time for it
+#   table:   benchmarks/kda.py's first three shapes alone (k3 against fla in one process, issue 4's table); table2,
+#            on the same warm machine: the fourth shape, decode and the decode sweep
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -108,12 +109,21 @@ anchor)
   echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
   ;;
 table)
-  # only benchmarks/kda.py (k3 and fla side by side in one process), with the whole call for fla's first autotuning
-  timeout 560 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  # the first three shapes of benchmarks/kda.py (k3 and fla side by side in one process; fla's first autotuning
+  # takes ~5 minutes on a fresh machine), the backward intra kernel at K blocks 32 (default) and 128 (session 6's
+  # one program per chunk and head) in the same process; then `table2` on the same warm machine (its .triton-cache
+  # keeps fla's autotuning: 30 MB compressed, too large to come back through $OUT)
+  timeout 560 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
+    --bwd-intra-bk 32 128 > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
-  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
+  ;;
+table2)
+  # the fourth shape, then decode (k3 and fla) and the decode launch sweep
+  timeout 500 python3 benchmarks/kda.py --only 16,2048,32,64 --bwd-intra-bk 32 128 --decode-sweep \
+    > "$OUT/kda2.log" 2>&1
+  echo "kda rc=$?"; cat "$OUT/kda2.log"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2" >&2; exit 2
   ;;
 esac

@@ -1,7 +1,7 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]`.
+[--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]) in the same process,
 one table row per pair; default: the library defaults.
@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
+    ap.add_argument("--no-decode", action="store_true", help="time the chunk shapes only (no decode table)")
     ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     ap.add_argument("--bwd-intra-bk", nargs="+", type=int, default=None, help="K blocks of the backward intra "
@@ -220,6 +221,8 @@ def main():
         del xs, do, o_fla
         torch.cuda.empty_cache()
 
+    if args.no_decode:
+        return
     dec = []
     H, D = 16, 128
     for B in DECODE_BATCHES:
