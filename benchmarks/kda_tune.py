@@ -1,14 +1,15 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32]`. Every configuration (num_warps,
-num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--fla]`. Every configuration
+(num_warps, num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
 (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
-table gives each kernel's mean device time per fwd+bwd in microseconds (forward kernels run twice per fwd+bwd: the
-forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts, reductions). The
-best configuration per kernel is starred, and its registers / spilled bytes per thread are printed, so the defaults
-in LAUNCH can be set from one run.
+table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
+fwd+bwd: the forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts,
+reductions). The best configuration per kernel is starred, and its registers / spilled bytes per thread are printed,
+so the defaults in LAUNCH can be set from one run. `--fla` then profiles fla-core's chunk_kda on the same inputs, in
+the same process: its kernels and their time, the stage-by-stage side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 
 os.environ["K3_KERNELS"] = "triton"
 os.environ["K3_KDA_BWD"] = "triton"
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla on its Triton path, as in benchmarks/kda.py
 
 import torch
 import triton
@@ -75,6 +77,26 @@ def profile_once(xs, do, iters: int) -> dict[str, float]:
     return per
 
 
+def profile_fla(xs, do, iters: int) -> list[tuple[str, float, float]]:
+    """fla-core's chunk_kda fwd+bwd on the same inputs: [(kernel, us per fwd+bwd, calls per fwd+bwd)], slowest
+    first (fla's autotuning runs in the warm-up, outside the profile)."""
+    from fla.ops.kda import chunk_kda as fla_chunk
+
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+    def step():
+        fla_chunk(*leaves, **KW)[0].backward(do)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, device_us(e) / iters, e.count / iters) for e in prof.key_averages() if device_us(e) > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def regs_spills(fn_name: str, nw: int, ns: int) -> str:
     """Registers / spilled bytes per thread of the compiled variant with this num_warps / num_stages (best effort:
     reads Triton's in-process compile cache)."""
@@ -101,6 +123,8 @@ def main():
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     ap.add_argument("--bwd-intra-bk", type=int, default=None, help="K block of the backward intra kernel (one "
                     "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
+    ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda fwd+bwd on the same inputs "
+                    "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
     args = ap.parse_args()
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
@@ -146,6 +170,13 @@ def main():
             nw, ns, bv = best[n]
             print(f"#   {n}: num_warps={nw} num_stages={ns} BV={bv}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
+    if args.fla:  # where fla's time goes, same inputs and process: the side-by-side per stage
+        rows = profile_fla(xs, do, args.iters)
+        print(f"\n## fla-core chunk_kda fwd+bwd by kernel, us per fwd+bwd (total {sum(r[1] for r in rows):.0f})")
+        print("| kernel (name cut to 90) | calls | us |")
+        print("|---|---:|---:|")
+        for name, us, calls in rows:
+            print(f"| {name[:90]} | {calls:.0f} | {us:.0f} |")
 
 
 if __name__ == "__main__":
