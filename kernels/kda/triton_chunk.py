@@ -65,7 +65,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     "intra": {"num_warps": 4, "num_stages": 2},
     "solve": {"num_warps": 4, "num_stages": 1},
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
-    "scan": {"num_warps": 4, "num_stages": 2, "BV": 64},
+    # scan: num_stages 1 = the measured setting (its loop was a `while` until session 6, which Triton never
+    # pipelines, so the 2 here had no effect). With tl.range, 2-3 stages pipeline the loads (ptxas, sm_90a: 8 warps,
+    # 2 stages, BV 64 has no spills; 4 warps, 2 stages spills 308 B); untimed: `kda_tune.py --stages 1,2,3`
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -231,8 +234,10 @@ def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T,
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
-    c = 0
-    while c < n_chunks:  # while, not range(): Triton's interpreter cannot range() over a runtime scalar
+    # tl.range, not while: a GPU compile software-pipelines the loop's loads (chunk c + 1's w, u, Gamma, k while chunk
+    # c computes) with the launch's num_stages; a while loop never does. (The interpreter needs the numpy >= 2.4 fix
+    # of tests/kernels/conftest.py for a range over a runtime scalar.)
+    for c in tl.range(0, n_chunks):
         start = bos + c * BT
         n_valid = tl.minimum(eos - start, BT).to(tl.int32)
         m_t = o_t < n_valid
@@ -251,7 +256,6 @@ def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T,
         b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_kg = (b_k.to(tl.float32) * tl.exp2(b_Gl[None, :] - b_G)).to(b_w.dtype)  # zero rows past the end
         b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
-        c += 1
     if STORE_HT:
         tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_kv)
 

@@ -88,8 +88,10 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
     o_t = tl.arange(0, BT)
     p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     b_dh = tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
-    c = n_chunks - 1
-    while c >= 0:  # reverse over the sequence's chunks (while: the interpreter cannot range() a runtime scalar)
+    # reverse over the sequence's chunks; tl.range, not while, so a GPU compile software-pipelines the loads (as in
+    # the forward scan, triton_chunk._scan_kernel)
+    for i_c in tl.range(0, n_chunks):
+        c = n_chunks - 1 - i_c
         start = bos + c * BT
         n_valid = tl.minimum(eos - start, BT).to(tl.int32)
         m_t = o_t < n_valid
@@ -113,7 +115,6 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
         tl.store(dvn + p_tv, b_dvn, mask=m_tv)
         b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
                 - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC))
-        c -= 1
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 
 

@@ -32,11 +32,34 @@ def _import_for_the_interpreter() -> None:
                 "the CPU; run tests/kernels on their own or set TRITON_INTERPRET=1")
         for name in TRITON_MODULES:
             importlib.import_module(name)
+        _scalar_index_for_numpy_2_4()
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def _scalar_index_for_numpy_2_4() -> None:
+    """Let the interpreter loop `for i in tl.range(0, n)` over a runtime scalar n, as compiled kernels do.
+
+    Triton 3.6's interpreter holds a scalar as a 1-element array and turns it into a Python int with int(array),
+    which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"). The kernels' chunk
+    scans use tl.range so that a GPU compile can software-pipeline their loads, a `while` loop cannot. This wraps
+    the interpreter's per-launch tensor patch to read the scalar with .item(); test-only, nothing compiled runs it.
+    """
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "k3_scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+    patched.k3_scalar_index = True
+    interpreter._patch_lang_tensor = patched
 
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
