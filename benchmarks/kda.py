@@ -1,10 +1,12 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]`.
+[--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
+[--bwd-prec bf16x3 tf32]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
-of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]) in the same process,
-one table row per pair; default: the library defaults.
+of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), and `--bwd-prec
+bf16x3 tf32` once per dot precision of the backward scan and inter kernels, in the same process, one table row per
+combination; default: the library defaults.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -172,10 +174,14 @@ def main():
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     ap.add_argument("--bwd-intra-bk", nargs="+", type=int, default=None, help="K blocks of the backward intra "
                     "kernel (one program per chunk, head and K block) to time side by side (default: the library's)")
+    ap.add_argument("--bwd-prec", nargs="+", choices=triton_chunk_bwd.INTER_PRECISIONS, default=None,
+                    help="dot precisions of the backward scan and inter kernels to time side by side (default: the "
+                    "library's)")
     args = ap.parse_args()
     launch = triton_chunk_bwd.LAUNCH
-    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"])
-    bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]]))
+    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
+    bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
+                                 args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -191,7 +197,7 @@ def main():
     if args.only:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.only]
     print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
-    print("| shape (B,T,H,D) | k3 bwd BK inter / intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
@@ -208,16 +214,18 @@ def main():
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
-            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk
+            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk[:2]
+            launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
-        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks
+        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
+        launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

@@ -22,6 +22,7 @@ import tempfile
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("kda_ptxas.py compiles for the GPU: unset TRITON_INTERPRET")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -73,13 +74,17 @@ def main() -> None:
     ap.add_argument("--shape", default="128,128,64", help="K,V,BT (head dims and chunk size)")
     ap.add_argument("--intra-bk", type=int, default=None, help="K block of the backward intra kernel (default: "
                     "triton_chunk_bwd.LAUNCH)")
+    ap.add_argument("--bwd-prec", choices=B.INTER_PRECISIONS, default=None, help="dot precision of the backward "
+                    "scan and inter kernels (default: triton_chunk_bwd.LAUNCH)")
     args = ap.parse_args()
+    if args.bwd_prec:
+        B.LAUNCH["bwd_scan"]["PREC"] = B.LAUNCH["bwd_inter"]["PREC"] = args.bwd_prec
     K, V, BT = (int(x) for x in args.shape.split(","))
     BK = max(16, triton.next_power_of_2(K))
     heads = {"H": 16, "HV": 16}
     intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"}
     kv = {**heads, "K": K, "V": V, "BK": BK, "BT": BT, "VARLEN": False, "PREC": "tf32"}
-    bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}
+    bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}  # the intra kernel; scan and inter take LAUNCH["PREC"] below
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
@@ -97,10 +102,11 @@ def main() -> None:
         ("state scan (fp32 states: backward)", F._scan_kernel,
          {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True}, F.launch_opts("scan"), {}),
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
-        ("bwd scan", B._bwd_scan_kernel, {**bwd, "BV": B._bv("bwd_scan", V)}, B._opts("bwd_scan"), {}),
-        ("bwd inter", B._bwd_inter_kernel,
+        (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
+         {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16)}, B._opts("bwd_scan"), {}),
+        (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
          {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
-          "BV": B._bv("bwd_inter", V)}, B._opts("bwd_inter"), {}),
+          "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),
         (f"bwd intra (K block {bki})", B._bwd_intra_kernel,
          {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True},
          B._opts("bwd_intra"), {}),

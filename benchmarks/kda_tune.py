@@ -1,8 +1,8 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--fla]`. Every configuration
-(num_warps, num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec tf32] [--fla]`.
+Every configuration (num_warps, num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
 (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
 table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
@@ -125,7 +125,11 @@ def main():
                     "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda fwd+bwd on the same inputs "
                     "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
+    ap.add_argument("--bwd-prec", choices=bwd_mod.INTER_PRECISIONS, default=None, help="dot precision of the "
+                    "backward scan and inter kernels (triton_chunk_bwd.LAUNCH)")
     args = ap.parse_args()
+    if args.bwd_prec:
+        bwd_mod.LAUNCH["bwd_scan"]["PREC"] = bwd_mod.LAUNCH["bwd_inter"]["PREC"] = args.bwd_prec
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
@@ -139,7 +143,8 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}")
+          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}; "
+          f"scan / inter dot precision {bwd_mod.LAUNCH['bwd_inter']['PREC']}")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
     results = {}
     names = [*KERNELS, "torch ops", "total"]

@@ -32,7 +32,8 @@ only w, u, v_new and the states (fp32) are recomputed from them (triton_chunk.ch
 no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
 replace g's 4K: fla-core 0.6.0's policy too (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
 All backward arithmetic is fp32; dots run in IEEE fp32 for fp32 inputs and in 'bf16x3' (three bf16 MMAs, near-fp32
-accuracy) for bf16/fp16 inputs, as kda.md 3.3 prescribes for the safe-path backward (HALF_INPUT_PRECISION).
+accuracy) for bf16/fp16 inputs, as kda.md 3.3 prescribes for the safe-path backward (HALF_INPUT_PRECISION). The
+inter-chunk kernels (scan, inter) can run theirs in 'tf32' instead (LAUNCH[...]["PREC"]): their factors are <= 1.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ from .triton_common import _chunk_bounds, _seq_bounds
 NUM_WARPS = 8
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py).
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
+    # PREC (bwd scan and bwd inter, bf16/fp16 inputs): tl.dot input precision of their inter-chunk dots, whose
+    # factors are all <= 1 (no anchored exponents: those are the intra kernel's, which keeps bf16x3 as kda.md 3.3
+    # prescribes). "bf16x3" (three MMAs per dot, the measured default) or "tf32" (one; fewer registers: ptxas,
+    # sm_90a, spill stores 628 -> 76 B in the scan at 8 warps / BV 64, 1,076 -> 640 B in the inter kernel at
+    # 8 warps / K block 64 / BV 64). Untimed: `benchmarks/kda.py --bwd-prec bf16x3 tf32`
+    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16x3"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 4,378 us per fwd+bwd at (8, 4096, 16, 128) with BV 64, against 5,260 for the best
     # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
-    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64},
+    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64, "PREC": "bf16x3"},
     # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
     # sm_90a, 8 warps; 740 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
     # --bwd-intra-bk 128 64 32 times the three in one process
@@ -70,6 +76,22 @@ def _opts(name: str) -> dict[str, int]:
 
 def _bv(name: str, V: int) -> int:
     return max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
+
+
+INTER_PRECISIONS = ("bf16x3", "tf32")  # the choices of LAUNCH["bwd_scan" / "bwd_inter"]["PREC"]
+
+
+def _prec(name: str, dtype: torch.dtype) -> str:
+    """tl.dot input precision of backward kernel `name`: IEEE for fp32 inputs; for bf16/fp16, LAUNCH[name]["PREC"]
+    where set (the inter-chunk kernels), else HALF_INPUT_PRECISION."""
+    if dtype == torch.float32:
+        return "ieee"
+    prec = LAUNCH[name].get("PREC", HALF_INPUT_PRECISION)
+    if prec not in INTER_PRECISIONS:
+        raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
+    return prec
+
+
 HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf16/fp16 inputs (kda.md 3.3)
 
 
@@ -307,7 +329,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dev, dt = q.device, q.dtype
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
-    prec = "ieee" if dt == torch.float32 else HALF_INPUT_PRECISION
+    prec = "ieee" if dt == torch.float32 else HALF_INPUT_PRECISION  # the intra kernel's anchored dots
     w, u, vnew, hbuf, _ = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
                                            h_fp32=True, cu_host=cu_host)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
@@ -337,23 +359,23 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         for t in (dq, dk, dv, dg, db):
             t.zero_()
     else:
-        common = {"VARLEN": varlen, "PREC": prec}
         BVs = _bv("bwd_scan", V)
         _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
                                                        chunk_offsets, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
-                                                       BK=BK, BV=BVs, BT=BT, **_opts("bwd_scan"), **common)
+                                                       BK=BK, BV=BVs, BT=BT, VARLEN=varlen,
+                                                       PREC=_prec("bwd_scan", dt), **_opts("bwd_scan"))
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
                                         dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
-                                        BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, **_opts("bwd_inter"),
-                                        **common)
+                                        BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, VARLEN=varlen,
+                                        PREC=_prec("bwd_inter", dt), **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
         _bwd_intra_kernel[(NT_all * triton.cdiv(K, BKi), HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
                                                               chunk_indices, cu, float(scale), shift, T, NT, H=H,
                                                               HV=HV, K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
-                                                              SAFE=safe_shift is not None, **_opts("bwd_intra"),
-                                                              **common)
+                                                              SAFE=safe_shift is not None, VARLEN=varlen,
+                                                              PREC=prec, **_opts("bwd_intra"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K).to(dt)
     else:

@@ -462,3 +462,34 @@ def test_varlen_chunk_layout_is_reused_only_for_the_same_unmodified_tensor():
     other = torch.tensor([0, 64, 70, 70, 130])
     assert chunk_layout(1, 130, 64, other, "cpu")[2] == 1 + 1 + 0 + 1
     assert chunk_layout(1, 130, 32, cu, "cpu")[2] == 2 + 1 + 0 + 2  # another chunk size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="dot precision is a GPU setting: the interpreter ignores it")
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final", GRAD_CASES,
+                         ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in GRAD_CASES])
+def test_chunk_gradients_tf32_inter_dots(B, T, H, HV, D, BT, safe, h0, final, monkeypatch):
+    """bf16 inputs with the backward scan and inter kernels' dots in tf32 (triton_chunk_bwd.LAUNCH["PREC"]): the
+    gradients still meet the bf16 thresholds against the recurrence (kda.md 6.2; the intra kernel keeps bf16x3)."""
+    from k3.kernels.kda import triton_chunk_bwd
+
+    for name in ("bwd_scan", "bwd_inter"):
+        monkeypatch.setitem(triton_chunk_bwd.LAUNCH[name], "PREC", "tf32")
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, torch.bfloat16)
+    ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=False):
+        assert_close(name, r, x, ratio_for(torch.bfloat16, ratio))
+
+
+def test_backward_dot_precision_setting(monkeypatch):
+    """fp32 inputs always run IEEE dots; bf16/fp16 take LAUNCH[...]["PREC"] for the scan and inter kernels and
+    bf16x3 for the intra kernel (kda.md 3.3); an unknown precision is a clear error."""
+    from k3.kernels.kda import triton_chunk_bwd as bwd
+
+    assert bwd._prec("bwd_inter", torch.float32) == "ieee"
+    assert bwd._prec("bwd_intra", torch.bfloat16) == "bf16x3"
+    monkeypatch.setitem(bwd.LAUNCH["bwd_inter"], "PREC", "tf32")
+    assert bwd._prec("bwd_inter", torch.float16) == "tf32"
+    assert bwd._prec("bwd_scan", torch.bfloat16) == bwd.LAUNCH["bwd_scan"]["PREC"]
+    monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "fp8")
+    with pytest.raises(ValueError, match=r"LAUNCH\['bwd_scan'\]\['PREC'\] = 'fp8'; use one of"):
+        bwd._prec("bwd_scan", torch.bfloat16)
