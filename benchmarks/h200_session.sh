@@ -6,7 +6,7 @@
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
 #            compiled routing, tail chunks, one-sync speculative steps, quantized serving; needs the openai wheel in
-#            .whl), then benchmarks/kda.py: k3 against fla in the same process, the library defaults
+#            .whl), then benchmarks/kda_tune.py: each k3 chunk kernel at 4 / 8 warps and 1 / 2 stages
 #   serve:   the compiled server (--compile-decode --cuda-graph-batches 1 32, k3-small, random weights) against the
 #            Hugging Face anchors at batch 1 and 32 through HTTP, the CUDA compiled-decode test alongside; then
 #            benchmarks/serve.py on the README's trained k3-tiny (carry runs/tiny): concurrency 1, the 2k-token
@@ -20,7 +20,8 @@
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
 #   table:   benchmarks/kda.py's first three shapes alone (k3 against fla in one process, issue 4's table); table2,
-#            on the same warm machine: the fourth shape, decode and the decode sweep
+#            on the same warm machine: the fourth shape, decode and the decode sweep, then kda_tune.py --fla (fla's
+#            kernels by time beside k3's, k3's backward scan / inter dots in tf32)
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -45,14 +46,14 @@ kernels)
   serve_tests=$!
   timeout -s INT -k 10 240 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_mla_decode.py tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py \
-    tests/kernels/test_triton_end_to_end.py -q -p no:cacheprovider -rf -n 10 \
+    tests/kernels/test_triton_end_to_end.py tests/kernels/test_kda_saved.py -q -p no:cacheprovider -rf -n 10 \
     > "$OUT/ktests.log" 2>&1
   echo "kernel tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
-  # fla's autotuner compiles its configurations on the first shape: minutes on a fresh machine
-  timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; cat "$OUT/kda.log"
-  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz"
+  # k3's chunk kernels one by one at 4 and 8 warps, 1 and 2 stages (the state scans pipeline their loads from 2
+  # stages on since session 6), BV 64; fla is timed by the table modes (its first autotuning takes ~5 minutes)
+  timeout 300 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1,2 --bv 64 --iters 3 > "$OUT/kda_tune.log" 2>&1
+  echo "kda_tune rc=$?"; cat "$OUT/kda_tune.log"
   ;;
 serve)
   # in the background while the server below starts and compiles (CPU work): the paged MLA decode kernel, single
@@ -119,9 +120,14 @@ table)
   ;;
 table2)
   # the fourth shape, then decode (k3 and fla) and the decode launch sweep
-  timeout 500 python3 benchmarks/kda.py --only 16,2048,32,64 --bwd-intra-bk 32 128 --decode-sweep \
+  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 --bwd-intra-bk 32 128 --decode-sweep \
     > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
+  # fla's kernels by time next to k3's at (8,4096,16,128) (fla's autotuning cached by `table`), the backward's
+  # scan and inter dots in tf32
+  timeout 200 python3 benchmarks/kda_tune.py --warps 8 --stages 1,2 --bv 64 --iters 3 --bwd-prec tf32 --fla \
+    > "$OUT/kda_tune_fla.log" 2>&1
+  echo "kda_tune rc=$?"; cat "$OUT/kda_tune_fla.log"
   ;;
 *)
   echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2" >&2; exit 2
