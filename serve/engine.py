@@ -110,7 +110,7 @@ class Engine:
         self.dead: BaseException | None = None
         self.ready = False
         self.record_metrics = True
-        self.spec_fast = True  # k3.serve.spec_fast: one-sync greedy speculative steps (tests turn it off to compare)
+        self.spec_fast = self.spec_fused = True  # spec_fast.py: one-sync greedy spec steps, post-verify as one graph
         self._n_gen, self._itl = 0, []  # this step's generated tokens and inter-token latencies (metrics)
 
     # ------------------------------------------------------------------------------------------------ public API

@@ -245,6 +245,7 @@ class StaticGraphs:
         recipe: docs.pytorch.org/docs/stable/notes/cuda.html#cuda-graphs). A failure marks the shape eager.
         fn / inert: the function captured and its inert-input filler (default: self.forward / self.fill_inert)."""
         fn, inert = fn or self.forward, inert or self.fill_inert
+        compiled = fn == self.forward and self._compiled_fn is not None  # self.forward runs the compiled function
         inert(buf)
         dev = self.runner.device
         t0 = time.monotonic()
@@ -261,11 +262,11 @@ class StaticGraphs:
                 with torch.cuda.graph(graph, pool=self.budget.pool, capture_error_mode="thread_local"):
                     out = fn(buf)
                 buf.outputs = () if out is None else tuple(out)  # a function that only writes caches returns None
-            buf.graph, buf.compiled = graph, fn == self.forward and self._compiled_fn is not None
+            buf.graph, buf.compiled = graph, compiled
             self.num_graphs += 1
             self.budget.used += 1
             log.info("captured the %s graph of shape %s in %.1f s%s", self.kind, key, time.monotonic() - t0,
-                     " (compiled)" if fn == self.forward and self._compiled_fn is not None else "")
+                     " (compiled)" if compiled else "")
         except Exception as e:  # noqa: BLE001 - never crash the server over a graph: that shape stays eager
             buf.failed, buf.graph, buf.outputs = True, None, None
             log.warning("%s CUDA graph capture failed for shape %s (%s: %s); that shape runs eagerly from now on",

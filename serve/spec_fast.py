@@ -106,7 +106,7 @@ def eligible(engine, batch) -> bool:
 def fast_spec_step(engine, batch, n_tok: int) -> bool:
     """Run the engine step `batch` on the one-sync path when it qualifies (`eligible` and every graph shape is
     served); returns False, having changed nothing, when it does not (the engine then takes the host path)."""
-    if not getattr(engine, "spec_fast", True) or not eligible(engine, batch):
+    if not eligible(engine, batch):
         return False
     r = engine.runner
     vg, mg, k = r.verify_graphs, r.mtp_graphs, engine.drafter.k
@@ -127,7 +127,7 @@ def fast_spec_step(engine, batch, n_tok: int) -> bool:
     if cbuf is None or (k > 1 and dbuf is None):
         return False
     pb = None
-    if getattr(engine, "spec_fused", True):  # steps 2-6 as one function (one graph): k3.serve.spec_fused
+    if engine.spec_fused:  # steps 2-6 as one function (one graph): k3.serve.spec_fused
         from .spec_fused import fused_device_step, post_graphs  # spec_fused imports this module's helpers
 
         pb = post_graphs(r).buffers(vbuf, cbuf, dbuf)  # before the verify replay (a capture fills inert inputs)

@@ -51,7 +51,7 @@ def serve(
                                         "on an H200) for 1-2 min of compilation per captured shape at startup"),
 ) -> None:
     """Serve CKPT over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
-    from k3.serve.config import SERVE_DTYPES, ServeConfig
+    from k3.serve.config import ServeConfig
     from k3.serve.server import run_server
 
     try:
@@ -64,18 +64,18 @@ def serve(
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise typer.BadParameter(f"unknown log level {log_level!r}; use critical, error, warning, info, debug or "
                                  "trace", param_hint="--log-level")
-    if dtype not in SERVE_DTYPES:
-        raise typer.BadParameter(f"unknown dtype {dtype!r}; use {', '.join(SERVE_DTYPES)}", param_hint="--dtype")
-    if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N", param_hint="--device")
     keys = list(api_key or [])
     if not keys and os.environ.get("K3_API_KEY"):
         keys = [os.environ["K3_API_KEY"]]
-    run_server(ServeConfig(ckpt=str(ckpt), host=host, port=port, api_keys=keys, max_num_seqs=max_batch,
-                           max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                           max_queue=max_queue, max_concurrent_per_key=max_concurrent_per_key,
-                           served_model_name=served_model_name,
-                           enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
-                           num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
-                           compile_decode=compile_decode, cpu_small_step_threads=cpu_small_step_threads,
-                           cuda_graph_batches=graph_batches, log_level=log_level))
+    try:  # ServeConfig checks --dtype and --device: a bad value is a usage error before anything loads
+        cfg = ServeConfig(ckpt=str(ckpt), host=host, port=port, api_keys=keys, max_num_seqs=max_batch,
+                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                          max_queue=max_queue, max_concurrent_per_key=max_concurrent_per_key,
+                          served_model_name=served_model_name,
+                          enable_prefix_caching=not no_prefix_caching, device=device, dtype=dtype,
+                          num_speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
+                          compile_decode=compile_decode, cpu_small_step_threads=cpu_small_step_threads,
+                          cuda_graph_batches=graph_batches, log_level=log_level)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_server(cfg)
