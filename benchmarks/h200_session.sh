@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2
+# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -22,6 +22,7 @@
 #   table:   benchmarks/kda.py's first three shapes alone (k3 against fla in one process, issue 4's table); table2,
 #            on the same warm machine: the fourth shape, decode and the decode sweep, then kda_tune.py --fla (fla's
 #            kernels by time beside k3's, k3's backward scan / inter dots in tf32)
+#   prec:    the backward's dot precisions: GPU gradient tests, then each kernel's time per precision (kda_tune.py)
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -129,7 +130,21 @@ table2)
     > "$OUT/kda_tune_fla.log" 2>&1
   echo "kda_tune rc=$?"; cat "$OUT/kda_tune_fla.log"
   ;;
+prec)
+  # the backward's dot precisions (scan / inter, and the intra kernel's off-diagonal blocks: bf16x3, tf32, bf16):
+  # their gradient tests against the recurrence on the GPU first, then each kernel's time per precision and warps,
+  # then the inter kernel in one K pass (BK 128) with bf16 dots
+  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py -p no:cacheprovider -rf -n 8 \
+    -k "gradients or precision" > "$OUT/ptests.log" 2>&1
+  echo "precision tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ptests.log" | tail -12
+  timeout 240 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1 --bv 64 --iters 3 --bwd-prec bf16x3,tf32,bf16 \
+    --bwd-intra-prec bf16x3,tf32 > "$OUT/kda_tune_prec.log" 2>&1
+  echo "kda_tune rc=$?"; cat "$OUT/kda_tune_prec.log"
+  timeout 100 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1,2 --bv 64 --iters 3 --bwd-prec bf16 \
+    --bwd-intra-prec tf32 --bwd-inter-bk 128 > "$OUT/kda_tune_bk.log" 2>&1
+  echo "kda_tune rc=$?"; cat "$OUT/kda_tune_bk.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec" >&2; exit 2
   ;;
 esac

@@ -76,9 +76,13 @@ def main() -> None:
                     "triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--bwd-prec", choices=B.INTER_PRECISIONS, default=None, help="dot precision of the backward "
                     "scan and inter kernels (default: triton_chunk_bwd.LAUNCH)")
+    ap.add_argument("--bwd-intra-prec", choices=B.INTER_PRECISIONS, default=None, help="dot precision of the backward "
+                    "intra kernel's off-diagonal blocks (default: triton_chunk_bwd.LAUNCH)")
     args = ap.parse_args()
     if args.bwd_prec:
         B.LAUNCH["bwd_scan"]["PREC"] = B.LAUNCH["bwd_inter"]["PREC"] = args.bwd_prec
+    if args.bwd_intra_prec:
+        B.LAUNCH["bwd_intra"]["PREC"] = args.bwd_intra_prec
     K, V, BT = (int(x) for x in args.shape.split(","))
     BK = max(16, triton.next_power_of_2(K))
     heads = {"H": 16, "HV": 16}
@@ -107,8 +111,9 @@ def main() -> None:
         (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
          {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
           "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),
-        (f"bwd intra (K block {bki})", B._bwd_intra_kernel,
-         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True},
+        (f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)})", B._bwd_intra_kernel,
+         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
+          "OFF": B._prec("bwd_intra", torch.bfloat16)},
          B._opts("bwd_intra"), {}),
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")

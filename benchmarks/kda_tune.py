@@ -1,9 +1,10 @@
 """Sweep the launch settings of the Triton KDA chunk kernels on a GPU; per-kernel time from torch.profiler.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
-[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec tf32] [--fla]`.
-Every configuration (num_warps, num_stages, V block) is applied to all forward (triton_chunk.LAUNCH) and backward
-(triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
+[--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
+[--bwd-intra-prec bf16x3,tf32] [--fla]`.
+Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
+(triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
 table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
 fwd+bwd: the forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts,
@@ -44,12 +45,19 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def apply(nw: int, ns: int, bv: int) -> None:
+def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
+    bwd_mod.LAUNCH["bwd_scan"]["PREC"] = bwd_mod.LAUNCH["bwd_inter"]["PREC"] = prec
+    bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
     for mod, name in KERNELS.values():
         mod.LAUNCH[name]["num_warps"] = nw
         mod.LAUNCH[name]["num_stages"] = ns
         if "BV" in mod.LAUNCH[name]:
             mod.LAUNCH[name]["BV"] = bv
+
+
+def label(cfg) -> str:
+    nw, ns, bv, prec, intra_prec = cfg
+    return f"w{nw} s{ns} bv{bv} p{prec} ip{intra_prec}"
 
 
 def device_us(evt) -> float:
@@ -125,11 +133,15 @@ def main():
                     "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda fwd+bwd on the same inputs "
                     "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
-    ap.add_argument("--bwd-prec", choices=bwd_mod.INTER_PRECISIONS, default=None, help="dot precision of the "
-                    "backward scan and inter kernels (triton_chunk_bwd.LAUNCH)")
+    ap.add_argument("--bwd-prec", default=bwd_mod.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
+                    f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
+    ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
+                    "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
     args = ap.parse_args()
-    if args.bwd_prec:
-        bwd_mod.LAUNCH["bwd_scan"]["PREC"] = bwd_mod.LAUNCH["bwd_inter"]["PREC"] = args.bwd_prec
+    precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
+    for p in precs + intra_precs:
+        if p not in bwd_mod.INTER_PRECISIONS:
+            ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
@@ -144,8 +156,8 @@ def main():
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
           f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}; "
-          f"scan / inter dot precision {bwd_mod.LAUNCH['bwd_inter']['PREC']}")
-    configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv)))
+          "configurations w(arps) s(tages) bv p(scan / inter dot precision) ip(intra off-diagonal dot precision)")
+    configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv), precs, intra_precs))
     results = {}
     names = [*KERNELS, "torch ops", "total"]
     print("# per configuration, as measured (us): " + ", ".join(n.strip("_").removesuffix("_kernel") for n in names))
@@ -154,12 +166,12 @@ def main():
         try:
             results[cfg] = profile_once(xs, do, args.iters)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is reported, not fatal
-            print(f"# config warps={cfg[0]} stages={cfg[1]} BV={cfg[2]} failed: {type(e).__name__}: {e}")
+            print(f"# config {label(cfg)} failed: {type(e).__name__}: {e}")
             continue
         row = " ".join(f"{results[cfg].get(n, float('nan')):.0f}" for n in names)
-        print(f"# w{cfg[0]} s{cfg[1]} bv{cfg[2]} at {datetime.datetime.now():%H:%M:%S}: {row}", flush=True)
+        print(f"# {label(cfg)} at {datetime.datetime.now():%H:%M:%S}: {row}", flush=True)
     ok = [c for c in configs if c in results]
-    print("| kernel | " + " | ".join(f"w{c[0]} s{c[1]} bv{c[2]}" for c in ok) + " |")
+    print("| kernel | " + " | ".join(label(c) for c in ok) + " |")
     print("|---|" + "---:|" * len(ok))
     best = {}
     for n in names:
@@ -172,8 +184,8 @@ def main():
     print("\n# best per kernel (registers / spills of that variant):")
     for n in KERNELS:
         if n in best:
-            nw, ns, bv = best[n]
-            print(f"#   {n}: num_warps={nw} num_stages={ns} BV={bv}: {results[best[n]][n]:.0f} us; "
+            nw, ns = best[n][:2]
+            print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if args.fla:  # where fla's time goes, same inputs and process: the side-by-side per stage
         rows = profile_fla(xs, do, args.iters)

@@ -42,9 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout
-from .triton_common import _chunk_bounds, _seq_bounds
+from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
 # cuobjdump --dump-resource-usage) at BT = 64, K = V = 128 shows all three kernels at 255 registers with per-thread
@@ -58,15 +59,19 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # prescribes). "bf16x3" (three MMAs per dot, the measured default) or "tf32" (one; fewer registers: ptxas,
     # sm_90a, spill stores 628 -> 76 B in the scan at 8 warps / BV 64, 1,076 -> 640 B in the inter kernel at
     # 8 warps / K block 64 / BV 64). Untimed: `benchmarks/kda.py --bwd-prec bf16x3 tf32`
-    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16x3"},
+    # session 7 (H200, kda_tune.py, bf16x3): scan 1,549 us at 8 warps / 2 stages (1,656 at 4 / 1); inter 3,750 at
+    # 8 / 1 (4,360 at 8 / 2); intra 3,252 at 4 warps (6,252 at 8)
+    "bwd_scan": {"num_warps": 8, "num_stages": 2, "BV": 64, "PREC": "bf16x3"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 4,378 us per fwd+bwd at (8, 4096, 16, 128) with BV 64, against 5,260 for the best
     # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
-    "bwd_inter": {"num_warps": 8, "num_stages": 2, "BV": 64, "BK": 64, "PREC": "bf16x3"},
+    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16x3"},
     # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
     # sm_90a, 8 warps; 740 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
     # --bwd-intra-bk 128 64 32 times the three in one process
-    "bwd_intra": {"num_warps": 8, "num_stages": 1, "BK": 32},
+    # PREC: precision of the intra kernel's off-diagonal dots only (anchor Gamma_n, both factors <= 1; fla-core
+    # 0.6.0 runs these in tf32); its diagonal blocks keep bf16x3 (kda.md 3.3)
+    "bwd_intra": {"num_warps": 4, "num_stages": 1, "BK": 32, "PREC": "bf16x3"},
 }
 
 
@@ -78,18 +83,28 @@ def _bv(name: str, V: int) -> int:
     return max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
 
 
-INTER_PRECISIONS = ("bf16x3", "tf32")  # the choices of LAUNCH["bwd_scan" / "bwd_inter"]["PREC"]
+# the choices of LAUNCH[...]["PREC"]: bf16x3 (three bf16 MMAs, near fp32), tf32 (one, 10-bit mantissas), bf16
+# (operands rounded to bf16, one MMA)
+INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
 
 
 def _prec(name: str, dtype: torch.dtype) -> str:
-    """tl.dot input precision of backward kernel `name`: IEEE for fp32 inputs; for bf16/fp16, LAUNCH[name]["PREC"]
-    where set (the inter-chunk kernels), else HALF_INPUT_PRECISION."""
+    """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): IEEE for fp32 inputs; for
+    bf16/fp16, LAUNCH[name]["PREC"]."""
     if dtype == torch.float32:
         return "ieee"
     prec = LAUNCH[name].get("PREC", HALF_INPUT_PRECISION)
     if prec not in INTER_PRECISIONS:
         raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
-    return prec
+    return _interpreted(prec)
+
+
+def _interpreted(prec: str) -> str:
+    """`prec` as Triton 3.6's CPU interpreter can run it: it has no bf16x3 (and multiplies every dot in fp32, so
+    'ieee' is the same arithmetic), and its bf16 dots are broken (triton_common._dot emulates them)."""
+    if not triton_interpreter():
+        return prec
+    return {"bf16x3": "ieee", "bf16": "bf16_emulated"}.get(prec, prec)
 
 
 HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf16/fp16 inputs (kda.md 3.3)
@@ -133,10 +148,10 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_kg = b_k * tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))
         b_qg = b_q * tl.exp2(b_G)
-        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kg, b_dh, input_precision=PREC)
+        b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
         tl.store(dvn + p_tv, b_dvn, mask=m_tv)
-        b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
-                - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC))
+        b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
+                - _dot(tl.trans(b_w), b_dvn, PREC))
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 
 
@@ -183,21 +198,21 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
             b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
             b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BKB, BV]
             b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0)  # gradient of the state leaving it [BKB, BV]
-            b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-            b_dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
-            b_dvb = tl.dot(tl.trans(b_M), b_dvn, input_precision=PREC)  # d(beta v)
-            b_dkb -= tl.dot(b_dvb, tl.trans(b_h), input_precision=PREC)
+            b_dqg += _dot(b_do, tl.trans(b_h), PREC)
+            b_dkg += _dot(b_vn, tl.trans(b_dh), PREC)
+            b_dvb = _dot(tl.trans(b_M), b_dvn, PREC)  # d(beta v)
+            b_dkb -= _dot(b_dvb, tl.trans(b_h), PREC)
             b_dlast += tl.sum(b_dh * b_h, axis=1)
             if i_k == 0:  # the V-side results, once
-                b_dAq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+                b_dAq += _dot(b_do, tl.trans(b_vn), PREC)
                 tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
                 b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-                b_dL -= tl.dot(b_dvb, tl.trans(b_u), input_precision=PREC)
+                b_dL -= _dot(b_dvb, tl.trans(b_u), PREC)
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
                 b_db += tl.sum(b_dvb * b_v, axis=1)
         # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_dL -= tl.dot(b_dkb, tl.trans(b_w), input_precision=PREC)
+        b_dL -= _dot(b_dkb, tl.trans(b_w), PREC)
         b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
@@ -226,7 +241,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
 def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out, chunk_indices, cu_seqlens, scale,
                       shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
     # one program per (chunk, K block of BK columns, value head), the K blocks of a chunk adjacent in launch order
     # (they read the same dAq / dAk tiles): every output column k reads only column k of q, k, Gamma, dqs, dkk, dG
     # (the dots contract over time), so K blocks are independent. At K = 128, BK 32 instead of one 128-wide program
@@ -266,10 +281,10 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
             live = (o_t[:, None] < s * BC) & (s * BC < n_valid)
             e_k = tl.exp2(tl.where(live, b_Gn[None, :] - b_G, float("-inf")))  # [BT, BK], zero rows from s * BC
             b_kc = b_kall * e_k
-            b_dqr += e_q * tl.dot(b_dAq_s, b_kc, input_precision=PREC)
-            b_dkr += e_q * tl.dot(b_dAk_s, b_kc, input_precision=PREC)
-            b_dcol += e_k * (tl.dot(tl.trans(b_dAq_s), b_q * e_q, input_precision=PREC)
-                             + tl.dot(tl.trans(b_dAk_s), b_k * e_q, input_precision=PREC))
+            b_dqr += e_q * _dot(b_dAq_s, b_kc, OFF)
+            b_dkr += e_q * _dot(b_dAk_s, b_kc, OFF)
+            b_dcol += e_k * (_dot(tl.trans(b_dAq_s), b_q * e_q, OFF)
+                             + _dot(tl.trans(b_dAk_s), b_k * e_q, OFF))
         p_d = p_rows + s * BC + o_c[None, :]
         b_dAq_d = tl.load(dAq + p_d, mask=m_s[:, None], other=0.0)  # [BC, BC], zero above the diagonal
         b_dAk_d = tl.load(dAk + p_d, mask=m_s[:, None], other=0.0)  # zero on and above it
@@ -278,10 +293,10 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out,
             rf = tl.exp2(tl.where(m_sk, b_Gs - b_C[None, :], float("-inf")))
             cf = tl.exp2(tl.where(m_sk, b_C[None, :] - b_Gs, float("-inf")))
             b_kcf = b_k * cf
-            b_dqr += rf * tl.dot(b_dAq_d, b_kcf, input_precision=PREC)
-            b_dkr += rf * tl.dot(b_dAk_d, b_kcf, input_precision=PREC)
-            b_dcd = cf * (tl.dot(tl.trans(b_dAq_d), b_q * rf, input_precision=PREC)
-                          + tl.dot(tl.trans(b_dAk_d), b_k * rf, input_precision=PREC))
+            b_dqr += rf * _dot(b_dAq_d, b_kcf, PREC)
+            b_dkr += rf * _dot(b_dAk_d, b_kcf, PREC)
+            b_dcd = cf * (_dot(tl.trans(b_dAq_d), b_q * rf, PREC)
+                          + _dot(tl.trans(b_dAk_d), b_k * rf, PREC))
         else:  # exact pairwise exponents, one key column j at a time
             b_dcd = tl.zeros([BC, BK], dtype=tl.float32)
             for j in tl.static_range(BC):
@@ -329,7 +344,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dev, dt = q.device, q.dtype
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
-    prec = "ieee" if dt == torch.float32 else HALF_INPUT_PRECISION  # the intra kernel's anchored dots
+    prec = "ieee" if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)  # the intra kernel's diagonal dots
     w, u, vnew, hbuf, _ = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
                                            h_fp32=True, cu_host=cu_host)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
@@ -375,7 +390,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                                                               chunk_indices, cu, float(scale), shift, T, NT, H=H,
                                                               HV=HV, K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
                                                               SAFE=safe_shift is not None, VARLEN=varlen,
-                                                              PREC=prec, **_opts("bwd_intra"))
+                                                              PREC=prec, OFF=_prec("bwd_intra", dt),
+                                                              **_opts("bwd_intra"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K).to(dt)
     else:

@@ -10,6 +10,30 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b, accumulated in fp32. PREC: a tl.dot input_precision ('ieee', 'tf32', 'bf16x3'), or 'bf16': both operands
+    rounded to bf16 first, one MMA per tile (what fla-core 0.6.0 does in its inter-chunk backward kernels).
+    'bf16_emulated' is 'bf16' for Triton 3.6's CPU interpreter, whose tl.dot of bf16 operands returns garbage
+    (~1e10 off at 16 x 16) and whose fp32 -> bf16 cast truncates: the fp32 operands rounded to the nearest bf16
+    (ties to even, as the GPU's cast), then multiplied in fp32 (what the MMA computes)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16_emulated":
+        return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: add half an ulp of the 16 dropped bits
+    (minus one unless the kept lowest bit is 1) and clear them. Finite inputs only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
     """(first token of chunk i_t, its number of real tokens) for fixed-length or varlen sequences."""
     if VARLEN:

@@ -26,6 +26,7 @@ CUDA = torch.cuda.is_available()
 import itertools
 
 from k3.kernels import dispatch
+from k3.kernels.dispatch import triton_interpreter
 from k3.kernels.kda import (
     chunk_kda,
     fused_recurrent_kda,
@@ -464,17 +465,28 @@ def test_varlen_chunk_layout_is_reused_only_for_the_same_unmodified_tensor():
     assert chunk_layout(1, 130, 32, cu, "cpu")[2] == 2 + 1 + 0 + 2  # another chunk size
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="dot precision is a GPU setting: the interpreter ignores it")
-@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,h0,final", GRAD_CASES,
-                         ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for c in GRAD_CASES])
-def test_chunk_gradients_tf32_inter_dots(B, T, H, HV, D, BT, safe, h0, final, monkeypatch):
-    """bf16 inputs with the backward scan and inter kernels' dots in tf32 (triton_chunk_bwd.LAUNCH["PREC"]): the
-    gradients still meet the bf16 thresholds against the recurrence (kda.md 6.2; the intra kernel keeps bf16x3)."""
+PREC_CASES = [(prec, c) for prec in ("tf32", "bf16") for c in GRAD_CASES]
+
+
+@pytest.mark.parametrize("prec,B,T,H,HV,D,BT,safe,h0,final", [(p, *c) for p, c in PREC_CASES],
+                         ids=[f"{p}-{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for p, c in PREC_CASES])
+def test_chunk_gradients_reduced_precision_dots(prec, B, T, H, HV, D, BT, safe, h0, final, monkeypatch):
+    """bf16 inputs with the backward's inter-chunk dots (scan, inter kernel, the intra kernel's off-diagonal blocks)
+    in tf32 or bf16 (triton_chunk_bwd.LAUNCH[...]["PREC"]): the gradients still meet the bf16 thresholds against
+    the recurrence (kda.md 6.2; the intra kernel's diagonal blocks keep bf16x3). On the CPU, whose interpreter
+    ignores tf32 and cannot run bf16 inputs (its bf16 tl.dot is broken), the bf16 case runs fp32 inputs with those
+    dots' operands rounded to bf16 (triton_common._dot's emulation): the rounding, checked at the bf16 thresholds."""
     from k3.kernels.kda import triton_chunk_bwd
 
-    for name in ("bwd_scan", "bwd_inter"):
-        monkeypatch.setitem(triton_chunk_bwd.LAUNCH[name], "PREC", "tf32")
-    q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, torch.bfloat16)
+    dtype = torch.bfloat16
+    if not CUDA:
+        if prec == "tf32":
+            pytest.skip("tf32 is a GPU setting: the interpreter multiplies in fp32")
+        dtype = torch.float32
+        monkeypatch.setattr(triton_chunk_bwd, "_prec", lambda name, dt: "bf16_emulated")
+    for name in ("bwd_scan", "bwd_inter", "bwd_intra"):
+        monkeypatch.setitem(triton_chunk_bwd.LAUNCH[name], "PREC", prec)
+    q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=False):
         assert_close(name, r, x, ratio_for(torch.bfloat16, ratio))
@@ -482,14 +494,18 @@ def test_chunk_gradients_tf32_inter_dots(B, T, H, HV, D, BT, safe, h0, final, mo
 
 def test_backward_dot_precision_setting(monkeypatch):
     """fp32 inputs always run IEEE dots; bf16/fp16 take LAUNCH[...]["PREC"] for the scan and inter kernels and
-    bf16x3 for the intra kernel (kda.md 3.3); an unknown precision is a clear error."""
+    the intra kernel's off-diagonal dots (its diagonal keeps bf16x3, kda.md 3.3); an unknown precision is a
+    clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
     from k3.kernels.kda import triton_chunk_bwd as bwd
 
     assert bwd._prec("bwd_inter", torch.float32) == "ieee"
-    assert bwd._prec("bwd_intra", torch.bfloat16) == "bf16x3"
+    assert bwd._prec("bwd_intra", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_intra"]["PREC"])
+    monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "bf16")
+    assert bwd._prec("bwd_scan", torch.bfloat16) == ("bf16_emulated" if triton_interpreter() else "bf16")
+    assert bwd._interpreted("bf16x3") == ("ieee" if triton_interpreter() else "bf16x3")
     monkeypatch.setitem(bwd.LAUNCH["bwd_inter"], "PREC", "tf32")
     assert bwd._prec("bwd_inter", torch.float16) == "tf32"
-    assert bwd._prec("bwd_scan", torch.bfloat16) == bwd.LAUNCH["bwd_scan"]["PREC"]
+    assert bwd._prec("bwd_scan", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_scan"]["PREC"])
     monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "fp8")
     with pytest.raises(ValueError, match=r"LAUNCH\['bwd_scan'\]\['PREC'\] = 'fp8'; use one of"):
         bwd._prec("bwd_scan", torch.bfloat16)
