@@ -31,9 +31,10 @@ Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves
 only w, u, v_new and the states (fp32) are recomputed from them (triton_chunk.chunk_fwd_states), so the backward runs
 no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
 replace g's 4K: fla-core 0.6.0's policy too (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
-All backward arithmetic is fp32; dots run in IEEE fp32 for fp32 inputs and in 'bf16x3' (three bf16 MMAs, near-fp32
-accuracy) for bf16/fp16 inputs, as kda.md 3.3 prescribes for the safe-path backward (HALF_INPUT_PRECISION). The
-inter-chunk kernels (scan, inter) can run theirs in 'tf32' instead (LAUNCH[...]["PREC"]): their factors are <= 1.
+All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE). For bf16/fp16 inputs the intra kernel's
+diagonal (anchored) blocks run 'bf16x3' (three bf16 MMAs, near-fp32 accuracy), as kda.md 3.3 prescribes for the
+safe-path backward (HALF_INPUT_PRECISION); every other dot, whose factors are all <= 1, takes LAUNCH[...]["PREC"]:
+bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal blocks (fla-core 0.6.0's choices).
 """
 
 from __future__ import annotations
@@ -47,31 +48,23 @@ from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
-# 8 warps and V blocks of 32: an sm_90 compile without a GPU (triton.compile for GPUTarget("cuda", 90, 32), then
-# cuobjdump --dump-resource-usage) at BT = 64, K = V = 128 shows all three kernels at 255 registers with per-thread
-# local-memory spills of 2.2 / 3.4 / 1.6 KB (scan / inter / intra) at 4 warps and 0.26 / 1.7 / 0.6 KB at 8.
-# Not yet timed on a GPU: the next GPU session tunes warps, blocks and stages.
-NUM_WARPS = 8
-# Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py).
-LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    # PREC (bwd scan and bwd inter, bf16/fp16 inputs): tl.dot input precision of their inter-chunk dots, whose
-    # factors are all <= 1 (no anchored exponents: those are the intra kernel's, which keeps bf16x3 as kda.md 3.3
-    # prescribes). "bf16x3" (three MMAs per dot, the measured default) or "tf32" (one; fewer registers: ptxas,
-    # sm_90a, spill stores 628 -> 76 B in the scan at 8 warps / BV 64, 1,076 -> 640 B in the inter kernel at
-    # 8 warps / K block 64 / BV 64). Untimed: `benchmarks/kda.py --bwd-prec bf16x3 tf32`
-    # session 7 (H200, kda_tune.py, bf16x3): scan 1,549 us at 8 warps / 2 stages (1,656 at 4 / 1); inter 3,750 at
-    # 8 / 1 (4,360 at 8 / 2); intra 3,252 at 4 warps (6,252 at 8)
-    "bwd_scan": {"num_warps": 8, "num_stages": 2, "BV": 64, "PREC": "bf16x3"},
+# Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
+# session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
+# PREC: the dot precision for bf16/fp16 inputs of the scan and inter kernels, and of the intra kernel's off-diagonal
+# blocks: every factor there is <= 1 (no anchored exponents; the intra kernel's diagonal blocks keep bf16x3, kda.md
+# 3.3). "bf16" (operands rounded to bf16, one MMA: fla-core 0.6.0's choice for these kernels), "tf32" or "bf16x3"
+# (three MMAs, near fp32). Measured: scan 786 / 1,218 / 1,768 us and inter 1,844 / 2,525 / 3,742 us in bf16 / tf32 /
+# bf16x3 at 8 warps; the intra kernel's off-diagonal blocks 3,096 us in tf32 against 3,273 in bf16x3 at 4 warps
+# (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
+LAUNCH: dict[str, dict[str, int]] = {
+    "bwd_scan": {"num_warps": 8, "num_stages": 1, "BV": 64, "PREC": "bf16"},  # 4 warps: 1,024 us
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
-    # accumulators at K = 128: 4,378 us per fwd+bwd at (8, 4096, 16, 128) with BV 64, against 5,260 for the best
-    # one-pass launch (BV 32) and 6,420 one-pass at BV 64 (H200, benchmarks/kda_tune.py, RESULTS.md session 4)
-    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16x3"},
+    # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
+    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
     # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
-    # sm_90a, 8 warps; 740 B of spill stores per thread with one 128-wide program). Untimed: benchmarks/kda.py
-    # --bwd-intra-bk 128 64 32 times the three in one process
-    # PREC: precision of the intra kernel's off-diagonal dots only (anchor Gamma_n, both factors <= 1; fla-core
-    # 0.6.0 runs these in tf32); its diagonal blocks keep bf16x3 (kda.md 3.3)
-    "bwd_intra": {"num_warps": 4, "num_stages": 1, "BK": 32, "PREC": "bf16x3"},
+    # sm_90a; 740 B of spill stores per thread with one 128-wide program). 2,983 us at 4 warps / 2 stages, 5,283
+    # at 8 warps
+    "bwd_intra": {"num_warps": 4, "num_stages": 2, "BK": 32, "PREC": "tf32"},
 }
 
 
