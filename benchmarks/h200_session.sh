@@ -131,17 +131,17 @@ table2)
   echo "kda_tune rc=$?"; cat "$OUT/kda_tune_fla.log"
   ;;
 prec)
-  # the backward's dot precisions (scan / inter, and the intra kernel's off-diagonal blocks: bf16x3, tf32, bf16):
-  # their gradient tests against the recurrence on the GPU first, then each kernel's time per precision and warps,
-  # then the inter kernel in one K pass (BK 128) with bf16 dots
-  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py -p no:cacheprovider -rf -n 8 \
-    -k "gradients or precision" > "$OUT/ptests.log" 2>&1
+  # the backward's kernels: their GPU tests (gradients against the recurrence at every dot precision, K blocks,
+  # saved intermediates), then each kernel's time at 2 / 4 / 8 warps, 1 / 2 stages, the intra kernel's off-diagonal
+  # dots in tf32 and bf16x3, then the intra kernel at K block 16
+  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+    tests/kernels/test_kda_saved.py -p no:cacheprovider -rf -n 8 > "$OUT/ptests.log" 2>&1
   echo "precision tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ptests.log" | tail -12
-  timeout 240 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1 --bv 64 --iters 3 --bwd-prec bf16x3,tf32,bf16 \
-    --bwd-intra-prec bf16x3,tf32 > "$OUT/kda_tune_prec.log" 2>&1
+  timeout 150 python3 benchmarks/kda_tune.py --warps 2,4,8 --stages 1,2 --bv 64 --iters 3 --bwd-prec bf16 \
+    --bwd-intra-prec tf32,bf16x3 > "$OUT/kda_tune_prec.log" 2>&1
   echo "kda_tune rc=$?"; cat "$OUT/kda_tune_prec.log"
-  timeout 100 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1,2 --bv 64 --iters 3 --bwd-prec bf16 \
-    --bwd-intra-prec tf32 --bwd-inter-bk 128 > "$OUT/kda_tune_bk.log" 2>&1
+  timeout 60 python3 benchmarks/kda_tune.py --warps 4 --stages 2 --bv 64 --iters 3 --bwd-intra-bk 16 \
+    > "$OUT/kda_tune_bk.log" 2>&1
   echo "kda_tune rc=$?"; cat "$OUT/kda_tune_bk.log"
   ;;
 *)

@@ -37,7 +37,7 @@ from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
            "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
-           "_bwd_intra_kernel": (bwd_mod, "bwd_intra")}
+           "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_intra")}
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
 
 
@@ -65,6 +65,9 @@ def device_us(evt) -> float:
     return t if t is not None else evt.cuda_time_total
 
 
+OTHER_OPS: list[collections.Counter] = []  # per profiled configuration: the "torch ops" by kernel name
+
+
 def profile_once(xs, do, iters: int) -> dict[str, float]:
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
@@ -77,10 +80,13 @@ def profile_once(xs, do, iters: int) -> dict[str, float]:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    per = collections.Counter()
+    per, other = collections.Counter(), collections.Counter()
     for evt in prof.key_averages():
         name = evt.key if evt.key in KERNELS else "torch ops"
         per[name] += device_us(evt) / iters
+        if name == "torch ops":
+            other[evt.key] += device_us(evt) / iters
+    OTHER_OPS.append(other)
     per["total"] = sum(v for k, v in per.items())
     return per
 
@@ -187,6 +193,9 @@ def main():
             nw, ns = best[n][:2]
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
+    if OTHER_OPS:
+        print("\n# torch ops of the last configuration, us per fwd+bwd: " + "; ".join(
+            f"{name[:60]} {us:.0f}" for name, us in OTHER_OPS[-1].most_common(10)))
     if args.fla:  # where fla's time goes, same inputs and process: the side-by-side per stage
         rows = profile_fla(xs, do, args.iters)
         print(f"\n## fla-core chunk_kda fwd+bwd by kernel, us per fwd+bwd (total {sum(r[1] for r in rows):.0f})")

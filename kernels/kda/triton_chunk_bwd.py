@@ -24,9 +24,11 @@ Kernels:
    chunk (fp32) and dh0.
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
    dv, dbeta and partial dqs, dk, dGamma, plus dAqk and dAkk (fp32 [T_all, HV, BT]).
-3. `_bwd_intra_kernel`, one program per (chunk, value head): the gradient of Aqk and Akk w.r.t. q, k, Gamma per
-   16-token sub-chunk: off-diagonal columns with the anchor Gamma_n (first row of the query sub-chunk, both factors
-   <= 1), diagonal blocks with the fixed anchor C (safe gate) or exact pairwise exponents; then dg.
+3. `_bwd_intra_kernel`, one program per (chunk, 16-token sub-chunk, K block, value head): the gradient of Aqk and
+   Akk w.r.t. q, k, Gamma of the sub-chunk's rows: as queries against earlier sub-chunks' keys (anchor Gamma_n,
+   the sub-chunk's first row) and as keys against later sub-chunks' queries (anchor: its last row), both factors
+   <= 1; the diagonal block with the fixed anchor C (safe gate) or exact pairwise exponents. Stores dq, dk, dGamma.
+4. `_bwd_dg_kernel`, one program per (chunk, K block, value head): dg = reverse cumsum of dGamma inside the chunk.
 Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
 only w, u, v_new and the states (fp32) are recomputed from them (triton_chunk.chunk_fwd_states), so the backward runs
 no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
@@ -231,96 +233,118 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out, chunk_indices, cu_seqlens, scale,
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, chunk_indices, cu_seqlens, scale,
                       shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
                       VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
-    # one program per (chunk, K block of BK columns, value head), the K blocks of a chunk adjacent in launch order
-    # (they read the same dAq / dAk tiles): every output column k reads only column k of q, k, Gamma, dqs, dkk, dG
-    # (the dots contract over time), so K blocks are independent. At K = 128, BK 32 instead of one 128-wide program
-    # removes the spills (ptxas, sm_90a, 8 warps, bf16x3: 740 B of spill stores per thread at BK 128, 120 at 64,
-    # none at 32) and gives 4x the programs
-    i_t, i_kb, i_hv = tl.program_id(0) // tl.cdiv(K, BK), tl.program_id(0) % tl.cdiv(K, BK), tl.program_id(1)
+    # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
+    # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
+    # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
+    # terms (as the query side of Aqk / Akk: keys of sub-chunks j <= i) and column terms (as the key side: queries of
+    # sub-chunks j >= i). [BC, BK] tiles only: few registers, NC x the programs of one per chunk.
+    NKB: tl.constexpr = (K + BK - 1) // BK
+    pid = tl.program_id(0)
+    i_t, i_i, i_kb, i_hv = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
+    if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
+        return
+    o_c = tl.arange(0, BC)
     o_k = i_kb * BK + tl.arange(0, BK)
     m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    o_c = tl.arange(0, BC)
-    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-    b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
-    b_kall = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_dcol = tl.zeros([BT, BK], dtype=tl.float32)  # sum_i (dAq_ij qs_i + dAk_ij k_i) e^(Gamma_i - Gamma_j), off-diag
-    for s in range(NC):  # a runtime loop, not unrolled: fewer live registers
-        r_s = s * BC + o_c
-        m_s = r_s < n_valid
-        m_sk = m_s[:, None] & m_k[None, :]
-        p_sk = ((start + r_s[:, None]) * HV + i_hv) * K + o_k[None, :]
-        p_sq = ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :]
-        b_q = tl.load(q + p_sq, mask=m_sk, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + p_sq, mask=m_sk, other=0.0).to(tl.float32)
-        b_Gs = tl.load(Gam + p_sk, mask=m_sk, other=0.0)
-        b_Gn = tl.load(Gam + ((start + s * BC) * HV + i_hv) * K + o_k, mask=m_k & (s * BC < n_valid), other=0.0)
-        p_rows = ((start + r_s[:, None]) * HV + i_hv) * BT
-        b_dAq_s = tl.load(dAq + p_rows + o_t[None, :], mask=m_s[:, None], other=0.0)  # [BC, BT]
-        b_dAk_s = tl.load(dAk + p_rows + o_t[None, :], mask=m_s[:, None], other=0.0)
-        b_dqr = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dkr = tl.zeros([BC, BK], dtype=tl.float32)
-        if s > 0:  # off-diagonal columns j < s * BC, anchor Gamma_n: both factors <= 1
-            e_q = tl.exp2(tl.where(m_sk, b_Gs - b_Gn[None, :], float("-inf")))
-            live = (o_t[:, None] < s * BC) & (s * BC < n_valid)
-            e_k = tl.exp2(tl.where(live, b_Gn[None, :] - b_G, float("-inf")))  # [BT, BK], zero rows from s * BC
-            b_kc = b_kall * e_k
-            b_dqr += e_q * _dot(b_dAq_s, b_kc, OFF)
-            b_dkr += e_q * _dot(b_dAk_s, b_kc, OFF)
-            b_dcol += e_k * (_dot(tl.trans(b_dAq_s), b_q * e_q, OFF)
-                             + _dot(tl.trans(b_dAk_s), b_k * e_q, OFF))
-        p_d = p_rows + s * BC + o_c[None, :]
-        b_dAq_d = tl.load(dAq + p_d, mask=m_s[:, None], other=0.0)  # [BC, BC], zero above the diagonal
-        b_dAk_d = tl.load(dAk + p_d, mask=m_s[:, None], other=0.0)  # zero on and above it
-        if SAFE:  # fixed anchor C = Gamma_n - shift, as in the forward
-            b_C = b_Gn - shift
-            rf = tl.exp2(tl.where(m_sk, b_Gs - b_C[None, :], float("-inf")))
-            cf = tl.exp2(tl.where(m_sk, b_C[None, :] - b_Gs, float("-inf")))
-            b_kcf = b_k * cf
-            b_dqr += rf * _dot(b_dAq_d, b_kcf, PREC)
-            b_dkr += rf * _dot(b_dAk_d, b_kcf, PREC)
-            b_dcd = cf * (_dot(tl.trans(b_dAq_d), b_q * rf, PREC)
-                          + _dot(tl.trans(b_dAk_d), b_k * rf, PREC))
-        else:  # exact pairwise exponents, one key column j at a time
-            b_dcd = tl.zeros([BC, BK], dtype=tl.float32)
-            for j in tl.static_range(BC):
-                sel = o_c[:, None] == j
-                b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
-                b_Gj = tl.sum(tl.where(sel, b_Gs, 0.0), axis=0)
-                e = tl.exp2(tl.where((o_c[:, None] >= j) & m_sk, b_Gs - b_Gj[None, :], float("-inf")))  # [BC, BK]
-                a_q = tl.sum(tl.where(o_c[None, :] == j, b_dAq_d, 0.0), axis=1)  # column j of dAq [BC]
-                a_k = tl.sum(tl.where(o_c[None, :] == j, b_dAk_d, 0.0), axis=1)
-                b_dqr += a_q[:, None] * b_kj[None, :] * e
-                b_dkr += a_k[:, None] * b_kj[None, :] * e
-                col = tl.sum((a_q[:, None] * b_q + a_k[:, None] * b_k) * e, axis=0)  # [BK]
-                b_dcd += tl.where(sel, col[None, :], 0.0)
-        # rows of sub-chunk s: dq is final; dk and dGamma still miss the off-diagonal column terms of later
-        # sub-chunks (b_dcol), added after the loop. Written to the outputs, read back below (fewer live tiles
-        # than keeping [BT, BK] row accumulators in registers).
-        b_dqr_s = tl.load(dqs + p_sk, mask=m_sk, other=0.0) + b_dqr
-        tl.store(dq_out + p_sk, (b_dqr_s * scale).to(dq_out.dtype.element_ty), mask=m_sk)
-        tl.store(dk_out + p_sk, tl.load(dkk + p_sk, mask=m_sk, other=0.0) + b_dkr + b_dcd, mask=m_sk)
-        b_dG_s = tl.load(dG + p_sk, mask=m_sk, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dcd)
-        tl.store(dg_out + p_sk, b_dG_s, mask=m_sk)
-    tl.debug_barrier()  # the stores above came from other threads of this program
-    b_dk = tl.load(dk_out + p_tk, mask=m_tk, other=0.0) + b_dcol
+    r_i = i_i * BC + o_c  # this sub-chunk's rows, in the chunk
+    m_i = r_i < n_valid
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
+    p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
+    b_G = tl.load(Gam + p_ik, mask=m_ik, other=0.0)
+    b_Gn = tl.load(Gam + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # first row: the anchor
+    p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of dAq / dAk
+    # row terms, keys of earlier sub-chunks j < i: anchor Gamma_n, both factors <= 1
+    b_dqr = tl.zeros([BC, BK], dtype=tl.float32)  # d(qs) of these rows
+    b_dkr = tl.zeros([BC, BK], dtype=tl.float32)  # dk of these rows as the query side of Akk
+    for j in range(i_i):
+        r_j = j * BC + o_c
+        p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
+        b_kc = (tl.load(k + p_jq, mask=m_k[None, :], other=0.0).to(tl.float32)
+                * tl.exp2(b_Gn[None, :] - tl.load(Gam + p_jk, mask=m_k[None, :], other=0.0)))
+        b_dqr += _dot(tl.load(dAq + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
+        b_dkr += _dot(tl.load(dAk + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
+    e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))
+    b_dqr *= e_q
+    b_dkr *= e_q
+    # the diagonal block: dAq zero above the diagonal, dAk on and above it (as stored); rows past n_valid masked
+    m_d = m_i[:, None] & m_i[None, :]
+    b_dAq_d = tl.load(dAq + p_rows + r_i[None, :], mask=m_d, other=0.0)
+    b_dAk_d = tl.load(dAk + p_rows + r_i[None, :], mask=m_d, other=0.0)
+    if SAFE:  # fixed anchor C = Gamma_n - shift, as in the forward
+        b_C = b_Gn - shift
+        rf = tl.exp2(tl.where(m_ik, b_G - b_C[None, :], float("-inf")))
+        cf = tl.exp2(tl.where(m_ik, b_C[None, :] - b_G, float("-inf")))
+        b_kcf = b_k * cf
+        b_dqr += rf * _dot(b_dAq_d, b_kcf, PREC)
+        b_dkr += rf * _dot(b_dAk_d, b_kcf, PREC)
+        b_dc = cf * (_dot(tl.trans(b_dAq_d), b_q * rf, PREC) + _dot(tl.trans(b_dAk_d), b_k * rf, PREC))
+    else:  # exact pairwise exponents, one key column j at a time
+        b_dc = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in tl.static_range(BC):
+            sel = o_c[:, None] == j
+            b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
+            b_Gj = tl.sum(tl.where(sel, b_G, 0.0), axis=0)
+            e = tl.exp2(tl.where((o_c[:, None] >= j) & m_ik, b_G - b_Gj[None, :], float("-inf")))  # [BC, BK]
+            a_q = tl.sum(tl.where(o_c[None, :] == j, b_dAq_d, 0.0), axis=1)  # column j of dAq [BC]
+            a_k = tl.sum(tl.where(o_c[None, :] == j, b_dAk_d, 0.0), axis=1)
+            b_dqr += a_q[:, None] * b_kj[None, :] * e
+            b_dkr += a_k[:, None] * b_kj[None, :] * e
+            col = tl.sum((a_q[:, None] * b_q + a_k[:, None] * b_k) * e, axis=0)  # [BK]
+            b_dc += tl.where(sel, col[None, :], 0.0)
+    # column terms, queries of later sub-chunks j > i: anchor Gamma_a at this sub-chunk's last row (full, since a
+    # later one exists), so exp2(Gamma_j - Gamma_a) <= 1 and exp2(Gamma_a - Gamma_i) <= 1
+    b_dco = tl.zeros([BC, BK], dtype=tl.float32)
+    n_sub = tl.cdiv(n_valid, BC)
+    if i_i + 1 < n_sub:
+        b_Ga = tl.load(Gam + ((start + i_i * BC + BC - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        for j in range(i_i + 1, n_sub):
+            r_j = j * BC + o_c
+            m_j = r_j < n_valid
+            m_jk = m_j[:, None] & m_k[None, :]
+            p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
+            p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
+            e_j = tl.exp2(tl.where(m_jk, tl.load(Gam + p_jk, mask=m_jk, other=0.0) - b_Ga[None, :], float("-inf")))
+            p_dA = ((start + r_j[:, None]) * HV + i_hv) * BT + r_i[None, :]  # [BC_j, BC_i] of dAq / dAk
+            b_dAq_j = tl.load(dAq + p_dA, mask=m_j[:, None], other=0.0)
+            b_dAk_j = tl.load(dAk + p_dA, mask=m_j[:, None], other=0.0)
+            b_qe = tl.load(q + p_jq, mask=m_jk, other=0.0).to(tl.float32) * scale * e_j
+            b_ke = tl.load(k + p_jq, mask=m_jk, other=0.0).to(tl.float32) * e_j
+            b_dco += _dot(tl.trans(b_dAq_j), b_qe, OFF) + _dot(tl.trans(b_dAk_j), b_ke, OFF)
+        b_dco *= tl.exp2(tl.where(m_ik, b_Ga[None, :] - b_G, float("-inf")))
+    b_dc += b_dco
+    tl.store(dq_out + p_ik, ((tl.load(dqs + p_ik, mask=m_ik, other=0.0) + b_dqr) * scale)
+             .to(dq_out.dtype.element_ty), mask=m_ik)
+    tl.store(dk_out + p_ik, (tl.load(dkk + p_ik, mask=m_ik, other=0.0) + b_dkr + b_dc).to(dk_out.dtype.element_ty),
+             mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
-    b_dG = tl.load(dg_out + p_tk, mask=m_tk, other=0.0) - b_kall * b_dcol
-    b_dG = tl.where(m_tk, b_dG, 0.0)
-    # Gamma = inclusive cumsum of g inside the chunk, so dg_t = sum_{t' >= t} dGamma_t'
-    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
-    tl.debug_barrier()  # every thread has read its partial dGamma before dg overwrites it
-    tl.store(dk_out + p_tk, b_dk, mask=m_tk)
-    tl.store(dg_out + p_tk, b_dg, mask=m_tk)
+    b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
+    tl.store(dG_out + p_ik, b_dG, mask=m_ik)
+
+
+@triton.jit
+def _bwd_dg_kernel(dG, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   BT: tl.constexpr, VARLEN: tl.constexpr):
+    """In place: dg = reverse cumsum of dGamma inside each chunk (Gamma = inclusive cumsum of g there, so dg_t =
+    sum_{t' >= t} dGamma_t'). One program per (chunk, K block, value head)."""
+    NKB: tl.constexpr = (K + BK - 1) // BK
+    i_t, i_kb, i_hv = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = i_kb * BK + tl.arange(0, BK)
+    m_tk = (o_t < n_valid)[:, None] & (o_k < K)[None, :]
+    p = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    b = tl.load(dG + p, mask=m_tk, other=0.0)
+    tl.store(dG + p, tl.sum(b, axis=0)[None, :] - tl.cumsum(b, axis=0) + b, mask=m_tk)
 
 
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
@@ -358,9 +382,10 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dAk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
     dqs, dkk, dG = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
-    # dq is written once per element (final without GVA: stored in q's dtype); dk and dg are read back: fp32
-    dq = torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev)
-    dk, dg = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(2))
+    # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
+    # in-chunk reverse cumsum in place) stays fp32
+    dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
+    dg = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     db = torch.empty(T_all, HV, dtype=f32, device=dev)
     if NT_all == 0 or HV == 0:
         dh0.copy_(dht)
@@ -379,14 +404,15 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                                         PREC=_prec("bwd_inter", dt), **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
-        _bwd_intra_kernel[(NT_all * triton.cdiv(K, BKi), HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
-                                                              chunk_indices, cu, float(scale), shift, T, NT, H=H,
-                                                              HV=HV, K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
-                                                              SAFE=safe_shift is not None, VARLEN=varlen,
-                                                              PREC=prec, OFF=_prec("bwd_intra", dt),
-                                                              **_opts("bwd_intra"))
+        NKB = triton.cdiv(K, BKi)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
+                                                           chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV,
+                                                           K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
+                                                           SAFE=safe_shift is not None, VARLEN=varlen, PREC=prec,
+                                                           OFF=_prec("bwd_intra", dt), **_opts("bwd_intra"))
+        _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT, VARLEN=varlen)
     if G == 1:
-        dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K).to(dt)
+        dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:
         dq, dk = dq.view(B, T, H, G, K).sum(3).to(dt), dk.view(B, T, H, G, K).sum(3).to(dt)
     return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),

@@ -24,7 +24,7 @@ from k3.kernels.kda.chunk import SUB_CHUNK
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FWD = ("_intra_kernel", "_solve_kernel", "_wu_kernel", "_scan_kernel", "_output_kernel")
-BWD = ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel")
+BWD = ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel", "_bwd_dg_kernel")
 LB = -5.0  # lower bound of the safe-gate cases
 
 
@@ -119,7 +119,7 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     launches.clear()
     torch.autograd.grad((o.sum() + s.sum()), xs)
     assert launches == [("_wu_kernel", None), ("_scan_kernel", None), ("_bwd_scan_kernel", None),
-                        ("_bwd_inter_kernel", None), ("_bwd_intra_kernel", None)]
+                        ("_bwd_inter_kernel", None), ("_bwd_intra_kernel", None), ("_bwd_dg_kernel", None)]
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "no_input_requires_grad"])
