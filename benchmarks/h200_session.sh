@@ -19,9 +19,9 @@
 #            (the stacked Muon update)
 #   anchor:  the compiled k3-small server at concurrency 1 and 32 and at the anchors' workload (128-token prompts,
 #            256 new tokens), then the Hugging Face anchors in the same run: the batch-1 and batch-32 goals of issue 5
-#   table:   benchmarks/kda.py's first three shapes alone (k3 against fla in one process, issue 4's table); table2,
-#            on the same warm machine: the fourth shape, decode and the decode sweep, then kda_tune.py --fla (fla's
-#            kernels by time beside k3's, k3's backward scan / inter dots in tf32)
+#   table:   the KDA GPU tests, then benchmarks/kda.py's first three shapes (k3 against fla in one process, issue
+#            4's table); table2, on the same warm machine (or with table's Triton cache carried back): the fourth
+#            shape and decode
 #   prec:    the backward's dot precisions: GPU gradient tests, then each kernel's time per precision (kda_tune.py)
 # Session 3 (2026-11-29) ran earlier versions of these steps by hand (RESULTS.md, "Session 3").
 set -o pipefail
@@ -33,6 +33,9 @@ mkdir -p "$OUT"
 # carry .triton-cache (from a previous call's $OUT/triton-cache.tgz) to skip fla's ~4-minute first-shape autotuning
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
 mkdir -p "$TRITON_CACHE_DIR"
+if ls .triton-cache-parts/triton-cache.tgz.part-* >/dev/null 2>&1; then  # a previous call's cache, carried back
+  cat .triton-cache-parts/triton-cache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -111,24 +114,22 @@ anchor)
   echo "serve anchor rc=$?"; grep -v "Warn\|warn" "$OUT/serve_anchor.log" | tail -30
   ;;
 table)
-  # the first three shapes of benchmarks/kda.py (k3 and fla side by side in one process; fla's first autotuning
-  # takes ~5 minutes on a fresh machine), the backward intra kernel at K blocks 32 (default) and 128 (session 6's
-  # one program per chunk and head) in the same process; then `table2` on the same warm machine (its .triton-cache
-  # keeps fla's autotuning: 30 MB compressed, too large to come back through $OUT)
-  timeout 560 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
-    --bwd-intra-bk 32 128 > "$OUT/kda.log" 2>&1
+  # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates), then the first three shapes
+  # of benchmarks/kda.py (k3 and fla side by side in one process; fla's first autotuning takes ~5 minutes on a fresh
+  # machine); then `table2` on the same warm machine (its .triton-cache keeps fla's autotuning); Triton's cache also
+  # comes back in 15 MB parts ($OUT/triton-cache.tgz.part-*: carry them as .triton-cache-parts/ to restore it)
+  timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+    tests/kernels/test_kda_saved.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+  echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+  timeout 420 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
+    > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
+  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz.part-"
   ;;
 table2)
-  # the fourth shape, then decode (k3 and fla) and the decode launch sweep
-  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 --bwd-intra-bk 32 128 --decode-sweep \
-    > "$OUT/kda2.log" 2>&1
+  # the fourth shape, then decode (k3 and fla)
+  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
-  # fla's kernels by time next to k3's at (8,4096,16,128) (fla's autotuning cached by `table`), the backward's
-  # scan and inter dots in tf32
-  timeout 200 python3 benchmarks/kda_tune.py --warps 8 --stages 1,2 --bv 64 --iters 3 --bwd-prec tf32 --fla \
-    > "$OUT/kda_tune_fla.log" 2>&1
-  echo "kda_tune rc=$?"; cat "$OUT/kda_tune_fla.log"
   ;;
 prec)
   # the backward's kernels: their GPU tests (gradients against the recurrence at every dot precision, K blocks,

@@ -63,7 +63,7 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     "intra": {"num_warps": 4, "num_stages": 2},
-    "solve": {"num_warps": 4, "num_stages": 1},
+    "solve": {"num_warps": 2, "num_stages": 1},  # 282 us per fwd+bwd at 2 warps, 427 at 4 (session 7)
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
     # scan: num_stages 1 = the measured setting (its loop was a `while` until session 6, which Triton never
     # pipelines, so the 2 here had no effect). With tl.range, 2-3 stages pipeline the loads (ptxas, sm_90a: 8 warps,

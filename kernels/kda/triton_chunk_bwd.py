@@ -63,10 +63,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
-    # BK: the intra kernel's K block, one program per (chunk, K block, head); 32 has no spills at K = 128 (ptxas,
-    # sm_90a; 740 B of spill stores per thread with one 128-wide program). 2,983 us at 4 warps / 2 stages, 5,283
-    # at 8 warps
-    "bwd_intra": {"num_warps": 4, "num_stages": 2, "BK": 32, "PREC": "tf32"},
+    # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,617 us at 2 warps / 2
+    # stages (1,855 at 1 stage, 2,083 at 4 warps, 4,029 at 8; K block 16 at 4 warps: 5,151); one program per
+    # (chunk, K block, head) before: 2,983 us at best
+    "bwd_intra": {"num_warps": 2, "num_stages": 2, "BK": 32, "PREC": "tf32"},
 }
 
 
@@ -265,8 +265,8 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     # row terms, keys of earlier sub-chunks j < i: anchor Gamma_n, both factors <= 1
     b_dqr = tl.zeros([BC, BK], dtype=tl.float32)  # d(qs) of these rows
     b_dkr = tl.zeros([BC, BK], dtype=tl.float32)  # dk of these rows as the query side of Akk
-    for j in range(i_i):
-        r_j = j * BC + o_c
+    for jb in range(i_i):
+        r_j = jb * BC + o_c
         p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
         b_kc = (tl.load(k + p_jq, mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -307,8 +307,8 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     n_sub = tl.cdiv(n_valid, BC)
     if i_i + 1 < n_sub:
         b_Ga = tl.load(Gam + ((start + i_i * BC + BC - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        for j in range(i_i + 1, n_sub):
-            r_j = j * BC + o_c
+        for jq in range(i_i + 1, n_sub):  # not `j`: the diagonal's static_range left j a constexpr
+            r_j = jq * BC + o_c
             m_j = r_j < n_valid
             m_jk = m_j[:, None] & m_k[None, :]
             p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]

@@ -1,0 +1,55 @@
+"""The Triton KDA backward kernels compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
+variant a launch can pick: the exact and safe diagonal paths, each dot precision, varlen or not.
+
+The interpreter, which runs the CPU tests, executes kernels as Python and never type-checks them the way the
+compiler does: a loop variable reused with another type (a `tl.static_range` index and a runtime `range` one) ran on
+the CPU and failed to compile on the H200 (2026-11-29). Compiled in a process of its own, without the interpreter.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+_COMPILE = r"""
+import itertools, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3.kernels.kda import triton_chunk_bwd as B
+
+HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "T": "i32", "NT": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+
+def compile_(fn, consts, num_warps):
+    sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
+           else "*fp32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    assert f".entry {fn.__name__}" in ptx, fn.__name__
+
+shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
+for varlen in (False, True):
+    for prec in B.INTER_PRECISIONS:
+        kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
+        compile_(B._bwd_scan_kernel, kv, 4)
+        compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4)
+        for safe in (True, False):
+            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
+                                           "PREC": "bf16x3", "OFF": prec}, 4)
+    compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
+print("compiled")
+"""
+
+
+def test_backward_kernels_compile_for_sm90_in_every_variant():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
