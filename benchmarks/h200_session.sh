@@ -127,9 +127,13 @@ table)
   tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz.part-"
   ;;
 table2)
-  # the fourth shape, then decode (k3 and fla)
+  # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block
   timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
+  # the longest shape's kernels by V block (the state scans run N * HV * V / BV programs: 32 at BV 64 here)
+  timeout 150 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv 16,32,64 \
+    --iters 3 > "$OUT/kda_tune_long.log" 2>&1
+  echo "kda_tune rc=$?"; grep -v "^# per\|^# w" "$OUT/kda_tune_long.log"
   ;;
 prec)
   # the backward's kernels: their GPU tests (gradients against the recurrence at every dot precision, K blocks,
