@@ -79,8 +79,13 @@ def launch_opts(name: str) -> dict[str, int]:
 
 
 def v_block(name: str, V: int, BK: int) -> int:
-    """The V block of kernel `name`: LAUNCH's BV, at most next_pow2(V) (>= 16 for tl.dot), 32 when K > 128."""
+    """The V block of kernel `name`: LAUNCH's BV, at most next_pow2(V) (>= 16 for tl.dot), 32 when K > 128.
+    The w/u kernel never takes 16 when V >= 32: at V = 128 its BV-16 launch hit an illegal memory access on the
+    H200 (Triton 3.6, 2026-11-30; the other kernels ran at BV 16, and the interpreter tests pass), and it gains
+    nothing from small blocks (one program per chunk loops over them)."""
     bv = max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
+    if name == "wu":
+        bv = max(bv, min(32, triton.next_power_of_2(V)))
     return min(bv, 32) if BK > 128 else bv
 
 

@@ -509,3 +509,19 @@ def test_backward_dot_precision_setting(monkeypatch):
     monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "fp8")
     with pytest.raises(ValueError, match=r"LAUNCH\['bwd_scan'\]\['PREC'\] = 'fp8'; use one of"):
         bwd._prec("bwd_scan", torch.bfloat16)
+
+
+def test_v_blocks_keep_the_wu_kernel_off_16_wide_blocks(monkeypatch):
+    """LAUNCH's BV, capped at next_pow2(V) and at 32 for K > 128; the w/u kernel never runs 16-wide blocks when V >= 32
+    (its BV-16 launch hit an illegal memory access on the H200, triton_chunk.v_block)."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    for name in ("wu", "scan"):
+        monkeypatch.setitem(fwd.LAUNCH[name], "BV", 16)
+    assert fwd.v_block("scan", 128, 128) == 16
+    assert fwd.v_block("wu", 128, 128) == 32
+    assert fwd.v_block("wu", 16, 16) == 16  # V = 16: the only block there is
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "BV", 64)
+    assert fwd.v_block("wu", 128, 128) == 64
+    assert fwd.v_block("wu", 60, 64) == 64
+    assert fwd.v_block("wu", 128, 256) == 32
