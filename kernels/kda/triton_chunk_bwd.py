@@ -30,7 +30,7 @@ Kernels:
    <= 1; the diagonal block with the fixed anchor C (safe gate) or exact pairwise exponents. Stores dq, dk, dGamma.
 4. `_bwd_dg_kernel`, one program per (chunk, K block, value head): dg = reverse cumsum of dGamma inside the chunk.
 Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
-only w, u, v_new and the states (fp32) are recomputed from them (triton_chunk.chunk_fwd_states), so the backward runs
+only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recomputed from them (triton_chunk.chunk_fwd_states), so the backward runs
 no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
 replace g's 4K: fla-core 0.6.0's policy too (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
 All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE). For bf16/fp16 inputs the intra kernel's
@@ -129,7 +129,8 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
         m_t = o_t < n_valid
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :], b_dh, mask=m_kv)
+        tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                 b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -192,7 +193,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
             b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0).to(tl.float32)
             b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
             b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BKB, BV]
-            b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0)  # gradient of the state leaving it [BKB, BV]
+            b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # grad. of the state leaving it
             b_dqg += _dot(b_do, tl.trans(b_h), PREC)
             b_dkg += _dot(b_vn, tl.trans(b_dh), PREC)
             b_dvb = _dot(tl.trans(b_M), b_dvn, PREC)  # d(beta v)
@@ -353,7 +354,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. Only w, u, v_new and
-    the fp32 states are recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
+    the states are recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -362,8 +363,12 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
     prec = "ieee" if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)  # the intra kernel's diagonal dots
+    # bf16 inputs with bf16 inter dots: the states entering each chunk (hbuf) and the state gradients (dhs) are
+    # stored in bf16, as the inter kernel rounds them to bf16 for its dots anyway (the scans carry them in fp32);
+    # half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps h and dh in bf16 too)
+    half_states = dt == torch.bfloat16 and _prec("bwd_inter", dt) == "bf16"
     w, u, vnew, hbuf, _ = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
-                                           h_fp32=True, cu_host=cu_host)
+                                           h_fp32=not half_states, cu_host=cu_host)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
@@ -375,7 +380,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     do = do.contiguous()
     dht = torch.zeros(N, HV, K, V, dtype=f32, device=dev) if dht is None else dht.float().contiguous()
     dvn = torch.empty(T_all, HV, V, dtype=f32, device=dev)
-    dhs = torch.empty(NT_all, HV, K, V, dtype=f32, device=dev)
+    dhs = torch.empty(NT_all, HV, K, V, dtype=hbuf.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
     dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel
     dAq = torch.empty(T_all, HV, BT, dtype=f32, device=dev)

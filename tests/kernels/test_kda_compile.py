@@ -1,5 +1,6 @@
 """The Triton KDA backward kernels compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
-variant a launch can pick: the exact and safe diagonal paths, each dot precision, varlen or not.
+variant a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
+varlen or not.
 
 The interpreter, which runs the CPU tests, executes kernels as Python and never type-checks them the way the
 compiler does: a loop variable reused with another type (a `tl.static_range` index and a runtime `range` one) ran on
@@ -27,9 +28,9 @@ HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_
 SCALARS = {"scale": "fp32", "shift": "fp32", "T": "i32", "NT": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
-def compile_(fn, consts, num_warps):
+def compile_(fn, consts, num_warps, half=()):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
-           else "*fp32") for a in fn.arg_names}
+           or a in half else "*fp32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
     assert f".entry {fn.__name__}" in ptx, fn.__name__
@@ -38,8 +39,9 @@ shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
-        compile_(B._bwd_scan_kernel, kv, 4)
-        compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4)
+        for states in ((), ("hbuf", "dhs")):  # fp32 or bf16 states entering each chunk and state gradients
+            compile_(B._bwd_scan_kernel, kv, 4, states)
+            compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
                                            "PREC": "bf16x3", "OFF": prec}, 4)
