@@ -31,8 +31,9 @@ Kernels:
 4. `_bwd_dg_kernel`, one program per (chunk, K block, value head): dg = reverse cumsum of dGamma inside the chunk.
 Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
 only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recomputed from them
-(triton_chunk.chunk_fwd_states), so the backward runs no intra-chunk or solve kernel. Per token and value head the saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16)
-replace g's 4K: fla-core 0.6.0's policy too (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
+(triton_chunk.chunk_fwd_states), so the backward runs no intra-chunk or solve kernel. Per token and value head the
+saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16) replace g's 4K: fla-core 0.6.0's policy too
+(`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
 All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE). For bf16/fp16 inputs the intra kernel's
 diagonal (anchored) blocks run 'bf16x3' (three bf16 MMAs, near-fp32 accuracy), as kda.md 3.3 prescribes for the
 safe-path backward (HALF_INPUT_PRECISION); every other dot, whose factors are all <= 1, takes LAUNCH[...]["PREC"]:
