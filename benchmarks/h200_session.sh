@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
-# see benchmarks/hf_anchor.py):  bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec
+# see benchmarks/hf_anchor.py):
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -115,20 +116,23 @@ anchor)
   ;;
 table)
   # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates), then the first three shapes
-  # of benchmarks/kda.py (k3 and fla side by side in one process; fla's first autotuning takes ~5 minutes on a fresh
-  # machine); then `table2` on the same warm machine (its .triton-cache keeps fla's autotuning); Triton's cache also
-  # comes back in 15 MB parts ($OUT/triton-cache.tgz.part-*: carry them as .triton-cache-parts/ to restore it)
+  # of benchmarks/kda.py (k3 and fla side by side in one process, the forward's intra kernel per chunk and per
+  # sub-chunk; fla's first autotuning takes ~5 minutes on a fresh machine, ~0 with .triton-cache-parts/ carried);
+  # then `table2` on the same warm machine. Triton's cache also comes back in 15 MB parts
+  # ($OUT/triton-cache.tgz.part-*): carry fla's *.autotune.json files from it as .triton-cache-parts/ (a tgz named
+  # triton-cache.tgz.part-aa) to skip fla's autotuning on a fresh machine
   timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_kda_saved.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   timeout 420 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
-    > "$OUT/kda.log" 2>&1
+    --intra per-chunk per-sub-chunk > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz.part-"
   ;;
 table2)
   # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block
-  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 > "$OUT/kda2.log" 2>&1
+  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 --intra per-chunk per-sub-chunk \
+    > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
   # the longest shape's kernels by V block (the state scans run N * HV * V / BV programs: 32 at BV 64 here)
   timeout 150 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv 16,32,64 \

@@ -98,6 +98,8 @@ def main() -> None:
          F.launch_opts("intra"), {"beta": "*fp32"}),
         ("intra, exact gate (training)", F._intra_kernel, {**intra, "SAFE": False, "STORE_AKK": True},
          F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra per sub-chunk, safe gate (training: Akk)", F._intra_sub_kernel,
+         {**intra, "SAFE": True, "STORE_AKK": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"]}, F.launch_opts("wu"), {}),

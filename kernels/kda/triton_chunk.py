@@ -54,7 +54,7 @@ import triton.language as tl
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .gate import naive_kda_gate, naive_kda_lowerbound_gate
-from .triton_common import _chunk_bounds, _chunk_gamma_keys, _seq_bounds, _sub_chunk_rows
+from .triton_common import _chunk_bounds, _chunk_gamma_keys, _intra_sub_kernel, _seq_bounds, _sub_chunk_rows
 from .triton_l2norm import l2norm_triton
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -62,7 +62,10 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 # Launch settings per forward kernel: Triton's num_warps / num_stages, and the V block "BV" (capped at
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    "intra": {"num_warps": 4, "num_stages": 2},
+    # PER_SUB_CHUNK: `_intra_sub_kernel` (one program per chunk, sub-chunk and head) in place of `_intra_kernel` (one
+    # per chunk and head: 1,003 us per fwd+bwd at (8, 4096, 16, 128), 255 registers and spills). Untimed, so off:
+    # `benchmarks/kda.py --intra per-chunk per-sub-chunk` times both in one process
+    "intra": {"num_warps": 4, "num_stages": 2, "PER_SUB_CHUNK": False},
     "solve": {"num_warps": 2, "num_stages": 1},  # 282 us per fwd+bwd at 2 warps, 427 at 4 (session 7)
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
     # scan: num_stages 1 = the measured setting (its loop was a `while` until session 6, which Triton never
@@ -408,8 +411,12 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         Akk = r["Akk"] if store_akk else Lkk  # unused placeholder when STORE_AKK is off
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
                  "STORE_AKK": store_akk, **common}
-        _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T, NT,
-                                    **intra, **launch_opts("intra"))
+        if LAUNCH["intra"].get("PER_SUB_CHUNK"):
+            _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale),
+                                                 shift, T, NT, **intra, **launch_opts("intra"))
+        else:
+            _intra_kernel[(NT_all, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu, float(scale), shift, T,
+                                        NT, **intra, **launch_opts("intra"))
         _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
                                     **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"] = chunk_fwd_states(

@@ -1,6 +1,7 @@
 """Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): a program's
 chunk or sequence bounds (padded and varlen layouts, both directions) and the forward's intra-chunk step (Gamma
-prologue, the rows of one sub-chunk, the diagonal 16 x 16 block). Legend as in triton_chunk.py.
+prologue, the rows of one sub-chunk, the diagonal 16 x 16 block), and the forward's intra-chunk kernel with one
+program per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
 """
 
 from __future__ import annotations
@@ -164,3 +165,76 @@ def _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid
         tl.store(Akk + p_D, b_Ld, mask=m_s[:, None])
     b_Ld = b_Ld * b_b[:, None]
     tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])
+
+
+@triton.jit
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, scale, shift, T, NT,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                      BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
+                      VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """`_intra_kernel`'s outputs with one program per (chunk, 16-token sub-chunk i, value head): the BC rows of
+    sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel has the same shape).
+    Gamma of sub-chunk j = carry_j + cumsum(g_j), carry_j = sum of g over sub-chunks before j, accumulated in the same
+    order by every program, so a sub-chunk's Gamma is bitwise the same wherever it is recomputed. Off-diagonal blocks
+    (j < i): anchor Gamma_n = the first row of sub-chunk i, both factors <= 1 (kda.md 3.3); the diagonal block by
+    `_diag_block`; columns after sub-chunk i are stored as zeros."""
+    i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    if i_i * BC >= n_valid:  # past the end of a partial chunk: no rows
+        return
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    log2e = 1.4426950408889634
+    # pass 1: the carry into sub-chunk i (column sums of g over the sub-chunks before it, full since i is not empty)
+    b_carry = tl.zeros([BK], dtype=tl.float32)
+    for jb in range(i_i):
+        p_g = ((start + jb * BC + o_c[:, None]) * HV + i_hv) * K + o_k[None, :]
+        b_carry += tl.sum(tl.load(g + p_g, mask=m_k[None, :], other=0.0).to(tl.float32), axis=0)
+    r_i = i_i * BC + o_c
+    m_i = r_i < n_valid
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
+    p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
+    b_G = (b_carry[None, :] + tl.cumsum(tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32), axis=0)) * log2e
+    tl.store(Gam + p_ik, b_G, mask=m_ik)
+    b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_G, 0.0), axis=0)  # the anchor: first row of sub-chunk i [BK]
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
+    e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))  # <= 1
+    b_qf = (b_q * e_q).to(k.dtype.element_ty)
+    b_kf = (b_k * e_q).to(k.dtype.element_ty)
+    p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of Aqk / Lkk / Akk
+    # pass 2: off-diagonal blocks (i, j), j < i, as the sub-chunks' Gamma is rebuilt in the order of pass 1
+    b_cj = tl.zeros([BK], dtype=tl.float32)
+    for jb in range(i_i):
+        r_j = jb * BC + o_c
+        p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
+        b_gj = tl.load(g + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_Gj = (b_cj[None, :] + tl.cumsum(b_gj, axis=0)) * log2e
+        b_cj += tl.sum(b_gj, axis=0)
+        b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], b_Gn[None, :] - b_Gj, float("-inf"))))
+        b_kc = b_kc.to(k.dtype.element_ty)
+        b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
+        b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
+        p_b = p_rows + r_j[None, :]
+        tl.store(Aqk + p_b, b_A.to(Aqk.dtype.element_ty), mask=m_i[:, None])
+        if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
+            tl.store(Akk + p_b, b_L, mask=m_i[:, None])
+        tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
+    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, b_Gn, shift, BC, SAFE, PREC)
+    p_d = p_rows + r_i[None, :]
+    tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])
+    if STORE_AKK:
+        tl.store(Akk + p_d, b_Ld, mask=m_i[:, None])
+    tl.store(Lkk + p_d, b_Ld * b_b[:, None], mask=m_i[:, None])
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    for jz in range(i_i + 1, NC):  # the columns of later sub-chunks: zeros
+        p_z = p_rows + (jz * BC + o_c)[None, :]
+        tl.store(Aqk + p_z, zero.to(Aqk.dtype.element_ty), mask=m_i[:, None])
+        if STORE_AKK:
+            tl.store(Akk + p_z, zero, mask=m_i[:, None])
+        tl.store(Lkk + p_z, zero, mask=m_i[:, None])

@@ -1,4 +1,4 @@
-"""The Triton KDA backward kernels compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
+"""The Triton KDA backward kernels and the forward's per-sub-chunk intra kernel compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
 variant a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
 varlen or not.
 
@@ -22,9 +22,10 @@ import itertools, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
 
-HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}
+HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "T": "i32", "NT": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
@@ -46,6 +47,9 @@ for varlen in (False, True):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
                                            "PREC": "bf16x3", "OFF": prec}, 4)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
+    for safe, store_akk in itertools.product((True, False), repeat=2):  # the forward's per-sub-chunk intra kernel
+        compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
+                                       "VARLEN": varlen, "PREC": "tf32"}, 4)
 print("compiled")
 """
 

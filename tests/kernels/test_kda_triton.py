@@ -525,3 +525,41 @@ def test_v_blocks_keep_the_wu_kernel_off_16_wide_blocks(monkeypatch):
     assert fwd.v_block("wu", 128, 128) == 64
     assert fwd.v_block("wu", 60, 64) == 64
     assert fwd.v_block("wu", 128, 256) == 32
+
+
+SUB_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
+    (2, 70, 1, 2, 32, 64, True, None),  # a partial last chunk with an empty sub-chunk
+    (1, 45, 1, 1, 60, 32, False, None),  # exact diagonal path, K padded (60 -> 64)
+    (1, 80, 1, 2, 32, 64, True, [0, 15, 15, 80]),  # varlen with an empty sequence
+    (1, 24, 2, 2, 64, 16, True, None),  # one sub-chunk per chunk
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
+                         f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
+def test_intra_kernel_per_sub_chunk_equals_per_chunk(B, T, H, HV, D, BT, safe, cu, monkeypatch):
+    """The forward's intra-chunk step as one program per sub-chunk (triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"])
+    writes the Gamma, Aqk, L and Akk of the one-program-per-chunk kernel (every element: the buffers are NaN-poisoned,
+    so a row or zero block left unwritten fails), up to fp32 rounding of the cumsum; then o, the final state and
+    every gradient through it match the float64 recurrence."""
+    from k3.kernels.kda import triton_chunk
+
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    safe_shift = 7.5 * 5.0 / 2 * 2 if safe else None  # any shift: both kernels take the same
+    out = {}
+    for per_sub in (False, True):
+        monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", per_sub)
+        r = triton_chunk.chunk_fwd_pipeline(q, k, v, g.clamp_min(-5.0) if safe else g, beta, h0, scale=D**-0.5,
+                                            safe_shift=safe_shift, chunk_size=BT, cu_seqlens=cu_t, h_fp32=True,
+                                            store_akk=True)
+        out[per_sub] = r
+    for name in ("Gam", "Aqk", "Lkk", "Akk", "o", "ht"):  # (Mm: the solve writes only its lower blocks)
+        a, b = out[False][name], out[True][name]
+        assert torch.isfinite(b).all(), f"{name}: unwritten (NaN) or non-finite elements"
+        err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
+        assert err < 1e-5, f"{name}: relative difference {err:.2e} between the two intra kernels"
+    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", True)
+    ref, got = grads_vs_naive(q, k, v, g.clamp_min(-5.0) if safe else g, beta, h0, BT=BT, safe=safe, cu=cu)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, got, GRAD_RATIOS if cu is None else VARLEN_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
