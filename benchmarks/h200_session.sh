@@ -34,9 +34,10 @@ mkdir -p "$OUT"
 # carry .triton-cache (from a previous call's $OUT/triton-cache.tgz) to skip fla's ~4-minute first-shape autotuning
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
 mkdir -p "$TRITON_CACHE_DIR"
-if ls .triton-cache-parts/triton-cache.tgz.part-* >/dev/null 2>&1; then  # a previous call's cache, carried back
-  cat .triton-cache-parts/triton-cache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
-fi
+# fla's autotuning results from an earlier call ($OUT/fla-autotune.tgz, carried back in .triton-cache-parts/): with
+# them fla skips its ~5-minute first autotuning on a fresh machine (FLA_CACHE_RESULTS, fla's default)
+for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"; done
+save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/fla-autotune.tgz" -T -); }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -118,16 +119,15 @@ table)
   # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates), then the first three shapes
   # of benchmarks/kda.py (k3 and fla side by side in one process, the forward's intra kernel per chunk and per
   # sub-chunk; fla's first autotuning takes ~5 minutes on a fresh machine, ~0 with .triton-cache-parts/ carried);
-  # then `table2` on the same warm machine. Triton's cache also comes back in 15 MB parts
-  # ($OUT/triton-cache.tgz.part-*): carry fla's *.autotune.json files from it as .triton-cache-parts/ (a tgz named
-  # triton-cache.tgz.part-aa) to skip fla's autotuning on a fresh machine
+  # then `table2` on the same warm machine. fla's autotuning results come back as $OUT/fla-autotune.tgz: copy it
+  # into .triton-cache-parts/ and carry that folder to skip fla's autotuning on a fresh machine
   timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_kda_saved.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   timeout 420 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
     --intra per-chunk per-sub-chunk > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
-  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz.part-"
+  save_autotune
   ;;
 table2)
   # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block
@@ -138,6 +138,7 @@ table2)
   timeout 150 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv 16,32,64 \
     --iters 3 > "$OUT/kda_tune_long.log" 2>&1
   echo "kda_tune rc=$?"; grep -v "^# per\|^# w" "$OUT/kda_tune_long.log"
+  save_autotune
   ;;
 prec)
   # the backward's kernels: their GPU tests (gradients against the recurrence at every dot precision, K blocks,
