@@ -405,8 +405,13 @@ def test_chunk_extreme_gates_exact_path():
     assert_close("ht", rs, s, 0.005)
 
 
-def test_chunk_no_dependence_on_later_tokens():
-    """kda.md 6.3: changing tokens after position t leaves outputs <= t unchanged (fixed anchor, masked dots)."""
+@pytest.mark.parametrize("per_sub_chunk", [False, True], ids=["intra-per-chunk", "intra-per-sub-chunk"])
+def test_chunk_no_dependence_on_later_tokens(per_sub_chunk, monkeypatch):
+    """kda.md 6.3: changing tokens after position t leaves outputs <= t unchanged (fixed anchor, masked dots), with
+    either forward intra kernel (triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"])."""
+    from k3.kernels.kda import triton_chunk
+
+    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", per_sub_chunk)
     t = 21
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 1, 32, 32, torch.float32)
     o1, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, safe_gate=True)
