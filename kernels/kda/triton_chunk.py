@@ -196,7 +196,7 @@ def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr,
 
 
 @triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, chunk_indices, cu_seqlens, T, NT, H: tl.constexpr, HV: tl.constexpr,
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, chunk_indices, cu_seqlens, T, NT, H: tl.constexpr, HV: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
@@ -212,9 +212,16 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, chunk_indices, cu_seqlens, T, NT, H: t
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk is
+    # a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k and the
+    # fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored before the w
+    # dot, so that k and Gamma are dead across it (ptxas, sm_90a, 4 warps: 255 registers and spills otherwise)
+    b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
+    tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
     b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
     b_w = tl.dot(b_M, b_x, input_precision=PREC)
-    tl.store(w + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_tk)
+    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in tl.static_range(0, V, BV):
         o_v = i_v + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -225,12 +232,11 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, chunk_indices, cu_seqlens, T, NT, H: t
 
 
 @triton.jit
-def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                  VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -259,10 +265,8 @@ def _scan_kernel(k, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T,
         b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
         tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
-        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
-        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_kg = (b_k.to(tl.float32) * tl.exp2(b_Gl[None, :] - b_G)).to(b_w.dtype)  # zero rows past the end
+        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
         b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_kv)
@@ -371,11 +375,12 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
         return w, u, vnew, hbuf, ht
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+    kg = torch.empty(T_all, HV, K, dtype=dt, device=dev)  # k e^(Gamma_last - Gamma), from the w/u kernel to the scan
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
                              BV=BVu, BT=BT, **common, **launch_opts("wu"))
     BVs = v_block("scan", V, BK)
     h0c = h0.contiguous() if h0 is not None else ht
-    _scan_kernel[(triton.cdiv(V, BVs), N, HV)](k, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
+    _scan_kernel[(triton.cdiv(V, BVs), N, HV)](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
                                                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
                                                STORE_HT=True, **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht
