@@ -31,7 +31,7 @@ from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
+HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
@@ -102,7 +102,9 @@ def main() -> None:
          {**intra, "SAFE": True, "STORE_AKK": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"]}, F.launch_opts("wu"), {}),
+        ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": True},
+         F.launch_opts("wu"), {}),
         ("state scan (bf16 states)", F._scan_kernel, {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True},
          F.launch_opts("scan"), {"hbuf": "*bf16"}),
         ("state scan (fp32 states: backward)", F._scan_kernel,

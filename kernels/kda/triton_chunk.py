@@ -196,9 +196,9 @@ def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr,
 
 
 @triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, chunk_indices, cu_seqlens, T, NT, H: tl.constexpr, HV: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-               VARLEN: tl.constexpr, PREC: tl.constexpr):
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -219,6 +219,9 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, chunk_indices, cu_seqlens, T, NT, 
     # dot, so that k and Gamma are dead across it (ptxas, sm_90a, 4 warps: 255 registers and spills otherwise)
     b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
     tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
+    if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
+        b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
     b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
     b_w = tl.dot(b_M, b_x, input_precision=PREC)
     tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
@@ -349,7 +352,8 @@ def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
     return N, NT, NT_all, chunk_indices, chunk_offsets, cu
 
 
-def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None):
+def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
+                     kq_dtype=None):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -357,7 +361,9 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] fp32; Gam: [T_all, HV, K] fp32 (log2 units);
     Mm: [T_all, HV, BT] = (I + L)^-1 per chunk, in the input dtype (the dtype of w, u, v_new); h0: [N, HV, K, V] fp32
     or None. Returns (w [T_all, HV, K], u [T_all, HV, V], vnew [T_all, HV, V] in Mm.dtype, hbuf [NT_all, HV, K, V]
-    = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32). cu_host: as chunk_layout."""
+    = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32, kg = k e^(Gamma_last - Gamma)
+    [T_all, HV, K], qg = scale q e^Gamma [T_all, HV, K] when q [B, T, H, K] is given, else None; kg and qg in
+    kq_dtype, default Mm.dtype). cu_host: as chunk_layout."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -370,20 +376,24 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     u, vnew = (torch.empty(T_all, HV, V, dtype=dt, device=dev) for _ in range(2))
     hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    # k e^(Gamma_last - Gamma) (and scale q e^Gamma), from the w/u kernel to the scans
+    kg = torch.empty(T_all, HV, K, dtype=kq_dtype or dt, device=dev)
+    qg = None if q is None else torch.empty_like(kg)
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return w, u, vnew, hbuf, ht
+        return w, u, vnew, hbuf, ht, kg, qg
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
-    kg = torch.empty(T_all, HV, K, dtype=dt, device=dev)  # k e^(Gamma_last - Gamma), from the w/u kernel to the scan
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, chunk_indices, cu, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
-                             BV=BVu, BT=BT, **common, **launch_opts("wu"))
+    qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
+                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVu, BT=BT, STORE_QG=q is not None,
+                             **common, **launch_opts("wu"))
     BVs = v_block("scan", V, BK)
     h0c = h0.contiguous() if h0 is not None else ht
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
                                                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
                                                STORE_HT=True, **common, **launch_opts("scan"))
-    return w, u, vnew, hbuf, ht
+    return w, u, vnew, hbuf, ht, kg, qg
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
@@ -424,7 +434,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                                         NT, **intra, **launch_opts("intra"))
         _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
                                     **launch_opts("solve"))
-    r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"] = chunk_fwd_states(
+    r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
     if launch:
         BVo = v_block("output", V, BK)

@@ -107,11 +107,10 @@ HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf
 
 
 @triton.jit
-def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, scale, T, NT,
+def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -133,18 +132,16 @@ def _bwd_scan_kernel(q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chun
         tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                  b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        p_qk = ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
                       other=0.0).to(tl.float32)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_kg = b_k * tl.exp2(tl.where(m_tk, b_Gl[None, :] - b_G, float("-inf")))
-        b_qg = b_q * tl.exp2(b_G)
+        # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the recompute's w/u kernel: no exponentials
+        # and no fp32 Gamma tile in this sequential loop; zero rows past the end
+        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
         tl.store(dvn + p_tv, b_dvn, mask=m_tv)
         b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
@@ -368,8 +365,12 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     # stored in bf16, as the inter kernel rounds them to bf16 for its dots anyway (the scans carry them in fp32);
     # half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps h and dh in bf16 too)
     half_states = dt == torch.bfloat16 and _prec("bwd_inter", dt) == "bf16"
-    w, u, vnew, hbuf, _ = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
-                                           h_fp32=not half_states, cu_host=cu_host)
+    # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma for the reverse scan come from the recompute's w/u kernel:
+    # in the input dtype when the scan's dots round them to it anyway (bf16 dots, or fp32 inputs), else fp32
+    kq_dtype = dt if dt == torch.float32 or _prec("bwd_scan", dt) in ("bf16", "bf16_emulated") else torch.float32
+    w, u, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
+                                                   h_fp32=not half_states, cu_host=cu_host, q=q, scale=scale,
+                                                   kq_dtype=kq_dtype)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
@@ -399,10 +400,11 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
             t.zero_()
     else:
         BVs = _bv("bwd_scan", V)
-        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](q, k, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
-                                                       chunk_offsets, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
-                                                       BK=BK, BV=BVs, BT=BT, VARLEN=varlen,
-                                                       PREC=_prec("bwd_scan", dt), **_opts("bwd_scan"))
+        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
+                                                       chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs,
+                                                       BT=BT, VARLEN=varlen, PREC=_prec("bwd_scan", dt),
+                                                       **_opts("bwd_scan"))
+        del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
                                         dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,

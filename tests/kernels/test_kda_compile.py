@@ -1,4 +1,4 @@
-"""The Triton KDA backward kernels and the forward's per-sub-chunk intra kernel compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
+"""The Triton KDA backward kernels, the forward's per-sub-chunk intra kernel and its w/u kernel compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
 variant a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
 varlen or not.
 
@@ -47,6 +47,9 @@ for varlen in (False, True):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
                                            "PREC": "bf16x3", "OFF": prec}, 4)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
+    for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
+        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
+                                "PREC": "tf32"}, 4, ("kg", "qg"))
     for safe, store_akk in itertools.product((True, False), repeat=2):  # the forward's per-sub-chunk intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "VARLEN": varlen, "PREC": "tf32"}, 4)
