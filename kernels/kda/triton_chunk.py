@@ -15,11 +15,14 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    (Tried and measured on an H200, then removed: block-by-block Gamma re-reads (v2), reloaded tiles (v4), and one
    program per 16-row sub-chunk looping over K blocks ("rows"): all slower, benchmarks/RESULTS.md sessions 2-4.
    Also removed (issue 4): steps 1 and 2 in one kernel, L kept in registers: 1.2-1.5x slower on the H200.)
+   `_intra_sub_kernel` (triton_common.py; opt-in, LAUNCH["intra"]["PER_SUB_CHUNK"], untimed): one program per
+   (chunk, sub-chunk, head) over the whole K at once, Gamma of earlier sub-chunks rebuilt from a carry of column sums.
 2. `_solve_kernel`: M = (I + L)^-1 by fp32 forward substitution on each diagonal 16 x 16 block and block-inverse
    merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
-3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v).
+3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v), and kg = k exp2(Gamma_last - Gamma) for the scan (in
+   the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
-   h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + (k exp2(Gamma_last - Gamma))^T v_new.
+   h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new.
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
@@ -27,7 +30,7 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) also stores Akk = k k^T with decay (no beta, fp32) from the intra kernel
 (STORE_AKK) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
-v_new and the states, in fp32) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
+v_new and the states, stored in fp32, or bf16 for bf16 inputs) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
 Aqk and Akk and recomputes w, u and h in its backward). A forward without gradients (inference) stores no Akk and
