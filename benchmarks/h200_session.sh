@@ -52,7 +52,8 @@ kernels)
   serve_tests=$!
   timeout -s INT -k 10 240 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_mla_decode.py tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py \
-    tests/kernels/test_triton_end_to_end.py tests/kernels/test_kda_saved.py -q -p no:cacheprovider -rf -n 10 \
+    tests/kernels/test_triton_end_to_end.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
+    -q -p no:cacheprovider -rf -n 10 \
     > "$OUT/ktests.log" 2>&1
   echo "kernel tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
@@ -122,7 +123,8 @@ table)
   # then `table2` on the same warm machine. fla's autotuning results come back as $OUT/fla-autotune.tgz: copy it
   # into .triton-cache-parts/ and carry that folder to skip fla's autotuning on a fresh machine
   timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_kda_saved.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py -p no:cacheprovider -rf -n 8 \
+    > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   timeout 420 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
     --intra per-chunk per-sub-chunk > "$OUT/kda.log" 2>&1
@@ -130,7 +132,8 @@ table)
   save_autotune
   ;;
 table2)
-  # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block
+  # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block, then the first shape
+  # with the gate in kernel
   timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 --intra per-chunk per-sub-chunk \
     > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
@@ -138,6 +141,9 @@ table2)
   timeout 150 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv 16,32,64 \
     --iters 3 > "$OUT/kda_tune_long.log" 2>&1
   echo "kda_tune rc=$?"; grep -v "^# per\|^# w" "$OUT/kda_tune_long.log"
+  # the model's call: raw z with the gate in kernel (k3's Triton gate against fla's), first shape
+  timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
+  echo "kda gate rc=$?"; grep "^|\|^#" "$OUT/kda_gate.log"
   save_autotune
   ;;
 prec)

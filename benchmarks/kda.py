@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
 [--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
-[--bwd-prec bf16x3 tf32 bf16] [--intra per-chunk per-sub-chunk]`.
+[--bwd-prec bf16x3 tf32 bf16] [--intra per-chunk per-sub-chunk] [--gate-in-kernel]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
 per dot precision of the backward scan and inter kernels, and `--intra` once per forward intra-chunk kernel, in the
@@ -178,6 +178,9 @@ def main():
     ap.add_argument("--bwd-prec", nargs="+", choices=triton_chunk_bwd.INTER_PRECISIONS, default=None,
                     help="dot precisions of the backward scan and inter kernels to time side by side (default: the "
                     "library's)")
+    ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
+                    "dt_bias (use_gate_in_kernel=True, the lower-bound gate: the K3 model's call) instead of "
+                    "precomputed log gates")
     ap.add_argument("--intra", nargs="+", choices=INTRA_KERNELS, default=None, help="the forward's intra-chunk "
                     "kernel(s) to time side by side: one program per chunk or per sub-chunk (triton_chunk.LAUNCH"
                     "['intra']['PER_SUB_CHUNK']; default: the library's)")
@@ -201,13 +204,20 @@ def main():
     shapes = SHAPES if args.shapes == "all" else [(2, 1024, 4, 128), (4, 512, 8, 64)]
     if args.only:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.only]
-    print("\n## chunk_kda, bf16, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / k3 time")
+    if args.gate_in_kernel:
+        KW["use_gate_in_kernel"] = True
+    gates = "raw z, gate in kernel" if args.gate_in_kernel else "precomputed log gates"
+    print(f"\n## chunk_kda, bf16, {gates}, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / "
+          "k3 time")
     print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision, fwd intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
+        if args.gate_in_kernel:  # z ~ N(0, 1) fp32, A_log and dt_bias as kda.md 6.2's recipe
+            xs[3] = torch.randn(B, T, H, D, device=DEV)
+            KW.update(A_log=torch.randn(H, device=DEV), dt_bias=torch.randn(H * D, device=DEV))
         do = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
         fla_f = fla_fb = float("nan")
         with torch.no_grad():

@@ -39,8 +39,8 @@ K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton
 interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,
 hand-written blockwise backward) and returns its gradients, at PyTorch speed.
-The in-kernel steps run around the core under autograd: the q/k L2 norm as one Triton pass each way
-(triton_l2norm.py), the gate and the beta sigmoid as PyTorch ops.
+The in-kernel steps run around the core under autograd: the q/k L2 norm and the gate as one Triton pass each way
+(triton_l2norm.py, triton_gate.py), the beta sigmoid as a PyTorch op.
 float64 inputs (the reference precision) run on the PyTorch implementation.
 """
 
@@ -56,8 +56,8 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .gate import naive_kda_gate, naive_kda_lowerbound_gate
 from .triton_common import _chunk_bounds, _chunk_gamma_keys, _intra_sub_kernel, _seq_bounds, _sub_chunk_rows
+from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -551,12 +551,11 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     B, _T, _, K = q.shape
     HV = v.shape[2]
     # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
-    # in their dtype); the gate and beta sigmoid as PyTorch ops; g and beta become fp32
+    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_triton(q), l2norm_triton(k)
-    if use_gate_in_kernel:
-        g = (naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None
-             else naive_kda_gate(g, A_log, dt_bias))
+    if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
+        g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
     beta = torch.sigmoid(beta.float()) if use_beta_sigmoid_in_kernel else beta.float()
     safe_shift = None

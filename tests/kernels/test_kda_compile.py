@@ -1,4 +1,4 @@
-"""The Triton KDA backward kernels, the forward's per-sub-chunk intra kernel and its w/u kernel compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
+"""The Triton KDA backward kernels, the forward's per-sub-chunk intra and w/u kernels, and the gate compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
 variant a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
 varlen or not.
 
@@ -24,9 +24,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
+from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "T": "i32", "NT": "i32"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 def compile_(fn, consts, num_warps, half=()):
@@ -50,6 +51,11 @@ for varlen in (False, True):
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
                                 "PREC": "tf32"}, 4, ("kg", "qg"))
+    if not varlen:  # the gate, both directions, every flag
+        for has_a, has_bias, lower in itertools.product((True, False), repeat=3):
+            flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
+            compile_(G._gate_fwd_kernel, flags, 4, ("z",))
+            compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk in itertools.product((True, False), repeat=2):  # the forward's per-sub-chunk intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "VARLEN": varlen, "PREC": "tf32"}, 4)
