@@ -30,7 +30,8 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) also stores Akk = k k^T with decay (no beta, fp32) from the intra kernel
 (STORE_AKK) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
-v_new and the states, stored in fp32, or bf16 for bf16 inputs) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
+kg, qg, v_new and the states, stored in fp32, or bf16 for bf16 inputs) and runs the reverse state scan, inter-chunk
+and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
 Aqk and Akk and recomputes w, u and h in its backward). A forward without gradients (inference) stores no Akk and
@@ -141,32 +142,6 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 
 @triton.jit
-def _merge_row1(M11, L10, M00, PREC: tl.constexpr):
-    """Block-inverse merge of block row 1 (kda.md 3.2 step 2b): M10 = -M11 L10 M00."""
-    return -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
-
-
-@triton.jit
-def _merge_row2(M22, L20, L21, M00, M10, M11, PREC: tl.constexpr):
-    """Block row 2: (M21, M20) = -M22 (L21 M11, L20 M00 + L21 M10)."""
-    M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
-    M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
-                  input_precision=PREC)
-    return M21, M20
-
-
-@triton.jit
-def _merge_row3(M33, L30, L31, L32, M00, M10, M11, M20, M21, M22, PREC: tl.constexpr):
-    """Block row 3: (M32, M31, M30) = -M33 (L32 M22, L31 M11 + L32 M21, L30 M00 + L31 M10 + L32 M20)."""
-    M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
-    M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
-                  input_precision=PREC)
-    M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
-                  + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
-    return M32, M31, M30
-
-
-@triton.jit
 def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
                   BC: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
@@ -176,19 +151,25 @@ def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr,
     if NC > 1:  # block-inverse merges: M_ij = -M_ii sum_{j <= m < i} L_im M_mj
         L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
         M11 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 1, 1, HV, BT, BC), BC)
-        M10 = _merge_row1(M11, L10, M00, PREC)
+        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
         _store_block(Mout, M11, start, n_valid, i_hv, 1, 1, HV, BT, BC)
         _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
         L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
         L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
         M22 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 2, 2, HV, BT, BC), BC)
-        M21, M20 = _merge_row2(M22, L20, L21, M00, M10, M11, PREC)
+        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
+        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
+                      input_precision=PREC)
         L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
         L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
         L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
         M33 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 3, 3, HV, BT, BC), BC)
-        M32, M31, M30 = _merge_row3(M33, L30, L31, L32, M00, M10, M11, M20, M21, M22, PREC)
+        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
+        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
+                      input_precision=PREC)
+        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
+                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
         _store_block(Mout, M22, start, n_valid, i_hv, 2, 2, HV, BT, BC)
         _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
         _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
@@ -469,7 +450,7 @@ class _ChunkKDATriton(torch.autograd.Function):
       None (inference): nothing, and the intra kernel stores no Akk.
       "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
         Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. The backward recomputes only w, u, v_new
-        and the fp32 states (chunk_fwd_states). Per token and value head that is Gam 4K bytes + Aqk 2 BT + Akk 4 BT
+        and the states (chunk_fwd_states). Per token and value head that is Gam 4K bytes + Aqk 2 BT + Akk 4 BT
         + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no intra or solve kernel in the
         backward. The same policy as fla-core 0.6.0's `ChunkKDAFunction` (fla.ops.kda.chunk), which saves the gate
         cumsum, Aqk and Akk from its forward and recomputes w, u and h in its backward.

@@ -79,6 +79,7 @@ def _bv(name: str, V: int) -> int:
     return max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
 
 
+HALF_INPUT_PRECISION = "bf16x3"  # the intra kernel's diagonal (anchored) dots for bf16/fp16 inputs (kda.md 3.3)
 # the choices of LAUNCH[...]["PREC"]: bf16x3 (three bf16 MMAs, near fp32), tf32 (one, 10-bit mantissas), bf16
 # (operands rounded to bf16, one MMA)
 INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
@@ -89,7 +90,7 @@ def _prec(name: str, dtype: torch.dtype) -> str:
     bf16/fp16, LAUNCH[name]["PREC"]."""
     if dtype == torch.float32:
         return "ieee"
-    prec = LAUNCH[name].get("PREC", HALF_INPUT_PRECISION)
+    prec = LAUNCH[name]["PREC"]
     if prec not in INTER_PRECISIONS:
         raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
     return _interpreted(prec)
@@ -101,9 +102,6 @@ def _interpreted(prec: str) -> str:
     if not triton_interpreter():
         return prec
     return {"bf16x3": "ieee", "bf16": "bf16_emulated"}.get(prec, prec)
-
-
-HALF_INPUT_PRECISION = "bf16x3"  # tl.dot input_precision of the backward for bf16/fp16 inputs (kda.md 3.3)
 
 
 @triton.jit
@@ -179,7 +177,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
         b_dqg = tl.zeros([BT, BKB], dtype=tl.float32)
         b_dkg = tl.zeros([BT, BKB], dtype=tl.float32)
         b_dkb = tl.zeros([BT, BKB], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
-        b_dlast = tl.zeros([BKB], dtype=tl.float32)  # sum_v dh' h (gradient of the decay e^Gamma_last, before the factor)
+        b_dlast = tl.zeros([BKB], dtype=tl.float32)  # sum_v dh' h: d(decay e^Gamma_last) before the factor
         for i_v in range(0, V, BV):
             o_v = i_v + tl.arange(0, BV)
             m_v = o_v < V
