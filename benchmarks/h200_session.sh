@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -37,6 +37,13 @@ mkdir -p "$TRITON_CACHE_DIR"
 # fla's autotuning results from an earlier call ($OUT/fla-autotune.tgz, carried back in .triton-cache-parts/): with
 # them fla skips its ~5-minute first autotuning on a fresh machine (FLA_CACHE_RESULTS, fla's default)
 for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"; done
+# the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates, the gate), 8 processes
+kda_gpu_tests() {
+  timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py -p no:cacheprovider -rf -n 8 \
+    > "$OUT/ktests.log" 2>&1
+  echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+}
 save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/fla-autotune.tgz" -T -); }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -118,24 +125,20 @@ anchor)
   ;;
 table)
   # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates), then the first three shapes
-  # of benchmarks/kda.py (k3 and fla side by side in one process, the forward's intra kernel per chunk and per
-  # sub-chunk; fla's first autotuning takes ~5 minutes on a fresh machine, ~0 with .triton-cache-parts/ carried);
+  # of benchmarks/kda.py (k3 and fla side by side in one process; fla's first autotuning takes ~5 minutes on a
+  # fresh machine, ~0 with .triton-cache-parts/ carried);
   # then `table2` on the same warm machine. fla's autotuning results come back as $OUT/fla-autotune.tgz: copy it
   # into .triton-cache-parts/ and carry that folder to skip fla's autotuning on a fresh machine
-  timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py -p no:cacheprovider -rf -n 8 \
-    > "$OUT/ktests.log" 2>&1
-  echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+  kda_gpu_tests
   timeout 420 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 1,65536,16,128 --no-decode \
-    --intra per-chunk per-sub-chunk > "$OUT/kda.log" 2>&1
+    > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda.log"
   save_autotune
   ;;
 table2)
   # the fourth shape, then decode (k3 and fla), then the longest shape's kernels by V block, then the first shape
   # with the gate in kernel
-  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 --intra per-chunk per-sub-chunk \
-    > "$OUT/kda2.log" 2>&1
+  timeout 330 python3 benchmarks/kda.py --only 16,2048,32,64 > "$OUT/kda2.log" 2>&1
   echo "kda rc=$?"; cat "$OUT/kda2.log"
   # the longest shape's kernels by V block (the state scans run N * HV * V / BV programs: 32 at BV 64 here)
   timeout 150 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv 16,32,64 \
@@ -160,7 +163,48 @@ prec)
     > "$OUT/kda_tune_bk.log" 2>&1
   echo "kda_tune rc=$?"; cat "$OUT/kda_tune_bk.log"
   ;;
+ncu)
+  # where the time goes, kernel by kernel: k3's and fla's fwd+bwd under Nsight Compute (duration, DRAM and SM
+  # throughput, registers, occupancy), fla's kernels by the torch profiler, the longest shape's kernels at V blocks 32
+  # and 64 (one process each: a crash poisons the process), then the decode kernel's V block / warps sweep
+  timeout 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --csv python3 benchmarks/kda_ncu.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  echo "ncu rc=$? ($(grep -c . "$OUT/ncu.csv") lines)"; tail -3 "$OUT/ncu.err"
+  timeout 100 python3 benchmarks/kda_tune.py --warps 4 --stages 1 --bv 64 --iters 3 --fla > "$OUT/kda_tune_fla.log" 2>&1
+  echo "kda_tune fla rc=$?"; grep -v "^# per\|^# w" "$OUT/kda_tune_fla.log"
+  for bv in 32 64; do
+    timeout 70 python3 benchmarks/kda_tune.py --shape 1,65536,16,128 --warps 4,8 --stages 1 --bv $bv --iters 3 \
+      > "$OUT/kda_tune_long$bv.log" 2>&1
+    echo "kda_tune long bv$bv rc=$?"; grep -v "^# per\|^# w" "$OUT/kda_tune_long$bv.log"
+  done
+  timeout 90 python3 benchmarks/kda.py --only 1,256,2,64 --decode-sweep > "$OUT/decode.log" 2>&1
+  echo "decode rc=$?"; grep -v "^#" "$OUT/decode.log" | tail -40
+  ;;
+tune)
+  # the KDA GPU tests, then every k3 chunk kernel at 1 / 2 / 4 warps (the solve's and the intra kernels' reductions
+  # stay inside one warp at 1), then the two long shapes against fla (the state scans split into 32-wide V blocks
+  # there)
+  kda_gpu_tests
+  timeout 200 python3 benchmarks/kda_tune.py --warps 1,2,4 --stages 1 --bv 64 --iters 3 > "$OUT/kda_tune_w.log" 2>&1
+  echo "kda_tune rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_w.log"
+  timeout 150 python3 benchmarks/kda.py --only 2,16384,16,128 1,65536,16,128 --no-decode > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
+  ;;
+final)
+  # the KDA GPU tests at the launch defaults, then issue 4's whole table (four shapes and decode, k3 and fla in one
+  # process), the model's call (gate in kernel), each k3 kernel at 4 and 8 warps, then the decode kernel's V block /
+  # warps sweep (k3 alone)
+  kda_gpu_tests
+  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
+  echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
+  timeout 100 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1 --bv 64 --iters 3 > "$OUT/kda_tune.log" 2>&1
+  echo "kda_tune rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune.log"
+  timeout 60 python3 benchmarks/kda.py --only 1,64,1,64 --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
+  echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final" >&2; exit 2
   ;;
 esac

@@ -2,11 +2,11 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
 [--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
-[--bwd-prec bf16x3 tf32 bf16] [--intra per-chunk per-sub-chunk] [--gate-in-kernel]`.
+[--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
-per dot precision of the backward scan and inter kernels, and `--intra` once per forward intra-chunk kernel, in the
-same process, one table row per combination; default: the library defaults.
+per dot precision of the backward scan and inter kernels, in the same process, one table row per combination;
+default: the library defaults.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
@@ -39,11 +39,10 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk_bwd
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
-INTRA_KERNELS = ("per-chunk", "per-sub-chunk")  # triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"] off / on
 DEV = "cuda"
 BF16 = torch.bfloat16
 
@@ -181,15 +180,11 @@ def main():
     ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
                     "dt_bias (use_gate_in_kernel=True, the lower-bound gate: the K3 model's call) instead of "
                     "precomputed log gates")
-    ap.add_argument("--intra", nargs="+", choices=INTRA_KERNELS, default=None, help="the forward's intra-chunk "
-                    "kernel(s) to time side by side: one program per chunk or per sub-chunk (triton_chunk.LAUNCH"
-                    "['intra']['PER_SUB_CHUNK']; default: the library's)")
     args = ap.parse_args()
     launch = triton_chunk_bwd.LAUNCH
-    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"],
-                   INTRA_KERNELS[int(bool(triton_chunk.LAUNCH["intra"].get("PER_SUB_CHUNK")))])
+    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
-                                 args.bwd_prec or [default_bks[2]], args.intra or [default_bks[3]]))
+                                 args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
@@ -209,7 +204,7 @@ def main():
     gates = "raw z, gate in kernel" if args.gate_in_kernel else "precomputed log gates"
     print(f"\n## chunk_kda, bf16, {gates}, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / "
           "k3 time")
-    print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision, fwd intra | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+    print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
           "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in shapes:
@@ -231,18 +226,16 @@ def main():
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
             launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk[:2]
             launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
-            triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"] = bk[3] == INTRA_KERNELS[1]
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]}, {bk[2]}, {bk[3]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
             del o_k3
         launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
         launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
-        triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"] = default_bks[3] == INTRA_KERNELS[1]
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

@@ -92,14 +92,12 @@ def main() -> None:
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
-        ("intra, safe gate (inference)", F._intra_kernel, {**intra, "SAFE": True, "STORE_AKK": False},
-         F.launch_opts("intra"), {"beta": "*fp32"}),
-        ("intra, safe gate (training: Akk)", F._intra_kernel, {**intra, "SAFE": True, "STORE_AKK": True},
-         F.launch_opts("intra"), {"beta": "*fp32"}),
-        ("intra, exact gate (training)", F._intra_kernel, {**intra, "SAFE": False, "STORE_AKK": True},
-         F.launch_opts("intra"), {"beta": "*fp32"}),
-        ("intra per sub-chunk, safe gate (training: Akk)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, safe gate (inference)", F._intra_sub_kernel,
+         {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, safe gate (training: Akk)", F._intra_sub_kernel,
+         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, exact gate (training)", F._intra_sub_kernel,
+         {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),

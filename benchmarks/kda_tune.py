@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--intra-per-sub-chunk] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -34,7 +34,7 @@ from k3.kernels.kda import chunk_kda
 from k3.kernels.kda import triton_chunk as fwd_mod
 from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 
-KERNELS = {"_intra_kernel": (fwd_mod, "intra"), "_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
+KERNELS = {"_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
            "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
            "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_intra")}
@@ -143,11 +143,7 @@ def main():
                     f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
     ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
                     "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
-    ap.add_argument("--intra-per-sub-chunk", action="store_true", help="the forward's intra-chunk kernel with one "
-                    "program per sub-chunk (triton_chunk.LAUNCH['intra']['PER_SUB_CHUNK'])")
     args = ap.parse_args()
-    if args.intra_per_sub_chunk:
-        fwd_mod.LAUNCH["intra"]["PER_SUB_CHUNK"] = True
     precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
     for p in precs + intra_precs:
         if p not in bwd_mod.INTER_PRECISIONS:

@@ -21,7 +21,7 @@ h' = Diag(e^Gamma_last) h + (k e^(Gamma_last - Gamma))^T v_new.  The backward is
 
 Kernels:
 1. `_bwd_scan_kernel`, one program per (V block, sequence, value head): the reverse scan; stores dv_new, dh' per
-   chunk (fp32) and dh0.
+   chunk (fp32, or bf16 for bf16 inputs with bf16 dots) and dh0.
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
    dv, dbeta and partial dqs, dk, dGamma, plus dAqk and dAkk (fp32 [T_all, HV, BT]).
 3. `_bwd_intra_kernel`, one program per (chunk, 16-token sub-chunk, K block, value head): the gradient of Aqk and
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout
+from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
@@ -60,14 +60,15 @@ from .triton_common import _chunk_bounds, _dot, _seq_bounds
 # bf16x3 at 8 warps; the intra kernel's off-diagonal blocks 3,096 us in tf32 against 3,273 in bf16x3 at 4 warps
 # (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
 LAUNCH: dict[str, dict[str, int]] = {
-    "bwd_scan": {"num_warps": 8, "num_stages": 1, "BV": 64, "PREC": "bf16"},  # 4 warps: 1,024 us
+    # bwd_scan: 496 us per fwd+bwd at 4 warps, 677 at 8 (session 8, with kg / qg loaded; 8 warps won before)
+    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
-    # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,617 us at 2 warps / 2
-    # stages (1,855 at 1 stage, 2,083 at 4 warps, 4,029 at 8; K block 16 at 4 warps: 5,151); one program per
-    # (chunk, K block, head) before: 2,983 us at best
-    "bwd_intra": {"num_warps": 2, "num_stages": 2, "BK": 32, "PREC": "tf32"},
+    # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
+    # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
+    # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
+    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32"},
 }
 
 
@@ -105,6 +106,15 @@ def _interpreted(prec: str) -> str:
 
 
 @triton.jit
+def _operand(x, PREC: tl.constexpr):
+    """A loaded tile as the operand of `_dot`: bf16 under bf16 dots (which round to it anyway), else fp32."""
+    if PREC == "bf16":
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
@@ -131,17 +141,18 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
                  b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
-                      other=0.0).to(tl.float32)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        # dot operands in the dtype the dot takes them in (_operand: no fp32 round trip under bf16 dots)
+        b_A = _operand(tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
+                               other=0.0), PREC)
+        b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_w = _operand(tl.load(w + p_tk, mask=m_tk, other=0.0), PREC)
         # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the recompute's w/u kernel: no exponentials
         # and no fp32 Gamma tile in this sequential loop; zero rows past the end
-        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_kg = _operand(tl.load(kg + p_tk, mask=m_tk, other=0.0), PREC)
+        b_qg = _operand(tl.load(qg + p_tk, mask=m_tk, other=0.0), PREC)
         b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
-        tl.store(dvn + p_tv, b_dvn, mask=m_tv)
+        tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
         b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
                 - _dot(tl.trans(b_w), b_dvn, PREC))
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
@@ -187,7 +198,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
             p_kv = p_h + o_k[:, None] * V + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0).to(tl.float32)
             b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-            b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0)
+            b_dvn = _operand(tl.load(dvn + p_tv, mask=m_tv, other=0.0), PREC)  # bf16 with bf16 states
             b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BKB, BV]
             b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # grad. of the state leaving it
             b_dqg += _dot(b_do, tl.trans(b_h), PREC)
@@ -379,7 +390,9 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     f32 = torch.float32
     do = do.contiguous()
     dht = torch.zeros(N, HV, K, V, dtype=f32, device=dev) if dht is None else dht.float().contiguous()
-    dvn = torch.empty(T_all, HV, V, dtype=f32, device=dev)
+    # dv_new (scan -> inter kernel, where its one use is a dot operand rounded to bf16 under bf16 dots): stored in
+    # bf16 with the states, the same values at half the bytes
+    dvn = torch.empty(T_all, HV, V, dtype=dt if half_states else f32, device=dev)
     dhs = torch.empty(NT_all, HV, K, V, dtype=hbuf.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
     dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel
@@ -397,7 +410,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         for t in (dq, dk, dv, dg, db):
             t.zero_()
     else:
-        BVs = _bv("bwd_scan", V)
+        BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, device_sms(dev))
         _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
                                                        chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs,
                                                        BT=BT, VARLEN=varlen, PREC=_prec("bwd_scan", dt),

@@ -1,7 +1,6 @@
 """Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): a program's
-chunk or sequence bounds (padded and varlen layouts, both directions) and the forward's intra-chunk step (Gamma
-prologue, the rows of one sub-chunk, the diagonal 16 x 16 block), and the forward's intra-chunk kernel with one
-program per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
+chunk or sequence bounds (padded and varlen layouts, both directions), the diagonal 16 x 16 block of the forward's
+intra-chunk step, and its kernel, one program per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
 """
 
 from __future__ import annotations
@@ -98,90 +97,25 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _chunk_gamma_keys(k, g, Gam, start, n_valid, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr):
-    """The intra-chunk step's prologue: Gamma of the whole chunk [BT, BK] (fp32, log2 units: cumsum(g) / ln 2),
-    stored into Gam, its [NC, BC, BK] sub-chunk view, and the chunk's keys [BT, BK]; padded rows and columns load
-    g = 0 (identity steps) and k = 0."""
-    o_k = tl.arange(0, BK)
-    o_t = tl.arange(0, BT)
-    m_tk = (o_t < n_valid)[:, None] & (o_k < K)[None, :]
-    b_g = tl.load(g + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G = tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950408889634
-    tl.store(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_G, mask=m_tk)
-    b_kall = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    return b_G, tl.reshape(b_G, (NC, BC, BK)), b_kall
-
-
-@triton.jit
-def _sub_chunk_rows(q, k, beta, Aqk, Akk, Lkk, b_G3, b_G, b_kall, start, n_valid, i_h, i_hv, scale, shift,
-                    s: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                    STORE_AKK: tl.constexpr, PREC: tl.constexpr):
-    """Rows of sub-chunk s of a chunk (the intra-chunk step of triton_chunk._intra_kernel): store their rows of
-    Aqk [BC, BT], of L = diag(beta) k k^T with decay into Lkk (fp32, strictly lower) and, with STORE_AKK, of Akk.
-    Each block is stored as soon as it exists: storing L later lengthened live ranges enough to double the spills at
-    K = 128 (ptxas for sm_90a: 620 -> 1508 B of spill stores).
-    Off-diagonal columns j < s * BC: one dot with the anchor Gamma_n = first row of sub-chunk s, query factor
-    exp2(Gamma_i - Gamma_n) <= 1, key factor exp2(Gamma_n - Gamma_j) <= 1 (kda.md 3.3); the diagonal block by
-    `_diag_block`."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    o_nc = tl.arange(0, NC)
-    r_s = s * BC + o_c  # rows of sub-chunk s within the chunk
-    m_s = r_s < n_valid
-    m_sk = m_s[:, None] & m_k[None, :]
-    b_q = tl.load(q + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
-    b_q = b_q.to(tl.float32) * scale
-    b_k = tl.load(k + ((start + r_s[:, None]) * H + i_h) * K + o_k[None, :], mask=m_sk, other=0.0)
-    b_k = b_k.to(tl.float32)
-    b_b = tl.load(beta + (start + r_s) * HV + i_hv, mask=m_s, other=0.0).to(tl.float32)
-    b_Gs = tl.sum(tl.where(o_nc[:, None, None] == s, b_G3, 0.0), axis=0)  # exact row extraction [BC, BK]
-    b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_Gs, 0.0), axis=0)  # anchor: first row of sub-chunk [BK]
-    p_A = ((start + r_s[:, None]) * HV + i_hv) * BT + o_t[None, :]
-    m_store = m_s[:, None] & ((o_t[None, :] < s * BC) | (o_t[None, :] >= s * BC + BC))
-    if s > 0:  # off-diagonal columns j < s * BC, anchor Gamma_n: both exponents <= 0 (kda.md 3.3)
-        e_q = tl.exp2(b_Gs - b_Gn[None, :])
-        b_qf = (b_q * e_q).to(b_kall.dtype)
-        b_kf = (b_k * e_q).to(b_kall.dtype)
-        e_k = tl.exp2(tl.where(o_t[:, None] < s * BC, b_Gn[None, :] - b_G, float("-inf")))
-        b_kc = (b_kall.to(tl.float32) * e_k).to(b_kall.dtype)  # [BT, BK], zero rows from s * BC on
-        b_Aoff = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BT]
-        b_Loff = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
-    else:
-        b_Aoff = tl.zeros([BC, BT], dtype=tl.float32)
-        b_Loff = tl.zeros([BC, BT], dtype=tl.float32)
-    tl.store(Aqk + p_A, b_Aoff.to(Aqk.dtype.element_ty), mask=m_store)
-    if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
-        tl.store(Akk + p_A, b_Loff, mask=m_store)
-    b_Lr = b_Loff * b_b[:, None]  # named before the store: this order gives the PTX the kernel was tuned with
-    tl.store(Lkk + p_A, b_Lr, mask=m_store)
-    b_Ad, b_Ld = _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC, SAFE, PREC)  # diagonal 16 x 16 block
-    p_D = ((start + r_s[:, None]) * HV + i_hv) * BT + s * BC + o_c[None, :]
-    tl.store(Aqk + p_D, b_Ad.to(Aqk.dtype.element_ty), mask=m_s[:, None])
-    if STORE_AKK:
-        tl.store(Akk + p_D, b_Ld, mask=m_s[:, None])
-    b_Ld = b_Ld * b_b[:, None]
-    tl.store(Lkk + p_D, b_Ld, mask=m_s[:, None])
-
-
-@triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """`_intra_kernel`'s outputs with one program per (chunk, 16-token sub-chunk i, value head): the BC rows of
-    sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel has the same shape).
+                      CHECK_G: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
+    head): the BC rows of sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel
+    has the same shape).
     Gamma of sub-chunk j = carry_j + cumsum(g_j), carry_j = sum of g over sub-chunks before j, accumulated in the same
     order by every program, so a sub-chunk's Gamma is bitwise the same wherever it is recomputed. Off-diagonal blocks
     (j < i): anchor Gamma_n = the first row of sub-chunk i, both factors <= 1 (kda.md 3.3); the diagonal block by
-    `_diag_block`; columns after sub-chunk i are stored as zeros."""
+    `_diag_block`; columns after sub-chunk i are stored as zeros.
+    CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
+    the safe gate's bound check, which then costs no pass of its own over g."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # past the end of a partial chunk: no rows
+        if CHECK_G:
+            tl.store(gmin + tl.program_id(0) * HV + i_hv, 0.0)
         return
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
@@ -197,7 +131,10 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, chunk_indices, cu_seqle
     m_ik = m_i[:, None] & m_k[None, :]
     p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
-    b_G = (b_carry[None, :] + tl.cumsum(tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32), axis=0)) * log2e
+    b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+    if CHECK_G:  # masked entries read 0, above any lower bound
+        tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
+    b_G = (b_carry[None, :] + tl.cumsum(b_gi, axis=0)) * log2e
     tl.store(Gam + p_ik, b_G, mask=m_ik)
     b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_G, 0.0), axis=0)  # the anchor: first row of sub-chunk i [BK]
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale

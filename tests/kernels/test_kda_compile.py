@@ -1,5 +1,6 @@
-"""The Triton KDA backward kernels, the forward's per-sub-chunk intra and w/u kernels, and the gate compile for the GPU (sm_90, Triton's front end and ptxas, without a GPU), in every
-variant a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
+"""The Triton KDA backward kernels, the forward's intra, solve and w/u kernels, and the gate compile for the GPU
+(sm_90, Triton's front end and ptxas, without a GPU; at the launch's num_warps where it sets one), in every variant a
+launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
 varlen or not.
 
 The interpreter, which runs the CPU tests, executes kernels as Python and never type-checks them the way the
@@ -41,12 +42,12 @@ shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
-        for states in ((), ("hbuf", "dhs")):  # fp32 or bf16 states entering each chunk and state gradients
+        for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             compile_(B._bwd_scan_kernel, kv, 4, states)
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
-                                           "PREC": "bf16x3", "OFF": prec}, 4)
+                                           "PREC": "bf16x3", "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
@@ -56,9 +57,12 @@ for varlen in (False, True):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
             compile_(G._gate_fwd_kernel, flags, 4, ("z",))
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
-    for safe, store_akk in itertools.product((True, False), repeat=2):  # the forward's per-sub-chunk intra kernel
+    for safe, store_akk, check in itertools.product((True, False), repeat=3):  # the forward's intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
-                                       "VARLEN": varlen, "PREC": "tf32"}, 4)
+                                       "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
+                 F.LAUNCH["intra"]["num_warps"])
+    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "VARLEN": varlen, "PREC": "tf32"},
+             F.LAUNCH["solve"]["num_warps"], ("Mout",))
 print("compiled")
 """
 

@@ -23,7 +23,7 @@ from k3.kernels.kda import chunk_kda, l2norm, triton_chunk, triton_chunk_bwd
 from k3.kernels.kda.chunk import SUB_CHUNK
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-FWD = ("_intra_kernel", "_solve_kernel", "_wu_kernel", "_scan_kernel", "_output_kernel")
+FWD = ("_intra_sub_kernel", "_solve_kernel", "_wu_kernel", "_scan_kernel", "_output_kernel")
 BWD = ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel", "_bwd_dg_kernel")
 LB = -5.0  # lower bound of the safe-gate cases
 
@@ -105,7 +105,7 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     T, HV, D, BT = 40, 2, 32, 32
     xs = [x.requires_grad_() for x in _inputs(T, HV, D)]
     o, s = _run(xs, BT=BT)
-    assert launches == [("_intra_kernel", True), ("_solve_kernel", None), ("_wu_kernel", None),
+    assert launches == [("_intra_sub_kernel", True), ("_solve_kernel", None), ("_wu_kernel", None),
                         ("_scan_kernel", None), ("_output_kernel", None)]
     assert len(saves) == 1 and len(saves[0]) == 9
     saved = _kda_node(o).saved_tensors
@@ -132,7 +132,7 @@ def test_inference_forward_stores_no_akk_and_saves_nothing(launches, saves, mode
     else:
         o, s = _run(xs)
     assert o.grad_fn is None
-    assert launches == [("_intra_kernel", False), ("_solve_kernel", None), ("_wu_kernel", None),
+    assert launches == [("_intra_sub_kernel", False), ("_solve_kernel", None), ("_wu_kernel", None),
                         ("_scan_kernel", None), ("_output_kernel", None)]
     assert saves == []
     o_train, s_train = _run([x.detach().requires_grad_() for x in xs])  # storing Akk changes no output
@@ -143,7 +143,7 @@ def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launche
     monkeypatch.setenv("K3_KDA_BWD", "torch")
     xs = [x.requires_grad_() for x in _inputs()]
     o, s = _run(xs)
-    assert launches[0] == ("_intra_kernel", False)
+    assert launches[0] == ("_intra_sub_kernel", False)
     assert len(saves) == 1 and len(saves[0]) == 6
     assert saves[0][3].data_ptr() == xs[3].data_ptr()  # g itself, for the PyTorch recompute
     launches.clear()

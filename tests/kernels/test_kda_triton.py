@@ -10,6 +10,7 @@ Metric (kda.md 6.1): pass if max |ref - out| <= 1e-6, else no NaN and rms(ref - 
 
 import importlib
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -318,6 +319,26 @@ def test_chunk_backward_switch(monkeypatch):
         grads_vs_naive(q, k, v, g, beta, h0)
 
 
+@pytest.mark.parametrize("bwd", ["triton", "torch"])
+def test_chunk_gradients_through_the_final_state_only(bwd, monkeypatch):
+    """o unused (autograd passes no gradient for it: the Function does not materialize zeros) and the state
+    buffer h unused: the gradients still match the recurrence's, on both backward paths."""
+    monkeypatch.setenv("K3_KDA_BWD", bwd)
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 32, torch.float32)
+    dht = torch.randn(1, 2, 32, 32, device=DEV)
+    xs = [q, k, v, g, beta, h0]
+    ref_leaves = [x.detach().double().cpu().requires_grad_() for x in xs]
+    _, s_ref = naive_varlen(*ref_leaves, None)
+    ref = torch.autograd.grad((s_ref * dht.double().cpu()).sum(), ref_leaves[1:])  # q does not reach the state
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    _, s, _h = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, safe_gate=True,
+                         lower_bound=-5.0, return_intermediate_states=True)
+    dq, *out = torch.autograd.grad((s * dht).sum(), leaves)
+    assert dq.abs().max() == 0
+    for name, r, x, ratio in zip(GRAD_NAMES[3:], ref, out, GRAD_RATIOS[3:], strict=True):
+        assert_close(name, r, x, ratio)
+
+
 @pytest.mark.parametrize("D", [32, 60, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_l2norm_triton_matches_float64(D, dtype):
@@ -405,13 +426,8 @@ def test_chunk_extreme_gates_exact_path():
     assert_close("ht", rs, s, 0.005)
 
 
-@pytest.mark.parametrize("per_sub_chunk", [False, True], ids=["intra-per-chunk", "intra-per-sub-chunk"])
-def test_chunk_no_dependence_on_later_tokens(per_sub_chunk, monkeypatch):
-    """kda.md 6.3: changing tokens after position t leaves outputs <= t unchanged (fixed anchor, masked dots), with
-    either forward intra kernel (triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"])."""
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", per_sub_chunk)
+def test_chunk_no_dependence_on_later_tokens():
+    """kda.md 6.3: changing tokens after position t leaves outputs <= t unchanged (fixed anchor, masked dots)."""
     t = 21
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 1, 32, 32, torch.float32)
     o1, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, safe_gate=True)
@@ -532,6 +548,42 @@ def test_v_blocks_keep_the_wu_kernel_off_16_wide_blocks(monkeypatch):
     assert fwd.v_block("wu", 128, 256) == 32
 
 
+def test_scan_v_block_splits_when_few_sequences():
+    """The state scans take 32-wide V blocks while N * HV * V / BV programs would leave multiprocessors idle."""
+    from k3.kernels.kda.triton_chunk import scan_v_block
+
+    assert scan_v_block(64, 128, 16, 132) == 32  # (1, T, 16, 128): 32 programs at BV 64 -> 64
+    assert scan_v_block(64, 128, 32, 132) == 32  # (2, T, 16, 128): 64 -> 128
+    assert scan_v_block(64, 128, 128, 132) == 64  # (8, T, 16, 128): 256 programs already
+    assert scan_v_block(64, 64, 512, 132) == 64
+    assert scan_v_block(32, 128, 1, 132) == 32  # never below LAUNCH's (or v_block's) choice
+    assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
+
+
+def test_chunk_gradients_with_split_scans(monkeypatch):
+    """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
+    gradients as the recurrence's."""
+    from k3.kernels.kda import triton_chunk as fwd
+    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
+
+    monkeypatch.setenv("K3_KDA_BWD", "triton")
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
+    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "BV", 64)
+    seen = []
+
+    def sms(dev):
+        seen.append(dev)
+        return 1000
+
+    monkeypatch.setattr(fwd, "device_sms", sms)
+    monkeypatch.setattr(bwd_mod, "device_sms", sms)
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 64, torch.float32)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0)
+    assert len(seen) == 3  # the forward scan, the backward's recompute and the backward scan
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
+
+
 SUB_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
     (2, 70, 1, 2, 32, 64, True, None),  # a partial last chunk with an empty sub-chunk
     (1, 45, 1, 1, 60, 32, False, None),  # exact diagonal path, K padded (60 -> 64)
@@ -540,31 +592,68 @@ SUB_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
 ]
 
 
+def intra_reference(q, k, g, beta, scale, BT, cu):
+    """float64 Gamma (log2 units), Aqk (j <= i), Akk (j < i, no beta) and L = diag(beta) Akk per chunk, by the
+    definitions (kda.md 3.1: exact pairwise exponents), as [T_all, HV, *] like the kernels' buffers."""
+    q, k, g, beta = (x.double().cpu() for x in (q, k, g, beta))
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    q, k = (x.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K) for x in (q, k))
+    g, beta = g.reshape(B * T, HV, K), beta.reshape(B * T, HV)
+    bounds = list(itertools.pairwise(cu)) if cu else [(b * T, b * T + T) for b in range(B)]
+    Gam = torch.zeros(B * T, HV, K, dtype=torch.float64)
+    Aqk, Akk = (torch.zeros(B * T, HV, BT, dtype=torch.float64) for _ in range(2))
+    for bos, eos in bounds:
+        for c0 in range(bos, eos, BT):
+            c1 = min(c0 + BT, eos)
+            G = g[c0:c1].cumsum(0)  # [n, HV, K] nats
+            Gam[c0:c1] = G / math.log(2)
+            dec = (G[:, None] - G[None, :]).clamp_max(0).exp()  # [i, j, HV, K]; only j <= i is kept below
+            n = c1 - c0
+            lower = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            a = scale * torch.einsum("ihk,jhk,ijhk->ihj", q[c0:c1], k[c0:c1], dec)
+            b = torch.einsum("ihk,jhk,ijhk->ihj", k[c0:c1], k[c0:c1], dec)
+            Aqk[c0:c1, :, :n] = a * lower[:, None, :]
+            Akk[c0:c1, :, :n] = b * lower.tril(-1)[:, None, :]
+    return Gam, Aqk, Akk, Akk * beta[..., None]
+
+
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
                          f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
-def test_intra_kernel_per_sub_chunk_equals_per_chunk(B, T, H, HV, D, BT, safe, cu, monkeypatch):
-    """The forward's intra-chunk step as one program per sub-chunk (triton_chunk.LAUNCH["intra"]["PER_SUB_CHUNK"])
-    writes the Gamma, Aqk, L and Akk of the one-program-per-chunk kernel (every element: the buffers are NaN-poisoned,
-    so a row or zero block left unwritten fails), up to fp32 rounding of the cumsum; then o, the final state and
-    every gradient through it match the float64 recurrence."""
+def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
+    """The forward's intra-chunk kernel (one program per sub-chunk) writes every element of Gamma, Aqk, L and Akk
+    (the buffers are NaN-poisoned, so a row or zero block left unwritten fails), equal to the float64 definitions."""
     from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
+    g = g.clamp_min(-5.0) if safe else g
     cu_t = None if cu is None else torch.tensor(cu, device=DEV)
-    safe_shift = 7.5 * 5.0 / 2 * 2 if safe else None  # any shift: both kernels take the same
-    out = {}
-    for per_sub in (False, True):
-        monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", per_sub)
-        r = triton_chunk.chunk_fwd_pipeline(q, k, v, g.clamp_min(-5.0) if safe else g, beta, h0, scale=D**-0.5,
-                                            safe_shift=safe_shift, chunk_size=BT, cu_seqlens=cu_t, h_fp32=True,
-                                            store_akk=True)
-        out[per_sub] = r
-    for name in ("Gam", "Aqk", "Lkk", "Akk", "o", "ht"):  # (Mm: the solve writes only its lower blocks)
-        a, b = out[False][name], out[True][name]
-        assert torch.isfinite(b).all(), f"{name}: unwritten (NaN) or non-finite elements"
-        err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
-        assert err < 1e-5, f"{name}: relative difference {err:.2e} between the two intra kernels"
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "PER_SUB_CHUNK", True)
-    ref, got = grads_vs_naive(q, k, v, g.clamp_min(-5.0) if safe else g, beta, h0, BT=BT, safe=safe, cu=cu)
-    for name, r, x, ratio in zip(GRAD_NAMES, ref, got, GRAD_RATIOS if cu is None else VARLEN_RATIOS, strict=True):
-        assert_close(name, r, x, ratio)
+    safe_shift = 7.5 * 5.0 / 2 if safe else None
+    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift, chunk_size=BT,
+                                        cu_seqlens=cu_t, h_fp32=True, store_akk=True)
+    ref = dict(zip(("Gam", "Aqk", "Akk", "Lkk"), intra_reference(q, k, g, beta, D**-0.5, BT, cu), strict=True))
+    for name, want in ref.items():
+        got = r[name]
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
+        assert_close(name, want, got.double().cpu(), 1e-5)
+
+
+def test_intra_kernel_gate_bound_check():
+    """With g_check the intra kernel stores each sub-chunk's minimum of g (0 for sub-chunks past the end), and the
+    pipeline fails with the given message when some g is below the floor (chunk_kda's safe-gate check on a GPU)."""
+    from k3.kernels.kda import triton_chunk
+
+    B, T, H, HV, D, BT = 2, 70, 1, 2, 32, 64
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
+    g = g.clamp_min(-5.0)
+    kw = {"scale": D**-0.5, "safe_shift": 7.5 * 5.0 / 2, "chunk_size": BT, "cu_seqlens": None, "h_fp32": True}
+    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
+    want = torch.zeros(B, 2, 4, HV)  # [sequence, chunk, sub-chunk, head]
+    for b, c, s in itertools.product(range(B), range(2), range(4)):
+        rows = g[b, c * BT + s * 16 : min(c * BT + s * 16 + 16, T)]
+        if rows.numel():
+            want[b, c, s] = rows.amin(dim=(0, 2)).cpu()
+    assert torch.equal(r["gmin"].cpu(), want.reshape(-1, HV))
+    g[1, 66, 1, 3] = -6.0
+    with pytest.raises(RuntimeError, match="g below the floor"):
+        triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
