@@ -107,26 +107,48 @@ def time_sdpa(xs, do, fwd_only=False):
     return t_fwd, t_fb
 
 
-def time_decode(fn, B, H, D, name="k3"):
-    """µs per decode step of `fn` (fused_recurrent_kda API) at batch B, T = 1, all in-kernel flags, the state pool
-    updated in place by slot, one step captured in a CUDA graph; nan when fn is None or fails (fla's API may differ)."""
-    if fn is None:
-        return float("nan")
+def decode_inputs(B, H, D):
+    """One decode step's inputs at batch B, T = 1, all in-kernel flags: (q, k, v, z, beta logits, keyword arguments
+    with the state pool [B, H, D, D] fp32 addressed by slot through ssm_state_indices, reversed so that a kernel
+    ignoring the slots computes something else)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 1, H, D, device=DEV, dtype=BF16) for _ in range(3))
     z = torch.randn(B, 1, H, D, device=DEV)
     b = torch.randn(B, 1, H, device=DEV, dtype=BF16)
     A_log, dt_bias = torch.zeros(H, device=DEV), torch.randn(H * D, device=DEV)
-    idx = torch.arange(B, device=DEV, dtype=torch.int32)
+    idx = torch.arange(B - 1, -1, -1, device=DEV, dtype=torch.int32)
     kw = {"A_log": A_log, "dt_bias": dt_bias, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
-          "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx}
-    pool = torch.randn(B, H, D, D, device=DEV)
+          "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx,
+          "initial_state": torch.randn(B, H, D, D, device=DEV)}
+    return (q, k, v, z, b), kw
+
+
+def decode_check(fns, B, H, D) -> tuple[float, float]:
+    """rel_rms of fla's decode step against k3's on the same inputs: (output, state pool after the step); nan when
+    fla is missing. Both must update the pool in place by slot (fla: fused_recurrent_kda_fwd, whose default is
+    in place; its public fused_recurrent_kda neither writes the state nor reads ssm_state_indices)."""
+    if fns[1] is None:
+        return float("nan"), float("nan")
+    outs = []
+    for fn in fns:
+        xs, kw = decode_inputs(B, H, D)
+        o = fn(*xs, **kw)[0]
+        outs.append((o, kw["initial_state"]))
+    return rel_rms(outs[0][0], outs[1][0]), rel_rms(outs[0][1], outs[1][1])
+
+
+def time_decode(fn, B, H, D, name="k3"):
+    """µs per decode step of `fn` (fused_recurrent_kda API) at batch B (decode_inputs), the state pool updated in
+    place by slot, one step captured in a CUDA graph; nan when fn is None or fails."""
+    if fn is None:
+        return float("nan")
+    xs, kw = decode_inputs(B, H, D)
     try:
-        fn(q, k, v, z, b, initial_state=pool, **kw)  # warm-up: compile, and validate outside the graph
+        fn(*xs, **kw)  # warm-up: compile, and validate outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn(q, k, v, z, b, initial_state=pool, **kw)
+            fn(*xs, **kw)
         return bench(graph.replay) * 1e3
     except (RuntimeError, TypeError, ValueError) as e:  # report and go on
         print(f"decode {name} B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -188,8 +210,11 @@ def main():
     fla_chunk = fla_rec = None
     if not args.no_fla:
         try:
+            # fla_rec: the in-place, by-slot decode entry point (what serving engines call); the public
+            # fused_recurrent_kda passes inplace_final_state=False and swallows ssm_state_indices in **kwargs, so
+            # with output_final_state=False it writes no state (fla-core 0.6.0; rows before 2026-11-30 timed that)
             from fla.ops.kda import chunk_kda as fla_chunk
-            from fla.ops.kda import fused_recurrent_kda as fla_rec
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_rec
         except ImportError as e:
             print(f"fla not importable ({e}); timing k3 alone", file=sys.stderr)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
@@ -244,15 +269,19 @@ def main():
     dec = []
     H, D = 16, 128
     for B in DECODE_BATCHES:
+        err = decode_check((fused_recurrent_kda, fla_rec), B, H, D)
         res = [time_decode(fn, B, H, D, name) for name, fn in (("k3", fused_recurrent_kda), ("fla", fla_rec))]
-        state_bytes = 2 * B * H * D * D * 4
-        dec.append((B, res[0], res[1], state_bytes / (res[0] * 1e-6) / 1e12))
+        state_bytes = 2 * B * H * D * D * 4  # read and written once per step, by both libraries
+        dec.append((B, err, res[0], res[1], [state_bytes / (t * 1e-6) for t in res]))
 
-    print(f"\n## decode: fused_recurrent_kda, H={H}, D={D}, T=1, pool in place, CUDA graph, us per step")
-    print(f"| B | k3 us | fla us | k3 state GB/s | fraction of copy bandwidth ({bw / 1e9:.0f} GB/s) |")
-    print("|---|---|---|---|---|")
-    for B, t_k3, t_fla, tbs in dec:
-        print(f"| {B} | {t_k3:.1f} | {t_fla:.1f} | {tbs * 1e3:.0f} | {tbs * 1e12 / bw:.2f} |")
+    print(f"\n## decode: k3 fused_recurrent_kda vs fla fused_recurrent_kda_fwd, H={H}, D={D}, T=1, state pool read and "
+          "written in place by slot, one step in a CUDA graph, us per step; rel_rms of fla's output / pool vs k3's")
+    print(f"| B | rel_rms o / pool | k3 us | fla us | k3 state GB/s | fla state GB/s | k3 fraction of copy bandwidth "
+          f"({bw / 1e9:.0f} GB/s) |")
+    print("|---|---|---|---|---|---|---|")
+    for B, err, t_k3, t_fla, tbs in dec:
+        print(f"| {B} | {err[0]:.1e} / {err[1]:.1e} | {t_k3:.1f} | {t_fla:.1f} | {tbs[0] / 1e9:.0f} | "
+              f"{tbs[1] / 1e9:.0f} | {tbs[0] / bw:.2f} |")
     if args.decode_sweep:
         decode_sweep(bw)
 

@@ -60,7 +60,7 @@ from .triton_common import _chunk_bounds, _dot, _seq_bounds
 # bf16x3 at 8 warps; the intra kernel's off-diagonal blocks 3,096 us in tf32 against 3,273 in bf16x3 at 4 warps
 # (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
 LAUNCH: dict[str, dict[str, int]] = {
-    # bwd_scan: 496 us per fwd+bwd at 4 warps, 677 at 8 (session 8, with kg / qg loaded; 8 warps won before)
+    # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
     "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
