@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--intra-one-pass] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -141,9 +141,12 @@ def main():
                     "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
     ap.add_argument("--bwd-prec", default=bwd_mod.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
                     f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
+    ap.add_argument("--intra-one-pass", action="store_true", help="the forward intra kernel without its carry pass "
+                    "(triton_chunk.LAUNCH['intra']['ONE_PASS'])")
     ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
                     "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
     args = ap.parse_args()
+    fwd_mod.LAUNCH["intra"]["ONE_PASS"] = args.intra_one_pass
     precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
     for p in precs + intra_precs:
         if p not in bwd_mod.INTER_PRECISIONS:
