@@ -1,7 +1,7 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--no-decode] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
+[--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
 [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
@@ -192,6 +192,8 @@ def main():
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
     ap.add_argument("--no-decode", action="store_true", help="time the chunk shapes only (no decode table)")
+    ap.add_argument("--decode-only", action="store_true", help="time decode only (no chunk shapes: fla autotunes "
+                    "every new chunk shape for minutes)")
     ap.add_argument("--bwd-inter-bk", nargs="+", type=int, default=None, help="K blocks of the backward inter "
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     ap.add_argument("--bwd-intra-bk", nargs="+", type=int, default=None, help="K blocks of the backward intra "
@@ -227,12 +229,13 @@ def main():
     if args.gate_in_kernel:
         KW["use_gate_in_kernel"] = True
     gates = "raw z, gate in kernel" if args.gate_in_kernel else "precomputed log gates"
-    print(f"\n## chunk_kda, bf16, {gates}, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / "
-          "k3 time")
-    print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
-          "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for B, T, H, D in shapes:
+    if not args.decode_only:
+        print(f"\n## chunk_kda, bf16, {gates}, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / "
+              "k3 time")
+        print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
+              "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for B, T, H, D in [] if args.decode_only else shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
         if args.gate_in_kernel:  # z ~ N(0, 1) fp32, A_log and dt_bias as kda.md 6.2's recipe
