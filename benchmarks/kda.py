@@ -1,8 +1,8 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32]
-[--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]`.
+[--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64]
+[--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
 per dot precision of the backward scan and inter kernels, in the same process, one table row per combination;
@@ -232,8 +232,9 @@ def main():
     if not args.decode_only:
         print(f"\n## chunk_kda, bf16, {gates}, ms (median); ratio = fla / k3 (> 1: k3 faster); frac = roofline floor / "
               "k3 time")
-        print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | sdpa fwd | fla/k3 fwd | k3 fwd+bwd | "
-              "fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | frac fwd+bwd |")
+        print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | "
+              "sdpa fwd | fla/k3 fwd | k3 fwd+bwd | fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | "
+              "frac fwd+bwd |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in [] if args.decode_only else shapes:
         torch.manual_seed(0)

@@ -477,7 +477,7 @@ class _ChunkKDATriton(torch.autograd.Function):
             ctx.g_dtype = g.dtype
         elif ctx.bwd == "torch":
             ctx.save_for_backward(q, k, v, g, beta, h0)
-        ctx.o_shape, ctx.o_dtype = r["o"].shape, r["o"].dtype
+        ctx.o_meta = (r["o"].shape, r["o"].dtype, r["o"].device)  # for a zero do when only the state is used
         ctx.mark_non_differentiable(r["hbuf"])
         return r["o"], r["ht"], r["hbuf"]
 
@@ -485,7 +485,8 @@ class _ChunkKDATriton(torch.autograd.Function):
     def backward(ctx, do, dht, _dh):
         cfg = ctx.cfg
         if do is None:  # only the final state was used: o's gradient is zero
-            do = torch.zeros(ctx.o_shape, dtype=ctx.o_dtype, device=ctx.saved_tensors[0].device)
+            shape, dtype, device = ctx.o_meta
+            do = torch.zeros(shape, dtype=dtype, device=device)
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
@@ -570,7 +571,8 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "grad": torch.is_grad_enabled(), "g_check": g_check}  # the Function's forward runs without it
+           "cu_host": cu_seqlens_cpu, "g_check": g_check,
+           "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None
     if output_final_state:
