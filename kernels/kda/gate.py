@@ -40,6 +40,15 @@ def _biased(z: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     return z + dt_bias.to(z.dtype).view(HV, K)
 
 
+def check_gate_args(A_log: torch.Tensor | None, lower_bound: float | None) -> None:
+    """The gate's own argument checks (the twins here and triton_gate.kda_gate_triton): lower_bound in [-5, 0) for
+    the lower-bound gate; A_log for the softplus gate (lower_bound None)."""
+    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. lower_bound=-5.0")
+    if lower_bound is None and A_log is None:
+        raise ValueError("the softplus gate needs A_log [HV]; pass A_log, or lower_bound for the lower-bound gate")
+
+
 def naive_kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Kimi Linear softplus gate g = -exp(A_log[h]) * softplus(z + dt_bias).
 
@@ -63,8 +72,7 @@ def naive_kda_lowerbound_gate(
     z: [B, T, HV, K]; A_log: [HV] or None; dt_bias: [HV*K] or None; lower_bound lb in [-5, 0).
     Returns g: [B, T, HV, K] in fp32 (float64 if z is float64), entries in (lb, 0).
     """
-    if not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. lower_bound=-5.0")
+    check_gate_args(A_log, lower_bound)
     dt = compute_dtype(z)
     HV = z.shape[-2]
     x = _biased(z.to(dt), dt_bias)

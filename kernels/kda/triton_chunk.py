@@ -75,9 +75,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8)
     "solve": {"num_warps": 1, "num_stages": 1},
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
-    # scan: num_stages 1 = the measured setting (its loop was a `while` until session 6, which Triton never
-    # pipelines, so the 2 here had no effect). With tl.range, 2-3 stages pipeline the loads (ptxas, sm_90a: 8 warps,
-    # 2 stages, BV 64 has no spills; 4 warps, 2 stages spills 308 B); untimed: `kda_tune.py --stages 1,2,3`
+    # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
+    # 1,673 us per fwd+bwd at 4 warps (session 7)
     "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }

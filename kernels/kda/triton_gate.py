@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gate import check_gate_args
+
 BT_GATE = 64  # tokens per program
 
 
@@ -120,8 +122,5 @@ def kda_gate_triton(z: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.
     """g [B, T, HV, K] fp32 from the raw gate projection z [B, T, HV, K]: the lower-bound gate when `lower_bound`
     is set (A_log [HV] optional), else the softplus gate (A_log required); dt_bias [HV*K] or None. Autograd flows to
     z, A_log and dt_bias. Same definitions and checks as gate.naive_kda_lowerbound_gate / naive_kda_gate."""
-    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. lower_bound=-5.0")
-    if lower_bound is None and A_log is None:
-        raise ValueError("the softplus gate needs A_log [HV]; pass A_log, or lower_bound for the lower-bound gate")
+    check_gate_args(A_log, lower_bound)
     return _KDAGateTriton.apply(z, A_log, dt_bias, lower_bound)
