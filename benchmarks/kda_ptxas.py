@@ -86,8 +86,7 @@ def main() -> None:
     K, V, BT = (int(x) for x in args.shape.split(","))
     BK = max(16, triton.next_power_of_2(K))
     heads = {"H": 16, "HV": 16}
-    intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32",
-             "ONE_PASS": F.LAUNCH["intra"]["ONE_PASS"]}
+    intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"}
     kv = {**heads, "K": K, "V": V, "BK": BK, "BT": BT, "VARLEN": False, "PREC": "tf32"}
     bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}  # the intra kernel; scan and inter take LAUNCH["PREC"] below
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
@@ -99,9 +98,6 @@ def main() -> None:
          {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("intra, exact gate (training)", F._intra_sub_kernel,
          {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
-        ("intra, safe gate (training), one pass", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True, "ONE_PASS": True}, F.launch_opts("intra"),
-         {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),

@@ -2,13 +2,14 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--intra-one-pass] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
 table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
 fwd+bwd: the forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts,
-reductions). The best configuration per kernel is starred, and its registers / spilled bytes per thread are printed,
+reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accumulation into .grad (until
+2026-11-30 03:30 UTC it did: 0.47 ms at the default shape). The best configuration per kernel is starred, and its registers / spilled bytes per thread are printed,
 so the defaults in LAUNCH can be set from one run. `--fla` then profiles fla-core's chunk_kda on the same inputs, in
 the same process: its kernels and their time, the stage-by-stage side by side.
 """
@@ -72,6 +73,8 @@ def profile_once(xs, do, iters: int) -> dict[str, float]:
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def step():
+        for x in leaves:  # the gradients themselves, not their accumulation into .grad (an elementwise add each)
+            x.grad = None
         chunk_kda(*leaves, **KW)[0].backward(do)
 
     step()  # compile + warm-up outside the profile
@@ -99,6 +102,8 @@ def profile_fla(xs, do, iters: int) -> list[tuple[str, float, float]]:
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def step():
+        for x in leaves:
+            x.grad = None
         fla_chunk(*leaves, **KW)[0].backward(do)
 
     step()
@@ -141,12 +146,9 @@ def main():
                     "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
     ap.add_argument("--bwd-prec", default=bwd_mod.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
                     f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
-    ap.add_argument("--intra-one-pass", action="store_true", help="the forward intra kernel without its carry pass "
-                    "(triton_chunk.LAUNCH['intra']['ONE_PASS'])")
     ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
                     "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
     args = ap.parse_args()
-    fwd_mod.LAUNCH["intra"]["ONE_PASS"] = args.intra_one_pass
     precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
     for p in precs + intra_precs:
         if p not in bwd_mod.INTER_PRECISIONS:

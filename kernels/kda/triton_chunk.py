@@ -6,8 +6,8 @@ BK = next_pow2(K), BV value block. Every tensor is addressed as [T_all, heads, d
 
 Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = chunk-local cumsum(g) / ln 2):
 1. `_intra_sub_kernel` (triton_common.py), one program per (chunk, 16-token sub-chunk s, value head), the whole K
-   at once: Gamma [T_all, HV, K] fp32 (Gamma of earlier sub-chunks rebuilt from a carry of column sums); the rows of
-   sub-chunk s of Aqk = scale * q k^T with decay (j <= i) and of L = diag(beta) k k^T with decay (j < i), both
+   at once: Gamma [T_all, HV, K] fp32 (one walk over the earlier sub-chunks' g gives their decay to the anchor and
+   the carry into s); the rows of sub-chunk s of Aqk = scale * q k^T with decay (j <= i) and of L = diag(beta) k k^T with decay (j < i), both
    [T_all, HV, BT]:
      off-diagonal (columns of earlier sub-chunks): one dot with the anchor Gamma_n = first row of sub-chunk s,
        query factor exp2(Gamma_i - Gamma_n) <= 1, key factor exp2(Gamma_n - Gamma_j) <= 1 (kda.md 3.3);
@@ -68,9 +68,9 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 # Launch settings per forward kernel: Triton's num_warps / num_stages, and the V block "BV" (capped at
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
-    # `_intra_sub_kernel`: 800 us per fwd+bwd at 2 warps, 931 at 1, ~1,540 at 4 (8, 4096, 16, 128; session 8).
-    # ONE_PASS: its walk over earlier sub-chunks without the carry pass (see the kernel); untimed, so off
-    "intra": {"num_warps": 2, "num_stages": 1, "ONE_PASS": False},
+    # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
+    # session 8's two-pass form)
+    "intra": {"num_warps": 2, "num_stages": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8)
     "solve": {"num_warps": 1, "num_stages": 1},
@@ -424,8 +424,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         Akk = r["Akk"] if store_akk else Lkk  # unused placeholder when STORE_AKK is off
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "ONE_PASS": LAUNCH["intra"]["ONE_PASS"],
-                 **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu, float(scale),
                                              shift, T, NT, **intra, **launch_opts("intra"))

@@ -100,21 +100,19 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, ONE_PASS: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel
     has the same shape).
-    Gamma of sub-chunk j = carry_j + cumsum(g_j), carry_j = sum of g over sub-chunks before j, accumulated in the same
-    order by every program, so a sub-chunk's Gamma is bitwise the same wherever it is recomputed. Off-diagonal blocks
-    (j < i): anchor Gamma_n = the first row of sub-chunk i, both factors <= 1 (kda.md 3.3); the diagonal block by
-    `_diag_block`; columns after sub-chunk i are stored as zeros.
+    One pass over the sub-chunks before i, from i - 1 down to 0: each key's exponent Gamma_n - Gamma_c (<= 0, anchor
+    n = the first row of sub-chunk i, kda.md 3.3) is the running sum of g from row c + 1 to row n, and the carry into
+    sub-chunk i (the sum of g before it) comes out of the same walk, so Gamma is stored after it. Own rows take Gamma
+    relative to the anchor (exactly zero at row n); both factors of an off-diagonal block (j < i) are <= 1. The
+    diagonal block by `_diag_block`; columns after sub-chunk i are stored as zeros. Each program reads every earlier
+    sub-chunk's g once: 716 us per fwd+bwd at (8, 4096, 16, 128) on the H200 against 844 for the former form, which
+    first summed the earlier sub-chunks' g into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
-    the safe gate's bound check, which then costs no pass of its own over g.
-    ONE_PASS (triton_chunk.LAUNCH["intra"]["ONE_PASS"]; untimed, off): no carry pass. The earlier sub-chunks are
-    walked from i - 1 down to 0, and each key's exponent Gamma_n - Gamma_c (<= 0) is the running sum of g from row
-    c + 1 to the anchor row n; the carry into sub-chunk i comes out of the same walk, so Gamma is stored after it.
-    Own rows take Gamma relative to the anchor (exact zero at row n). Each program reads every earlier sub-chunk's g
-    once instead of twice; the rounding of Gamma and of the exponents differs from the two-pass form by fp32 ulps."""
+    the safe gate's bound check, which then costs no pass of its own over g."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -126,11 +124,6 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     log2e = 1.4426950408889634
-    b_carry = tl.zeros([BK], dtype=tl.float32)
-    if not ONE_PASS:  # pass 1: the carry into sub-chunk i (column sums of g over the sub-chunks before it)
-        for jb in range(i_i):
-            p_g = ((start + jb * BC + o_c[:, None]) * HV + i_hv) * K + o_k[None, :]
-            b_carry += tl.sum(tl.load(g + p_g, mask=m_k[None, :], other=0.0).to(tl.float32), axis=0)
     r_i = i_i * BC + o_c
     m_i = r_i < n_valid
     m_ik = m_i[:, None] & m_k[None, :]
@@ -139,14 +132,11 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
     b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
     if CHECK_G:  # masked entries read 0, above any lower bound
         tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
-    if ONE_PASS:  # Gamma relative to the anchor; stored once the walk below has the carry
-        b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row n (the first) [BK]
-        b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
-        b_Gn = tl.zeros([BK], dtype=tl.float32)
-    else:
-        b_G = (b_carry[None, :] + tl.cumsum(b_gi, axis=0)) * log2e
-        tl.store(Gam + p_ik, b_G, mask=m_ik)
-        b_Gn = tl.sum(tl.where(o_c[:, None] == 0, b_G, 0.0), axis=0)  # the anchor: first row of sub-chunk i [BK]
+    # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there); stored once the walk below
+    # has the carry
+    b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row [BK]
+    b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
+    b_Gn = tl.zeros([BK], dtype=tl.float32)
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
@@ -154,24 +144,19 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
     b_qf = (b_q * e_q).to(k.dtype.element_ty)
     b_kf = (b_k * e_q).to(k.dtype.element_ty)
     p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of Aqk / Lkk / Akk
-    # pass 2: off-diagonal blocks (i, j), j < i: two-pass, j upwards as the sub-chunks' Gamma is rebuilt in the order
-    # of pass 1 (b_cj: the carry into j); one pass, j downwards (b_cj: the sum of g over sub-chunks j + 1 .. i - 1)
+    # off-diagonal blocks (i, j), j < i, walked downwards from j = i - 1 (b_cj: the sum of g over sub-chunks
+    # j + 1 .. i - 1)
     b_cj = tl.zeros([BK], dtype=tl.float32)
     for jb in range(i_i):
-        if ONE_PASS:
-            j = i_i - 1 - jb
-        else:
-            j = jb
+        j = i_i - 1 - jb
         r_j = j * BC + o_c
         p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
         b_gj = tl.load(g + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
-        if ONE_PASS:  # Gamma_c relative to the anchor (b_Gn = 0): -(g_n + g over sub-chunks j + 1 .. i - 1 + g of
-            b_tj = tl.sum(b_gj, axis=0)  # rows c + 1 .. of sub-chunk j), every term a sum of g <= 0
-            b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
-            b_cj += b_tj
-        else:
-            b_Gj = (b_cj[None, :] + tl.cumsum(b_gj, axis=0)) * log2e
-            b_cj += tl.sum(b_gj, axis=0)
+        # Gamma_c relative to the anchor (b_Gn = 0): -(g_n + g over sub-chunks j + 1 .. i - 1 + g of rows c + 1 ..
+        # of sub-chunk j), every term a sum of g <= 0
+        b_tj = tl.sum(b_gj, axis=0)
+        b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
+        b_cj += b_tj
         b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], b_Gn[None, :] - b_Gj, float("-inf"))))
         b_kc = b_kc.to(k.dtype.element_ty)
@@ -182,8 +167,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
         if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
             tl.store(Akk + p_b, b_L, mask=m_i[:, None])
         tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
-    if ONE_PASS:  # absolute Gamma = carry + cumsum, the carry being b_cj now
-        tl.store(Gam + p_ik, b_G + ((b_cj + b_gn) * log2e)[None, :], mask=m_ik)
+    # absolute Gamma = carry + cumsum, the carry into sub-chunk i being b_cj now
+    tl.store(Gam + p_ik, b_G + ((b_cj + b_gn) * log2e)[None, :], mask=m_ik)
     b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, b_Gn, shift, BC, SAFE, PREC)
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])

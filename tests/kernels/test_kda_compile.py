@@ -57,9 +57,9 @@ for varlen in (False, True):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
             compile_(G._gate_fwd_kernel, flags, 4, ("z",))
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
-    for safe, store_akk, check, one in itertools.product((True, False), repeat=4):  # the forward's intra kernel
+    for safe, store_akk, check in itertools.product((True, False), repeat=3):  # the forward's intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
-                                       "CHECK_G": check, "ONE_PASS": one, "VARLEN": varlen, "PREC": "tf32"},
+                                       "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
     compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "VARLEN": varlen, "PREC": "tf32"},
              F.LAUNCH["solve"]["num_warps"], ("Mout",))

@@ -560,19 +560,6 @@ def test_scan_v_block_splits_when_few_sequences():
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
-def test_chunk_gradients_through_the_one_pass_intra_kernel(monkeypatch):
-    """The forward intra kernel without its carry pass (LAUNCH["intra"]["ONE_PASS"]): outputs, final state and
-    gradients against the float64 recurrence, varlen with a partial chunk."""
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "ONE_PASS", True)
-    cu = [0, 15, 15, 80]
-    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, 32, 32, torch.float32, N=3)
-    ref, out = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
-    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS, strict=True):
-        assert_close(name, r, x, ratio)
-
-
 def test_chunk_gradients_with_split_scans(monkeypatch):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
     gradients as the recurrence's."""
@@ -631,16 +618,13 @@ def intra_reference(q, k, g, beta, scale, BT, cu):
     return Gam, Aqk, Akk, Akk * beta[..., None]
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
                          f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
-def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, one_pass, monkeypatch):
-    """The forward's intra-chunk kernel (one program per sub-chunk, with or without its carry pass) writes every
+def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
+    """The forward's intra-chunk kernel (one program per sub-chunk) writes every
     element of Gamma, Aqk, L and Akk (the buffers are NaN-poisoned, so a row or zero block left unwritten fails),
     equal to the float64 definitions."""
     from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "ONE_PASS", one_pass)
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
     g = g.clamp_min(-5.0) if safe else g
