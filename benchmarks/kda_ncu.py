@@ -43,6 +43,8 @@ def main():
     print(f"# shape ({B},{T},{H},{D}): one fwd+bwd each of {', '.join(n for n, _ in fns)}, in that order", flush=True)
     torch.cuda.profiler.start()
     for _, fn in fns:
+        for x in leaves:  # no accumulation into .grad in the profile (an elementwise add per input)
+            x.grad = None
         fn(*leaves, **KW)[0].backward(do)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
