@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | onepass
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | solve
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -204,20 +204,7 @@ final)
   timeout 60 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
   echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
   ;;
-onepass)
-  # session 8's untimed work: the forward intra kernel without its carry pass against the default (1 and 2 warps,
-  # one process each), then decode against fla's in-place, by-slot entry point (checked before timing) with k3's
-  # V block / warps sweep
-  kda_gpu_tests
-  for flag in "" --intra-one-pass; do
-    timeout 100 python3 benchmarks/kda_tune.py --warps 1,2 --stages 1 --bv 64 --iters 3 $flag \
-      > "$OUT/kda_tune_intra$flag.log" 2>&1
-    echo "kda_tune $flag rc=$?"; grep -E "^\| _intra|^\| total|^#   _intra" "$OUT/kda_tune_intra$flag.log"
-  done
-  timeout 120 python3 benchmarks/kda.py --decode-only --decode-sweep > "$OUT/decode.log" 2>&1
-  echo "decode rc=$?"; sed -n '/## decode/,$p' "$OUT/decode.log"
-  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|onepass" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|solve" >&2; exit 2
   ;;
 esac

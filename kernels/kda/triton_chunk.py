@@ -18,8 +18,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    forms (block-by-block Gamma re-reads, reloaded tiles, register-held Gamma: 1,003-1,046 us at (8, 4096, 16, 128)
    against this kernel's 800 at 2 warps, session 8), one program per 16-row sub-chunk looping over K blocks
    ("rows"), and steps 1 and 2 in one kernel with L kept in registers: benchmarks/RESULTS.md sessions 2-8.)
-2. `_solve_kernel`: M = (I + L)^-1 by fp32 forward substitution on each diagonal 16 x 16 block and block-inverse
-   merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
+2. `_solve_kernel` (triton_solve.py): M = (I + L)^-1 by fp32 forward substitution on the diagonal 16 x 16 blocks
+   (all of a chunk's at once) and block-inverse merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
 3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v), and kg = k exp2(Gamma_last - Gamma) for the scan (in
    the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
@@ -62,6 +62,7 @@ from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
+from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
 
@@ -72,7 +73,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # session 8's two-pass form)
     "intra": {"num_warps": 2, "num_stages": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
-    # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8)
+    # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
+    # inverted together (session 9)
     "solve": {"num_warps": 1, "num_stages": 1},
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
     # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
@@ -119,75 +121,6 @@ def sm_count(index: int) -> int:
 def device_sms(dev: torch.device) -> int:
     """sm_count of a CUDA device; 0 elsewhere (the CPU interpreter keeps LAUNCH's V blocks)."""
     return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
-
-
-@triton.jit
-def _inv_unit_lower(b_L, BC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular [BC, BC] block by fp32 forward substitution, row by row."""
-    o_c = tl.arange(0, BC)
-    b_M = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, BC):
-        b_l = tl.sum(tl.where(o_c[:, None] == i, b_L, 0.0), axis=0)  # row i of L (zero from column i on)
-        b_row = tl.sum(b_l[:, None] * b_M, axis=0)  # sum_{j < i} L_ij M_j
-        b_M = tl.where(o_c[:, None] == i, b_M - b_row[None, :], b_M)  # M_i = e_i - sum_j L_ij M_j
-    return b_M
-
-
-@triton.jit
-def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr):
-    """Block (r, c) [BC, BC] of the chunk's L; rows past the sequence end read as 0."""
-    o_c = tl.arange(0, BC)
-    m = ((r * BC + o_c) < n_valid)[:, None]
-    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    return tl.load(Lkk + p, mask=m, other=0.0)
-
-
-@triton.jit
-def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr):
-    o_c = tl.arange(0, BC)
-    m = ((r * BC + o_c) < n_valid)[:, None]
-    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    tl.store(Mout + p, b_M.to(Mout.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    M00 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 0, 0, HV, BT, BC), BC)
-    _store_block(Mout, M00, start, n_valid, i_hv, 0, 0, HV, BT, BC)
-    if NC > 1:  # block-inverse merges: M_ij = -M_ii sum_{j <= m < i} L_im M_mj
-        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
-        M11 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 1, 1, HV, BT, BC), BC)
-        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
-        _store_block(Mout, M11, start, n_valid, i_hv, 1, 1, HV, BT, BC)
-        _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
-    if NC > 2:
-        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
-        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
-        M22 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 2, 2, HV, BT, BC), BC)
-        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
-        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
-                      input_precision=PREC)
-        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
-        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
-        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
-        M33 = _inv_unit_lower(_load_block(Lkk, start, n_valid, i_hv, 3, 3, HV, BT, BC), BC)
-        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
-        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
-                      input_precision=PREC)
-        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
-                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
-        _store_block(Mout, M22, start, n_valid, i_hv, 2, 2, HV, BT, BC)
-        _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
-        _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
-        _store_block(Mout, M33, start, n_valid, i_hv, 3, 3, HV, BT, BC)
-        _store_block(Mout, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)
-        _store_block(Mout, M31, start, n_valid, i_hv, 3, 1, HV, BT, BC)
-        _store_block(Mout, M30, start, n_valid, i_hv, 3, 0, HV, BT, BC)
 
 
 @triton.jit

@@ -639,6 +639,51 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
         assert_close(name, want, got.double().cpu(), 1e-5)
 
 
+@pytest.mark.parametrize("BT,lens", [(64, [64, 70]), (32, [45]), (16, [24]), (64, [15, 0, 65])],
+                         ids=["BT64-partial", "BT32", "BT16", "BT64-varlen"])
+def test_solve_kernel_matches_float64_inverse(BT, lens):
+    """The solve kernel writes M = (I + L)^-1 of every chunk's
+    strictly lower-triangular L, as the float64 inverse; the blocks above the diagonal blocks are NaN in its input
+    (never read), the output is NaN-poisoned (every block j <= i must be written); a partial chunk's M is the inverse
+    of its valid rows and columns."""
+    from k3.kernels.kda import triton_chunk
+
+    torch.manual_seed(0)
+    HV, BC = 2, 16
+    cu = [0, *itertools.accumulate(lens)]
+    T_all = cu[-1]
+    _N, NT, NT_all, chunk_indices, _, cu_t = triton_chunk._layout_args(
+        1, T_all, BT, torch.tensor(cu, device=DEV), DEV, None, None)
+    # L as the intra kernel leaves it: strictly lower inside each chunk, zero above the diagonal in the diagonal
+    # blocks, and (here) NaN in the blocks of later sub-chunks, which the solve must not read
+    Lkk = torch.full((T_all, HV, BT), float("nan"))
+    want = []
+    for a, b in itertools.pairwise(cu):
+        for c0 in range(a, b, BT):
+            n = min(BT, b - c0)
+            L = torch.randn(n, HV, BT) * 0.3
+            r, c = torch.arange(n)[:, None], torch.arange(BT)[None, :]
+            L = torch.where((c < r)[:, None, :], L, 0.0)  # [n, HV, BT]: strictly lower
+            L = torch.where((c // BC > r // BC)[:, None, :], float("nan"), L)
+            Lkk[c0:c0 + n] = L
+            for h in range(HV):
+                Lh = torch.nan_to_num(L[:, h, :n].double(), nan=0.0)
+                want.append((c0, n, h, torch.linalg.inv(torch.eye(n, dtype=F64) + Lh)))
+    Mm = torch.full((T_all, HV, BT), float("nan"), device=DEV)
+    if NT_all:
+        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), Mm, chunk_indices, cu_t, T_all, NT, HV=HV, BT=BT,
+                                                 BC=BC, NC=BT // BC, VARLEN=True, PREC="ieee",
+                                                 **triton_chunk.launch_opts("solve"))
+    Mm = Mm.cpu()
+    assert len(want) == sum(-(-n // BT) for n in lens) * HV
+    for c0, n, h, M in want:
+        r, c = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        got = Mm[c0:c0 + n, h, :n].double()
+        lower_blocks = c // BC <= r // BC
+        assert torch.isfinite(got[lower_blocks]).all(), f"chunk at {c0}, head {h}: a block j <= i unwritten"
+        assert_close(f"M (chunk at {c0}, head {h})", M[lower_blocks], got[lower_blocks], 1e-6)
+
+
 def test_intra_kernel_gate_bound_check():
     """With g_check the intra kernel stores each sub-chunk's minimum of g (0 for sub-chunks past the end), and the
     pipeline fails with the given message when some g is below the floor (chunk_kda's safe-gate check on a GPU)."""

@@ -1,0 +1,93 @@
+"""The forward's step 2 as a Triton kernel (triton_chunk.py): M = (I + L)^-1 per chunk, L = diag(beta) k k^T with
+decay, strictly lower-triangular [BT, BT] (kda.md 3.2 step 2b), stored in the input dtype for the w/u kernel and the
+backward. One program per (chunk, value head); Lkk, Mout: [T_all, HV, BT]. Legend as in triton_chunk.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import _chunk_bounds
+
+
+@triton.jit
+def _inv_unit_lower(b_L, NC: tl.constexpr, BC: tl.constexpr):
+    """(I + L_b)^-1 of NC strictly lower-triangular [BC, BC] blocks at once (b_L [NC, BC, BC]) by fp32 forward
+    substitution, row by row: all NC blocks in one walk of BC - 1 row steps."""
+    o_r = tl.arange(0, BC)[None, :, None]
+    o_c = tl.arange(0, BC)[None, None, :]
+    b_M = tl.where(o_r == o_c, 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+    for i in tl.static_range(1, BC):
+        b_l = tl.sum(tl.where(o_r == i, b_L, 0.0), axis=1)  # row i of each L [NC, BC] (zero from column i on)
+        b_row = tl.sum(b_l[:, :, None] * b_M, axis=1)  # sum_{j < i} L_ij M_j [NC, BC]
+        b_M = tl.where(o_r == i, b_M - b_row[:, None, :], b_M)
+    return b_M
+
+
+@triton.jit
+def _pick(b_X, b: tl.constexpr, NC: tl.constexpr):
+    """Block b [BC, BC] of b_X [NC, BC, BC]."""
+    return tl.sum(tl.where(tl.arange(0, NC)[:, None, None] == b, b_X, 0.0), axis=0)
+
+
+@triton.jit
+def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """Block (r, c) [BC, BC] of the chunk's L; rows past the sequence end read as 0."""
+    o_c = tl.arange(0, BC)
+    m = ((r * BC + o_c) < n_valid)[:, None]
+    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
+    return tl.load(Lkk + p, mask=m, other=0.0)
+
+
+@triton.jit
+def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    o_c = tl.arange(0, BC)
+    m = ((r * BC + o_c) < n_valid)[:, None]
+    p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
+    tl.store(Mout + p, b_M.to(Mout.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
+    of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
+    L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
+    inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_b = tl.arange(0, NC)[:, None, None]
+    rows = o_b * BC + tl.arange(0, BC)[None, :, None]
+    p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
+    b_Md = _inv_unit_lower(tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0), NC, BC)
+    tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
+    M00 = _pick(b_Md, 0, NC)
+    if NC > 1:
+        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+        M11 = _pick(b_Md, 1, NC)
+        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
+        _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+    if NC > 2:
+        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
+        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
+        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
+        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
+        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        M22 = _pick(b_Md, 2, NC)
+        M33 = _pick(b_Md, 3, NC)
+        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
+        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
+                      input_precision=PREC)
+        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
+        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
+                      input_precision=PREC)
+        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
+                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
+        _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
+        _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
+        _store_block(Mout, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        _store_block(Mout, M31, start, n_valid, i_hv, 3, 1, HV, BT, BC)
+        _store_block(Mout, M30, start, n_valid, i_hv, 3, 0, HV, BT, BC)
