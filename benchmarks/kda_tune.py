@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -46,6 +46,9 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+DEFAULTS = "defaults"  # the configuration "every kernel at its own LAUNCH entry" (--defaults)
+
+
 def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
     bwd_mod.LAUNCH["bwd_scan"]["PREC"] = bwd_mod.LAUNCH["bwd_inter"]["PREC"] = prec
     bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
@@ -57,6 +60,8 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
 
 
 def label(cfg) -> str:
+    if cfg == DEFAULTS:
+        return "defaults"
     nw, ns, bv, prec, intra_prec = cfg
     return f"w{nw} s{ns} bv{bv} p{prec} ip{intra_prec}"
 
@@ -138,6 +143,8 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--defaults", action="store_true", help="one profile with every kernel at its own launch "
+                    "defaults (LAUNCH as shipped) instead of the --warps / --stages / --bv / precision sweep")
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     ap.add_argument("--bwd-intra-bk", type=int, default=None, help="K block of the backward intra kernel (one "
@@ -169,11 +176,14 @@ def main():
           f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}; "
           "configurations w(arps) s(tages) bv p(scan / inter dot precision) ip(intra off-diagonal dot precision)")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv), precs, intra_precs))
+    if args.defaults:
+        configs = [DEFAULTS]
     results = {}
     names = [*KERNELS, "torch ops", "total"]
     print("# per configuration, as measured (us): " + ", ".join(n.strip("_").removesuffix("_kernel") for n in names))
     for cfg in configs:
-        apply(*cfg)
+        if cfg != DEFAULTS:
+            apply(*cfg)
         try:
             results[cfg] = profile_once(xs, do, args.iters)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is reported, not fatal
@@ -193,9 +203,10 @@ def main():
         cells = [f"{v:.0f}{'*' if n in best and c == best[n] else ''}" for v, c in zip(vals, ok, strict=True)]
         print(f"| {n} | " + " | ".join(cells) + " |")
     print("\n# best per kernel (registers / spills of that variant):")
-    for n in KERNELS:
+    for n, (mod, name) in KERNELS.items():
         if n in best:
-            nw, ns = best[n][:2]
+            nw, ns = ((mod.LAUNCH[name]["num_warps"], mod.LAUNCH[name].get("num_stages", 1)) if best[n] == DEFAULTS
+                      else best[n][:2])
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if OTHER_OPS:

@@ -227,9 +227,11 @@ GRAD_RATIOS = [0.005, 0.005, 0.008, 0.008, 0.008, 0.02, 0.02, 0.008]  # kda.md 6
 VARLEN_RATIOS = [0.005, 0.005, 0.007, 0.008, 0.007, 0.015, 0.015, 0.007]  # kda.md 6.2 "chunk varlen"
 
 
-def grads_vs_naive(q, k, v, g, beta, h0, *, BT=64, safe=True, cu=None, final=True, **kw):
+def grads_vs_naive(q, k, v, g, beta, h0, *, BT=64, safe=True, cu=None, final=True, qk_norm=False, **kw):
     """(reference, Triton) lists [o, ht, dq, dk, dv, dg, dbeta, dh0]: autograd through the float64 recurrence vs
-    the Triton chunk forward + backward; loss = sum(o * do) (+ sum(ht * dht)), random do, dht (kda.md 6.2)."""
+    the Triton chunk forward + backward; loss = sum(o * do) (+ sum(ht * dht)), random do, dht (kda.md 6.2).
+    qk_norm: raw q, k, L2-normalized by the float64 formula (gate.l2norm) in the reference and in the kernels
+    (use_qk_l2norm_in_kernel=True)."""
     do = torch.randn(v.shape, device=DEV)
     N = q.shape[0] if cu is None else len(cu) - 1
     dht = torch.randn(N, v.shape[2], q.shape[3], v.shape[3], device=DEV)
@@ -244,11 +246,13 @@ def grads_vs_naive(q, k, v, g, beta, h0, *, BT=64, safe=True, cu=None, final=Tru
         return [o, s, *torch.autograd.grad(loss, leaves)]
 
     xs = [q, k, v, g, beta] + ([h0] if with_h0 else [])
-    ref = grads(lambda *a: naive_varlen(*a[:5], a[5] if with_h0 else None, cu), [x.double().cpu() for x in xs])
+    norm = l2norm if qk_norm else (lambda x: x)
+    ref = grads(lambda *a: naive_varlen(norm(a[0]), norm(a[1]), *a[2:5], a[5] if with_h0 else None, cu),
+                [x.double().cpu() for x in xs])
     cu_t = None if cu is None else torch.tensor(cu, device=DEV)
     out = grads(lambda *a: chunk_kda(*a[:5], initial_state=a[5] if with_h0 else None, output_final_state=True,
                                      chunk_size=BT, safe_gate=safe, lower_bound=-5.0 if safe else None,
-                                     cu_seqlens=cu_t, **kw), xs)
+                                     cu_seqlens=cu_t, use_qk_l2norm_in_kernel=qk_norm, **kw), xs)
     return ref, out
 
 
@@ -558,6 +562,31 @@ def test_scan_v_block_splits_when_few_sequences():
     assert scan_v_block(64, 64, 512, 132) == 64
     assert scan_v_block(32, 128, 1, 132) == 32  # never below LAUNCH's (or v_block's) choice
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
+
+
+QK_NORM_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens, K3_KDA_BWD)
+    (2, 70, 1, 2, 32, 64, True, None, "triton"),  # GVA, a partial chunk, the whole intra walk
+    (1, 45, 1, 1, 60, 32, False, None, "triton"),  # exact diagonal path, K padded (60 -> 64)
+    (1, 80, 2, 2, 32, 64, True, [0, 15, 15, 80], "triton"),  # varlen with an empty sequence
+    (1, 40, 1, 2, 32, 16, True, None, "torch"),  # the PyTorch backward from raw q, k
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu,bwd", QK_NORM_CASES,
+                         ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}-"
+                              f"{c[8]}" for c in QK_NORM_CASES])
+def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, dtype, monkeypatch):
+    """use_qk_l2norm_in_kernel=True: raw q, k (not unit rows) normalized inside the chunk kernels, forward and
+    backward, against the float64 recurrence on l2norm(q), l2norm(k): outputs, final state and the gradients of the
+    raw q, k (through the norm) and of v, g, beta, h0."""
+    monkeypatch.setenv("K3_KDA_BWD", bwd)
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype, N=None if cu is None else len(cu) - 1)
+    q, k = 3 * torch.rand_like(q) - 1, 2 * torch.rand_like(k)  # raw rows of norm far from 1
+    g = g.clamp_min(-5.0) if safe else g
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu, qk_norm=True)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
 def test_chunk_gradients_with_split_scans(monkeypatch):
