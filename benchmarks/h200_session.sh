@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | norm
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -204,8 +204,8 @@ final)
   timeout 60 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
   echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
   ;;
-norm)
-  # session 9: the KDA GPU tests, then where the time goes at the launch defaults (kda_tune.py --defaults: one
+breakdown)
+  # the KDA GPU tests, then where the time goes at the launch defaults (kda_tune.py --defaults: one
   # profile, every kernel at its own LAUNCH entry), the intra kernel at 1 and 2 stages (2 warps; the other kernels'
   # rows of that sweep are not their defaults), then issue 4's whole table (four shapes and decode, k3 and fla in one
   # process)
@@ -218,6 +218,6 @@ norm)
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|norm" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown" >&2; exit 2
   ;;
 esac

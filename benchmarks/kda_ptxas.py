@@ -32,7 +32,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
-SCALARS = {"scale": "fp32", "shift": "fp32", "eps": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 
@@ -86,11 +86,8 @@ def main() -> None:
     K, V, BT = (int(x) for x in args.shape.split(","))
     BK = max(16, triton.next_power_of_2(K))
     heads = {"H": 16, "HV": 16}
-    # NORM: the q/k L2 norm inside the kernels, as benchmarks/kda.py calls chunk_kda (use_qk_l2norm_in_kernel)
-    intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "NORM": True, "VARLEN": False,
-             "PREC": "tf32"}
+    intra = {**heads, "K": K, "BK": BK, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"}
     kv = {**heads, "K": K, "V": V, "BK": BK, "BT": BT, "VARLEN": False, "PREC": "tf32"}
-    norm = {"NORM": True}
     bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}  # the intra kernel; scan and inter take LAUNCH["PREC"] below
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
@@ -103,21 +100,21 @@ def main() -> None:
          {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, **norm, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
-        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, **norm, "BV": bv["wu"], "STORE_QG": True},
+        ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         ("state scan (bf16 states)", F._scan_kernel, {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True},
          F.launch_opts("scan"), {"hbuf": "*bf16"}),
         ("state scan (fp32 states: backward)", F._scan_kernel,
          {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True}, F.launch_opts("scan"), {}),
-        ("output", F._output_kernel, {**kv, **norm, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
+        ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
          {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16)}, B._opts("bwd_scan"), {}),
         (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
-         {**{k: v for k, v in bwd.items() if k != "BK"}, **norm, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
+         {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
           "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),
         (f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)})", B._bwd_intra_kernel,
-         {**{k: v for k, v in bwd.items() if k != "V"}, **norm, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
+         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
           "OFF": B._prec("bwd_intra", torch.bfloat16)},
          B._opts("bwd_intra"), {}),
     ]

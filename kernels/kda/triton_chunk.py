@@ -59,10 +59,9 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .gate import L2NORM_EPS
-from .triton_common import _chunk_bounds, _intra_sub_kernel, _qk_rstd, _seq_bounds
+from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds
 from .triton_gate import kda_gate_triton
-from .triton_l2norm import l2norm_bwd_triton
+from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -125,10 +124,9 @@ def device_sms(dev: torch.device) -> int:
 
 
 @triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rq, rk, chunk_indices, cu_seqlens, scale, T, NT,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, BT: tl.constexpr, STORE_QG: tl.constexpr, NORM: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -141,8 +139,6 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rq, rk, chunk_indices, cu_s
                   mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    if NORM:  # raw k: its L2-norm factors from the intra kernel
-        b_k *= _qk_rstd(rk, start + o_t, i_h, m_t, H)[:, None]
     b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
     p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
     # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk is
@@ -153,10 +149,7 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rq, rk, chunk_indices, cu_s
     tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
     if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
         b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_qs = tl.full([BT], scale, tl.float32)
-        if NORM:
-            b_qs *= _qk_rstd(rq, start + o_t, i_h, m_t, H)
-        tl.store(qg + p_tk, (b_q.to(tl.float32) * b_qs[:, None] * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
     b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
     b_w = tl.dot(b_M, b_x, input_precision=PREC)
     tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
@@ -211,10 +204,9 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T
 
 
 @triton.jit
-def _output_kernel(q, rq, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
+def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, BT: tl.constexpr, NORM: tl.constexpr, VARLEN: tl.constexpr,
-                   PREC: tl.constexpr):
+                   BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -229,10 +221,7 @@ def _output_kernel(q, rq, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, sc
     b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
     b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_qs = tl.full([BT], scale, tl.float32)
-    if NORM:  # raw q: its L2-norm factors from the intra kernel
-        b_qs *= _qk_rstd(rq, start + o_t, i_h, m_t, H)
-    b_qg = (b_q.to(tl.float32) * b_qs[:, None] * tl.exp2(b_G)).to(b_A.dtype)
+    b_qg = (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(b_A.dtype)
     b_h = tl.load(hbuf + ((i_t.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0).to(b_A.dtype)
     p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -292,7 +281,7 @@ def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, rstd=None):
+                     kq_dtype=None):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -302,8 +291,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     or None. Returns (w [T_all, HV, K], u [T_all, HV, V], vnew [T_all, HV, V] in Mm.dtype, hbuf [NT_all, HV, K, V]
     = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32, kg = k e^(Gamma_last - Gamma)
     [T_all, HV, K], qg = scale q e^Gamma [T_all, HV, K] when q [B, T, H, K] is given, else None; kg and qg in
-    kq_dtype, default Mm.dtype). cu_host: as chunk_layout. rstd: None, or (rq, rk) [T_all, H] fp32, the L2-norm
-    factors of raw q and k (from the intra kernel: chunk_fwd_pipeline with qk_norm)."""
+    kq_dtype, default Mm.dtype). cu_host: as chunk_layout."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -324,11 +312,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
         return w, u, vnew, hbuf, ht, kg, qg
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
-    qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off) or rstd (NORM off)
-    rq, rk = rstd if rstd is not None else (kg, kg)
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, rq, rk, chunk_indices,
-                             cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVu, BT=BT,
-                             STORE_QG=q is not None, NORM=rstd is not None, **common, **launch_opts("wu"))
+    qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
+                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVu, BT=BT, STORE_QG=q is not None,
+                             **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
@@ -338,7 +325,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, qk_norm=False):
+                       cu_host=None, g_check=None):
     """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
     Akk (k k^T with decay, no beta, fp32 [T_all, HV, BT]) with `store_akk` (a training forward: the backward reads
@@ -346,9 +333,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     g_check: (floor, message) or None: the intra kernel also stores each sub-chunk's minimum of g (gmin, fp32
     [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
     the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
-    at (8, 4096, 16, 128) on the H200).
-    qk_norm: q and k are raw and every kernel L2-normalizes their rows (the intra kernel computes the factors and
-    returns them as rq, rk [T_all, H] fp32; no pass of its own over q and k)."""
+    at (8, 4096, 16, 128) on the H200)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -364,8 +349,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
          "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
          "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if store_akk else None,
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev),
-         "rstd": tuple(torch.empty(T_all, H, dtype=f32, device=dev) for _ in range(2)) if qk_norm else None}
+         "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
     launch = NT_all > 0 and HV > 0
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     Gam, Aqk, Lkk, Mm = r["Gam"], r["Aqk"], r["Lkk"], r["Mm"]
@@ -373,24 +357,21 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         Akk = r["Akk"] if store_akk else Lkk  # unused placeholder when STORE_AKK is off
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "NORM": qk_norm, **common}
-        rq, rk = r["rstd"] or (Lkk, Lkk)  # placeholders without qk_norm
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, rq, rk, chunk_indices, cu,
-                                             float(scale), shift, L2NORM_EPS, T, NT, **intra, **launch_opts("intra"))
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu, float(scale),
+                                             shift, T, NT, **intra, **launch_opts("intra"))
         if g_check:
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
                                     **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
-        k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        rstd=r["rstd"])
+        k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
     if launch:
         BVo = v_block("output", V, BK)
-        _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, rq, Gam, Aqk, r["vnew"], r["hbuf"], r["o"],
-                                                          chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K,
-                                                          V=V, BK=BK, BV=BVo, BT=BT, NORM=qk_norm, **common,
-                                                          **launch_opts("output"))
+        _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
+                                                          cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+                                                          BV=BVo, BT=BT, **common, **launch_opts("output"))
     return r
 
 
@@ -398,16 +379,13 @@ class _ChunkKDATriton(torch.autograd.Function):
     """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute), read when the
     forward runs with gradients needed (cfg["grad"]: grad mode at the call, and some input requires grad).
 
-    q, k: [B, T, H, K] (unscaled; raw with cfg["qk_norm"], which the kernels then L2-normalize, else normalized);
-    v: [B, T, HV, V];
+    q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
     Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient).
 
     Kept for the backward (ctx.bwd):
       None (inference): nothing, and the intra kernel stores no Akk.
-      "triton": q, k, v, beta, h0 (and with qk_norm the L2-norm factors rq, rk [T_all, H] fp32: the backward
-        kernels normalize the raw q, k rows as the forward's did, and the L2 norm's own backward runs on dq, dk at
-        the end, `l2norm_bwd_triton`) and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
+      "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
         Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. The backward recomputes only w, u, v_new
         and the states (chunk_fwd_states). Per token and value head that is Gam 4K bytes + Aqk 2 BT + Akk 4 BT
         + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no intra or solve kernel in the
@@ -424,11 +402,9 @@ class _ChunkKDATriton(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
-                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               qk_norm=cfg["qk_norm"])
+                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"])
         if ctx.bwd == "triton":
-            rq, rk = r["rstd"] or (None, None)
-            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], rq, rk)
+            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"])
             ctx.g_dtype = g.dtype
         elif ctx.bwd == "torch":
             ctx.save_for_backward(q, k, v, g, beta, h0)
@@ -445,13 +421,10 @@ class _ChunkKDATriton(torch.autograd.Function):
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
-            q, k, v, beta, h0, Gam, Aqk, Akk, Mm, rq, rk = ctx.saved_tensors
-            rstd = (rq, rk) if cfg["qk_norm"] else None
+            q, k, v, beta, h0, Gam, Aqk, Akk, Mm = ctx.saved_tensors
             grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
                                      safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
-                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], rstd=rstd)
-            if rstd is not None:  # gradients of the normalized q, k -> of the raw ones (the L2 norm's backward)
-                grads = (l2norm_bwd_triton(q, rq, grads[0]), l2norm_bwd_triton(k, rk, grads[1]), *grads[2:])
+                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"])
             dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
             out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
             return (*out, None)
@@ -459,7 +432,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
             o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
-                                    use_qk_l2norm_in_kernel=cfg["qk_norm"], use_gate_in_kernel=False, A_log=None,
+                                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
                                     dt_bias=None, use_beta_sigmoid_in_kernel=False, safe_gate=cfg["safe_shift"]
                                     is not None, lower_bound=cfg["lower_bound"], chunk_size=cfg["chunk_size"],
                                     cu_seqlens=cfg["cu_seqlens"], return_intermediate_states=False,
@@ -503,9 +476,10 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     check_device("chunk_kda", q, k, v, g, beta, initial_state)
     B, _T, _, K = q.shape
     HV = v.shape[2]
-    # in-kernel steps: the q/k L2 norm inside the chunk kernels (cfg["qk_norm"]: raw q, k go in, each kernel
-    # normalizes the rows it loads, in fp32); before the core (autograd-capable), the gate as one Triton pass (fp32
-    # out) and the beta sigmoid as a PyTorch op; g and beta fp32
+    # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
+    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
@@ -528,7 +502,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "g_check": g_check, "qk_norm": use_qk_l2norm_in_kernel,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None

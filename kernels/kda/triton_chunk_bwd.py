@@ -49,7 +49,7 @@ import triton.language as tl
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
-from .triton_common import _chunk_bounds, _dot, _qk_rstd, _seq_bounds
+from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -160,9 +160,9 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
 
 @triton.jit
 def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
-                      rq, rk, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                      NORM: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
+                      PREC: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL from u) are
@@ -174,11 +174,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
     m_t = o_t < n_valid
     p_tt = ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :]
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_qs = tl.full([BT], scale, tl.float32)  # row factors of q and k: scale, and the L2 norm's with NORM
-    b_ks = tl.full([BT], 1.0, tl.float32)
-    if NORM:
-        b_qs *= _qk_rstd(rq, start + o_t, i_h, m_t, H)
-        b_ks = _qk_rstd(rk, start + o_t, i_h, m_t, H)
     b_M = tl.load(Mm + p_tt, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0).to(tl.float32)
     b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
@@ -223,8 +218,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
         b_dL -= _dot(b_dkb, tl.trans(b_w), PREC)
         b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32) * b_ks[:, None]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * b_qs[:, None]
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
         b_eG = tl.exp2(b_G)
         b_kb = b_dkb * b_eG
         b_db += tl.sum(b_kb * b_k, axis=1)
@@ -246,9 +241,9 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, chunk_indices, cu_seqlens,
-                      scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, NORM: tl.constexpr,
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, chunk_indices, cu_seqlens, scale,
+                      shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
                       VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
     # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
     # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
@@ -272,9 +267,6 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if NORM:  # raw q, k: the L2-norm factors of the forward's intra kernel, row by row
-        b_q *= _qk_rstd(rq, start + r_i, i_h, m_i, H)[:, None]
-        b_k *= _qk_rstd(rk, start + r_i, i_h, m_i, H)[:, None]
     b_G = tl.load(Gam + p_ik, mask=m_ik, other=0.0)
     b_Gn = tl.load(Gam + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # first row: the anchor
     p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of dAq / dAk
@@ -287,8 +279,6 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
         p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
         b_kc = (tl.load(k + p_jq, mask=m_k[None, :], other=0.0).to(tl.float32)
                 * tl.exp2(b_Gn[None, :] - tl.load(Gam + p_jk, mask=m_k[None, :], other=0.0)))
-        if NORM:
-            b_kc *= _qk_rstd(rk, start + r_j, i_h, r_j < n_valid, H)[:, None]
         b_dqr += _dot(tl.load(dAq + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
         b_dkr += _dot(tl.load(dAk + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
     e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))
@@ -337,9 +327,6 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
             b_dAk_j = tl.load(dAk + p_dA, mask=m_j[:, None], other=0.0)
             b_qe = tl.load(q + p_jq, mask=m_jk, other=0.0).to(tl.float32) * scale * e_j
             b_ke = tl.load(k + p_jq, mask=m_jk, other=0.0).to(tl.float32) * e_j
-            if NORM:
-                b_qe *= _qk_rstd(rq, start + r_j, i_h, m_j, H)[:, None]
-                b_ke *= _qk_rstd(rk, start + r_j, i_h, m_j, H)[:, None]
             b_dco += _dot(tl.trans(b_dAq_j), b_qe, OFF) + _dot(tl.trans(b_dAk_j), b_ke, OFF)
         b_dco *= tl.exp2(tl.where(m_ik, b_Ga[None, :] - b_G, float("-inf")))
     b_dc += b_dco
@@ -369,14 +356,12 @@ def _bwd_dg_kernel(dG, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, K: tl
 
 
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
-                     cu_host=None, rstd=None):
+                     cu_host=None):
     """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. Only w, u, v_new and
     the states are recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
-    rstd: None, or the forward's L2-norm factors (rq, rk) [T_all, H] fp32 of raw q, k (the kernels normalize their
-    rows; dq, dk are then the gradients of the normalized q, k, for the L2 norm's own backward).
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -394,7 +379,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     kq_dtype = dt if dt == torch.float32 or _prec("bwd_scan", dt) in ("bf16", "bf16_emulated") else torch.float32
     w, u, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
                                                    h_fp32=not half_states, cu_host=cu_host, q=q, scale=scale,
-                                                   kq_dtype=kq_dtype, rstd=rstd)
+                                                   kq_dtype=kq_dtype)
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
@@ -418,7 +403,6 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
-    rq, rk = rstd if rstd is not None else (dq, dq)  # placeholders without the in-kernel L2 norm
     dg = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     db = torch.empty(T_all, HV, dtype=f32, device=dev)
     if NT_all == 0 or HV == 0:
@@ -434,19 +418,17 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
-                                        dqs, dkk, dG, db, rq, rk, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV,
-                                        K=K, V=V, BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT,
-                                        NORM=rstd is not None, VARLEN=varlen, PREC=_prec("bwd_inter", dt),
-                                        **_opts("bwd_inter"))
+                                        dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
+                                        BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, VARLEN=varlen,
+                                        PREC=_prec("bwd_inter", dt), **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
         NKB = triton.cdiv(K, BKi)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk,
+        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
                                                            chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV,
                                                            K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
-                                                           SAFE=safe_shift is not None, NORM=rstd is not None,
-                                                           VARLEN=varlen, PREC=prec, OFF=_prec("bwd_intra", dt),
-                                                           **_opts("bwd_intra"))
+                                                           SAFE=safe_shift is not None, VARLEN=varlen, PREC=prec,
+                                                           OFF=_prec("bwd_intra", dt), **_opts("bwd_intra"))
         _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT, VARLEN=varlen)
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)

@@ -68,13 +68,6 @@ def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN:
 
 
 @triton.jit
-def _qk_rstd(r, tok, i_h, mask, H: tl.constexpr):
-    """The q/k L2-norm factors 1 / sqrt(sum_d x_d^2 + eps) at tokens `tok` (absolute indices) of q/k head i_h, as
-    the forward's intra kernel stored them ([T_all, H] fp32); 0 where masked."""
-    return tl.load(r + tok * H + i_h, mask=mask, other=0.0)
-
-
-@triton.jit
 def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
     b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units) and the anchor row b_Gn [BK]. With SAFE the fixed anchor
@@ -104,10 +97,10 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, rq, rk, chunk_indices, cu_seqlens, scale, shift, eps,
-                      T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, NORM: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel
     has the same shape).
@@ -119,10 +112,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, rq, rk, chunk_ind
     sub-chunk's g once: 716 us per fwd+bwd at (8, 4096, 16, 128) on the H200 against 844 for the former form, which
     first summed the earlier sub-chunks' g into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
-    the safe gate's bound check, which then costs no pass of its own over g.
-    NORM: q and k arrive raw and are L2-normalized here, row by row (x / sqrt(sum x^2 + eps), kda.md section 2, in
-    fp32 from the loaded rows); the sub-chunk's factors go to rq, rk [T_all, H] fp32 for the later kernels, which
-    multiply their q / k rows by them (`_qk_rstd`): no pass of its own over q and k (a write and a read of both)."""
+    the safe gate's bound check, which then costs no pass of its own over g."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -147,17 +137,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, rq, rk, chunk_ind
     b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row [BK]
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
     b_Gn = tl.zeros([BK], dtype=tl.float32)
-    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if NORM:  # several value heads may share a q/k head (GVA): they store the same factors
-        b_rq = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + eps)
-        b_rk = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + eps)
-        tl.store(rq + (start + r_i) * H + i_h, b_rq, mask=m_i)
-        tl.store(rk + (start + r_i) * H + i_h, b_rk, mask=m_i)
-        b_q *= (b_rq * scale)[:, None]
-        b_k *= b_rk[:, None]
-    else:
-        b_q *= scale
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))  # <= 1
     b_qf = (b_q * e_q).to(k.dtype.element_ty)
@@ -177,10 +158,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, rq, rk, chunk_ind
         b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
         b_cj += b_tj
         b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_kc = b_kc.to(tl.float32)
-        if NORM:
-            b_kc *= tl.rsqrt(tl.sum(b_kc * b_kc, axis=1) + eps)[:, None]
-        b_kc = (b_kc * tl.exp2(tl.where(m_k[None, :], b_Gn[None, :] - b_Gj, float("-inf"))))
+        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], b_Gn[None, :] - b_Gj, float("-inf"))))
         b_kc = b_kc.to(k.dtype.element_ty)
         b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)

@@ -69,22 +69,14 @@ class _L2NormTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, rstd = ctx.saved_tensors
-        return l2norm_bwd_triton(x2, rstd, dy).view(ctx.shape), None
-
-
-def l2norm_bwd_triton(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """The L2 norm's backward as one Triton pass: dx (x's shape and dtype) from the raw x [..., D], its factors
-    rstd (one fp32 per row, every leading dimension flattened, in x's row order) and dy, the gradient of
-    y = x rstd. Also the backward of the norm that `chunk_kda`'s kernels apply inside (triton_chunk.py)."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    R = x2.shape[0]
-    dy2 = dy.reshape(-1, D).contiguous()
-    dx = torch.empty_like(x2)
-    BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
-    if R:
-        _l2norm_bwd_kernel[(triton.cdiv(R, BR),)](x2, rstd.reshape(-1).contiguous(), dy2, dx, R, D=D, BD=BD, BR=BR)
-    return dx.view(x.shape)
+        D = x2.shape[-1]
+        R = x2.shape[0]
+        dy2 = dy.reshape(-1, D).contiguous()
+        dx = torch.empty_like(x2)
+        BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
+        if R:
+            _l2norm_bwd_kernel[(triton.cdiv(R, BR),)](x2, rstd, dy2, dx, R, D=D, BD=BD, BR=BR)
+        return dx.view(ctx.shape), None
 
 
 def l2norm_triton(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

@@ -28,7 +28,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "eps": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 def compile_(fn, consts, num_warps, half=()):
@@ -42,20 +42,16 @@ shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
-        for states, norm in (((), False), (("hbuf", "dhs", "dvn"), True)):  # fp32 or bf16 states, state gradients
-            compile_(B._bwd_scan_kernel, kv, 4, states)                     # and dv_new; without / with the q/k norm
-            compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "NORM": norm}, 4,
-                     states)
-        for safe, norm in itertools.product((True, False), repeat=2):
-            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "NORM": norm,
-                                           "VARLEN": varlen, "PREC": "bf16x3", "OFF": prec},
-                     B.LAUNCH["bwd_intra"]["num_warps"])
+        for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
+            compile_(B._bwd_scan_kernel, kv, 4, states)
+            compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
+        for safe in (True, False):
+            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
+                                           "PREC": "bf16x3", "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
-    for store_qg, norm in itertools.product((False, True), repeat=2):  # w / u, kg (and the recompute's qg)
-        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "NORM": norm,
-                                "VARLEN": varlen, "PREC": "tf32"}, 4, ("kg", "qg"))
-        compile_(F._output_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "NORM": norm, "VARLEN": varlen,
-                                    "PREC": "tf32"}, F.LAUNCH["output"]["num_warps"], ("vnew", "hbuf", "o"))
+    for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
+        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
+                                "PREC": "tf32"}, 4, ("kg", "qg"))
     if not varlen:  # the gate, both directions, every flag
         for has_a, has_bias, lower in itertools.product((True, False), repeat=3):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
@@ -63,7 +59,7 @@ for varlen in (False, True):
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk, check in itertools.product((True, False), repeat=3):  # the forward's intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
-                                       "CHECK_G": check, "NORM": check, "VARLEN": varlen, "PREC": "tf32"},
+                                       "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
     compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "VARLEN": varlen, "PREC": "tf32"},
              F.LAUNCH["solve"]["num_warps"], ("Mout",))

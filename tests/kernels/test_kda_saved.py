@@ -107,10 +107,9 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     o, s = _run(xs, BT=BT)
     assert launches == [("_intra_sub_kernel", True), ("_solve_kernel", None), ("_wu_kernel", None),
                         ("_scan_kernel", None), ("_output_kernel", None)]
-    assert len(saves) == 1 and len(saves[0]) == 11
+    assert len(saves) == 1 and len(saves[0]) == 9
     saved = _kda_node(o).saved_tensors
-    q, k, v, beta, h0, Gam, Aqk, Akk, Mm, rq, rk = saved
-    assert rq is None and rk is None  # no in-kernel L2 norm
+    q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved
     assert [x.shape for x in (q, k, v, beta, h0)] == [xs[i].shape for i in (0, 1, 2, 4, 5)]
     assert Gam.shape == (T, HV, D) and Gam.dtype == torch.float32
     assert Aqk.shape == Akk.shape == Mm.shape == (T, HV, BT)
@@ -121,24 +120,6 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     torch.autograd.grad((o.sum() + s.sum()), xs)
     assert launches == [("_wu_kernel", None), ("_scan_kernel", None), ("_bwd_scan_kernel", None),
                         ("_bwd_inter_kernel", None), ("_bwd_intra_kernel", None), ("_bwd_dg_kernel", None)]
-
-
-def test_in_kernel_l2norm_keeps_the_raw_q_k_and_their_factors(saves):
-    """With use_qk_l2norm_in_kernel the forward runs no L2-norm pass of its own: the Function receives the raw q, k
-    (saved as they are: no normalized copy alive) and saves the intra kernel's factors rq, rk [T, H] fp32, equal to
-    1 / sqrt(sum x^2 + eps) of the raw rows."""
-    T, HV, D = 40, 2, 32
-    xs = [x.requires_grad_() for x in _inputs(T, HV, D)]
-    raw_q, raw_k = (3 * torch.rand(1, T, 1, D, device=DEV)).requires_grad_(), torch.rand(1, T, 1, D, device=DEV)
-    raw_k.requires_grad_()
-    o, _ = chunk_kda(raw_q, raw_k, *xs[2:5], initial_state=xs[5], output_final_state=True, chunk_size=32,
-                     safe_gate=True, lower_bound=LB, use_qk_l2norm_in_kernel=True)
-    q, k, *_, rq, rk = _kda_node(o).saved_tensors
-    assert q.data_ptr() == raw_q.data_ptr() and k.data_ptr() == raw_k.data_ptr()
-    for x, r in ((raw_q, rq), (raw_k, rk)):
-        assert r.shape == (T, 1) and r.dtype == torch.float32
-        want = (x.detach().double().pow(2).sum(-1) + 1e-6).rsqrt().reshape(T, 1)
-        torch.testing.assert_close(r.double().cpu(), want.cpu(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "no_input_requires_grad"])

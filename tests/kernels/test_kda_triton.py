@@ -577,9 +577,9 @@ QK_NORM_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens, K3_KDA_
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}-"
                               f"{c[8]}" for c in QK_NORM_CASES])
 def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, dtype, monkeypatch):
-    """use_qk_l2norm_in_kernel=True: raw q, k (not unit rows) normalized inside the chunk kernels, forward and
-    backward, against the float64 recurrence on l2norm(q), l2norm(k): outputs, final state and the gradients of the
-    raw q, k (through the norm) and of v, g, beta, h0."""
+    """use_qk_l2norm_in_kernel=True: raw q, k (rows of norm far from 1) through the in-kernel L2 norm (its Triton pass
+    each way) and the chunk kernels, against the float64 recurrence on l2norm(q), l2norm(k): outputs, final state and
+    the gradients of the raw q, k (through the norm) and of v, g, beta, h0; also with the PyTorch backward."""
     monkeypatch.setenv("K3_KDA_BWD", bwd)
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype, N=None if cu is None else len(cu) - 1)
     q, k = 3 * torch.rand_like(q) - 1, 2 * torch.rand_like(k)  # raw rows of norm far from 1
