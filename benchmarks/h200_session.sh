@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -217,7 +217,17 @@ breakdown)
   timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
   ;;
+stalls)
+  # where the warps of each kernel wait (Nsight Compute's WarpStateStats, with SpeedOfLight, Occupancy and
+  # LaunchStats), k3's fwd+bwd then fla's at (8, 4096, 16, 128); then the V-block choice at that shape (each k3
+  # kernel at BV 32 and 64, 4 warps: only the rows of kernels whose default is 4 warps are their launch)
+  timeout 330 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section WarpStateStats --csv python3 benchmarks/kda_ncu.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  echo "ncu rc=$? ($(grep -c . "$OUT/ncu.csv") lines)"; tail -3 "$OUT/ncu.err"
+  timeout 90 python3 benchmarks/kda_tune.py --warps 4 --stages 1 --bv 32,64 --iters 3 > "$OUT/kda_tune_bv.log" 2>&1
+  echo "kda_tune bv rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_bv.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls" >&2; exit 2
   ;;
 esac
