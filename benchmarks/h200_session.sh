@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls | wublock
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -227,7 +227,19 @@ stalls)
   timeout 90 python3 benchmarks/kda_tune.py --warps 4 --stages 1 --bv 32,64 --iters 3 > "$OUT/kda_tune_bv.log" 2>&1
   echo "kda_tune bv rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_bv.log"
   ;;
+wublock)
+  # session 9: the KDA GPU tests, then the w/u kernel's K block (a loop over K in blocks of 32 / 64 / 128; 128 is
+  # the former single pass): every kernel at its defaults but that, one profile each (kda_tune.py --defaults), then
+  # the first shape's row of the table
+  kda_gpu_tests
+  for bk in 32 64 128; do
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --wu-bk $bk --iters 3 > "$OUT/kda_tune_wu$bk.log" 2>&1
+    echo "kda_tune wu BK $bk rc=$?"; grep -E "^\| _wu|^\| total|^#   _wu" "$OUT/kda_tune_wu$bk.log"
+  done
+  timeout 100 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock" >&2; exit 2
   ;;
 esac

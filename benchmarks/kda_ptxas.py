@@ -91,6 +91,7 @@ def main() -> None:
     bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}  # the intra kernel; scan and inter take LAUNCH["PREC"] below
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
+    bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         ("intra, safe gate (inference)", F._intra_sub_kernel,
          {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
@@ -100,8 +101,8 @@ def main() -> None:
          {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve", F._solve_kernel, {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
-        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BV": bv["wu"], "STORE_QG": True},
+        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         ("state scan (bf16 states)", F._scan_kernel, {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True},
          F.launch_opts("scan"), {"hbuf": "*bf16"}),

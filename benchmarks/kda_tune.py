@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--defaults] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
+                    "(triton_chunk.LAUNCH['wu']['BK'])")
     ap.add_argument("--defaults", action="store_true", help="one profile with every kernel at its own launch "
                     "defaults (LAUNCH as shipped) instead of the --warps / --stages / --bv / precision sweep")
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
@@ -160,6 +162,8 @@ def main():
     for p in precs + intra_precs:
         if p not in bwd_mod.INTER_PRECISIONS:
             ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
+    if args.wu_bk:
+        fwd_mod.LAUNCH["wu"]["BK"] = args.wu_bk
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:

@@ -76,7 +76,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
     "solve": {"num_warps": 1, "num_stages": 1},
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64},
+    # BK: the w/u kernel's K block (a loop over K; untimed yet)
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 64},
     # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
     # 1,673 us per fwd+bwd at 4 warps (session 7)
     "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
@@ -132,27 +133,30 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     # M is lower-triangular: read only j <= i (the blocks the solve wrote)
     b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
                   mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk is
-    # a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k and the
-    # fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored before the w
-    # dot, so that k and Gamma are dead across it (ptxas, sm_90a, 4 warps: 255 registers and spills otherwise)
-    b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
-    tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
-    if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
-        b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
-    b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
-    b_w = tl.dot(b_M, b_x, input_precision=PREC)
-    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
+        # is a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k
+        # and the fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored
+        # before the w dot, so that k and Gamma are dead across it
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
+        tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
+        if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
+            b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
+        b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
+        b_w = tl.dot(b_M, b_x, input_precision=PREC)
+        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in tl.static_range(0, V, BV):
         o_v = i_v + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -314,8 +318,8 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     BVu = v_block("wu", V, BK)
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
-                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVu, BT=BT, STORE_QG=q is not None,
-                             **common, **launch_opts("wu"))
+                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
+                             STORE_QG=q is not None, **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     _scan_kernel[(triton.cdiv(V, BVs), N, HV)](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,

@@ -589,6 +589,20 @@ def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, 
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
+@pytest.mark.parametrize("D", [32, 60], ids=["K32", "K60"])
+def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
+    """The w/u kernel's K loop (LAUNCH["wu"]["BK"] below next_pow2(K): 2 blocks at K = 32, 4 with a partial last
+    one at K = 60), in the forward and the backward's recompute (kg, qg too): outputs, final state and gradients as
+    the recurrence's."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "BK", 16)
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, D, 32, torch.float32)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
+
+
 def test_chunk_gradients_with_split_scans(monkeypatch):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
     gradients as the recurrence's."""
