@@ -76,8 +76,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
     "solve": {"num_warps": 1, "num_stages": 1},
-    # BK: the w/u kernel's K block (a loop over K; untimed yet)
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 64},
+    # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
+    # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
+    # 9); heads with K > 128 go in blocks of 128
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
     # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
     # 1,673 us per fwd+bwd at 4 warps (session 7)
     "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
@@ -137,7 +139,8 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
     b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
                   mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent)
+    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
+    # one block at K <= 128 with the default BK)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
