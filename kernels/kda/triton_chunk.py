@@ -29,8 +29,8 @@ Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
-(grad mode on and an input requiring grad) also stores Akk = k k^T with decay (no beta, fp32) from the intra kernel
-(STORE_AKK) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
+(grad mode on and an input requiring grad) has the intra kernel store Akk = k k^T with decay (no beta, fp32) in place
+of L (STORE_AKK; the solve scales its rows by beta as it loads them) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
 kg, qg, v_new and the states, stored in fp32, or bf16 for bf16 inputs) and runs the reverse state scan, inter-chunk
 and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
@@ -334,9 +334,11 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
                        cu_host=None, g_check=None):
     """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
-    Gam, Aqk, Lkk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
-    Akk (k k^T with decay, no beta, fp32 [T_all, HV, BT]) with `store_akk` (a training forward: the backward reads
-    it), else None. cu_host: cu_seqlens as host ints, or None (chunk_layout).
+    Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
+    with `store_akk` (a training forward: the backward reads it) Akk = k k^T with decay, no beta, fp32
+    [T_all, HV, BT], and Lkk None (the solve applies beta to Akk's rows itself); without, Lkk = diag(beta) Akk and
+    Akk None. Of either, only the blocks j <= i of each chunk are written. cu_host: cu_seqlens as host ints, or
+    None (chunk_layout).
     g_check: (floor, message) or None: the intra kernel also stores each sub-chunk's minimum of g (gmin, fp32
     [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
     the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
@@ -353,25 +355,24 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     f32 = torch.float32
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),
-         "Akk": torch.empty(T_all, HV, BT, dtype=f32, device=dev) if store_akk else None,
+         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),  # L, or Akk with store_akk (one buffer)
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
     launch = NT_all > 0 and HV > 0
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     Gam, Aqk, Lkk, Mm = r["Gam"], r["Aqk"], r["Lkk"], r["Mm"]
+    r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
-        Akk = r["Akk"] if store_akk else Lkk  # unused placeholder when STORE_AKK is off
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
                  "STORE_AKK": store_akk, "CHECK_G": g_check is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu, float(scale),
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu, float(scale),
                                              shift, T, NT, **intra, **launch_opts("intra"))
         if g_check:
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
-        _solve_kernel[(NT_all, HV)](Lkk, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC, **common,
-                                    **launch_opts("solve"))
+        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
+                                    BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
     if launch:

@@ -97,13 +97,16 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
                       CHECK_G: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
-    head): the BC rows of sub-chunk i of Gamma, Aqk, Lkk (and Akk), [BC, BK] tiles only (the backward's intra kernel
-    has the same shape).
+    head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
+    the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
+    with decay, without beta (the backward's d(beta) needs it; the solve then applies beta itself): one fp32 buffer
+    written, not two. Only its blocks j <= i are written (the solve and the backward read no others); Aqk's later
+    columns are stored as zeros (the output kernel and the backward scan read whole rows).
     One pass over the sub-chunks before i, from i - 1 down to 0: each key's exponent Gamma_n - Gamma_c (<= 0, anchor
     n = the first row of sub-chunk i, kda.md 3.3) is the running sum of g from row c + 1 to row n, and the carry into
     sub-chunk i (the sum of g before it) comes out of the same walk, so Gamma is stored after it. Own rows take Gamma
@@ -143,7 +146,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
     e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))  # <= 1
     b_qf = (b_q * e_q).to(k.dtype.element_ty)
     b_kf = (b_k * e_q).to(k.dtype.element_ty)
-    p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of Aqk / Lkk / Akk
+    p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of Aqk / Lkk
     # off-diagonal blocks (i, j), j < i, walked downwards from j = i - 1 (b_cj: the sum of g over sub-chunks
     # j + 1 .. i - 1)
     b_cj = tl.zeros([BK], dtype=tl.float32)
@@ -164,21 +167,19 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, Akk, gmin, chunk_indices, cu
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
         p_b = p_rows + r_j[None, :]
         tl.store(Aqk + p_b, b_A.to(Aqk.dtype.element_ty), mask=m_i[:, None])
-        if STORE_AKK:  # k k^T with decay, without beta: the backward's d(beta) needs it
-            tl.store(Akk + p_b, b_L, mask=m_i[:, None])
-        tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
+        if STORE_AKK:
+            tl.store(Lkk + p_b, b_L, mask=m_i[:, None])
+        else:
+            tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
     # absolute Gamma = carry + cumsum, the carry into sub-chunk i being b_cj now
     tl.store(Gam + p_ik, b_G + ((b_cj + b_gn) * log2e)[None, :], mask=m_ik)
     b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, b_Gn, shift, BC, SAFE, PREC)
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])
     if STORE_AKK:
-        tl.store(Akk + p_d, b_Ld, mask=m_i[:, None])
-    tl.store(Lkk + p_d, b_Ld * b_b[:, None], mask=m_i[:, None])
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    for jz in range(i_i + 1, NC):  # the columns of later sub-chunks: zeros
-        p_z = p_rows + (jz * BC + o_c)[None, :]
-        tl.store(Aqk + p_z, zero.to(Aqk.dtype.element_ty), mask=m_i[:, None])
-        if STORE_AKK:
-            tl.store(Akk + p_z, zero, mask=m_i[:, None])
-        tl.store(Lkk + p_z, zero, mask=m_i[:, None])
+        tl.store(Lkk + p_d, b_Ld, mask=m_i[:, None])
+    else:
+        tl.store(Lkk + p_d, b_Ld * b_b[:, None], mask=m_i[:, None])
+    zero = tl.zeros([BC, BC], dtype=Aqk.dtype.element_ty)
+    for jz in range(i_i + 1, NC):  # Aqk's columns of later sub-chunks: zeros
+        tl.store(Aqk + p_rows + (jz * BC + o_c)[None, :], zero, mask=m_i[:, None])

@@ -32,13 +32,17 @@ def _pick(b_X, b: tl.constexpr, NC: tl.constexpr):
 
 
 @triton.jit
-def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr):
-    """Block (r, c) [BC, BC] of the chunk's L; rows past the sequence end read as 0."""
+def _load_block(Lkk, beta, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
+                BT: tl.constexpr, BC: tl.constexpr, BETA: tl.constexpr):
+    """Block (r, c) [BC, BC] of the chunk's L (from Akk, its rows times beta, with BETA); rows past the sequence
+    end read as 0."""
     o_c = tl.arange(0, BC)
-    m = ((r * BC + o_c) < n_valid)[:, None]
+    m_r = (r * BC + o_c) < n_valid
     p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    return tl.load(Lkk + p, mask=m, other=0.0)
+    b_L = tl.load(Lkk + p, mask=m_r[:, None], other=0.0)
+    if BETA:
+        b_L *= tl.load(beta + (start + r * BC + o_c) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)[:, None]
+    return b_L
 
 
 @triton.jit
@@ -51,31 +55,36 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 
 @triton.jit
-def _solve_kernel(Lkk, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
     of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
-    inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30)."""
+    inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30). Lkk: L itself, or with BETA
+    Akk = k k^T with decay (a training forward's intra kernel writes that one buffer), whose rows the solve scales
+    by beta [T_all, HV] as it loads them. Only the blocks j <= i are read."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
     rows = o_b * BC + tl.arange(0, BC)[None, :, None]
     p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
-    b_Md = _inv_unit_lower(tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0), NC, BC)
+    b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0)
+    if BETA:
+        b_Ld *= tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)
+    b_Md = _inv_unit_lower(b_Ld, NC, BC)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)
     if NC > 1:
-        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+        L10 = _load_block(Lkk, beta, start, n_valid, i_hv, 1, 0, HV, BT, BC, BETA)
         M11 = _pick(b_Md, 1, NC)
         M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
         _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
-        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
-        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
-        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
-        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
-        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        L20 = _load_block(Lkk, beta, start, n_valid, i_hv, 2, 0, HV, BT, BC, BETA)
+        L21 = _load_block(Lkk, beta, start, n_valid, i_hv, 2, 1, HV, BT, BC, BETA)
+        L30 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 0, HV, BT, BC, BETA)
+        L31 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 1, HV, BT, BC, BETA)
+        L32 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 2, HV, BT, BC, BETA)
         M22 = _pick(b_Md, 2, NC)
         M33 = _pick(b_Md, 3, NC)
         M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)

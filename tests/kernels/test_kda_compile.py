@@ -61,8 +61,9 @@ for varlen in (False, True):
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
-    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "VARLEN": varlen, "PREC": "tf32"},
-             F.LAUNCH["solve"]["num_warps"], ("Mout",))
+    for beta_rows in (True, False):  # from Akk (a training forward) or from L
+        compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
+                                   "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
 print("compiled")
 """
 

@@ -664,31 +664,42 @@ def intra_reference(q, k, g, beta, scale, BT, cu):
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
                          f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
 def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
-    """The forward's intra-chunk kernel (one program per sub-chunk) writes every
-    element of Gamma, Aqk, L and Akk (the buffers are NaN-poisoned, so a row or zero block left unwritten fails),
-    equal to the float64 definitions."""
+    """The forward's intra-chunk kernel (one program per sub-chunk) writes every element of Gamma and Aqk (zeros in
+    the columns of later sub-chunks) and every block j <= i of Akk (a training forward) or L = diag(beta) Akk (an
+    inference forward; its one fp32 buffer holds either), equal to the float64 definitions; the buffers are
+    NaN-poisoned (tests/conftest.py), so an element left unwritten fails."""
     from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
     g = g.clamp_min(-5.0) if safe else g
     cu_t = None if cu is None else torch.tensor(cu, device=DEV)
     safe_shift = 7.5 * 5.0 / 2 if safe else None
-    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift, chunk_size=BT,
-                                        cu_seqlens=cu_t, h_fp32=True, store_akk=True)
     ref = dict(zip(("Gam", "Aqk", "Akk", "Lkk"), intra_reference(q, k, g, beta, D**-0.5, BT, cu), strict=True))
-    for name, want in ref.items():
-        got = r[name]
-        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
-        assert_close(name, want, got.double().cpu(), 1e-5)
+    # the blocks j <= i of each chunk: column c, row r (positions inside the chunk)
+    pos = torch.arange(q.shape[0] * q.shape[1])
+    starts = torch.tensor(cu) if cu is not None else torch.arange(0, len(pos) + 1, q.shape[1])
+    rel = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]  # position in the sequence
+    lower = (torch.arange(BT)[None, :] // 16 <= (rel % BT)[:, None] // 16)[:, None, :].expand(-1, HV, -1)
+    for store_akk, names in ((True, ("Gam", "Aqk", "Akk")), (False, ("Lkk",))):
+        r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift,
+                                            chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk)
+        assert r["Lkk" if store_akk else "Akk"] is None
+        for name in names:
+            got, want = r[name].double().cpu(), ref[name]
+            if name in ("Akk", "Lkk"):
+                got, want = got[lower], want[lower]
+            assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
+            assert_close(name, want, got, 1e-5)
 
 
+@pytest.mark.parametrize("from_akk", [False, True], ids=["L", "Akk-beta"])
 @pytest.mark.parametrize("BT,lens", [(64, [64, 70]), (32, [45]), (16, [24]), (64, [15, 0, 65])],
                          ids=["BT64-partial", "BT32", "BT16", "BT64-varlen"])
-def test_solve_kernel_matches_float64_inverse(BT, lens):
-    """The solve kernel writes M = (I + L)^-1 of every chunk's
-    strictly lower-triangular L, as the float64 inverse; the blocks above the diagonal blocks are NaN in its input
-    (never read), the output is NaN-poisoned (every block j <= i must be written); a partial chunk's M is the inverse
-    of its valid rows and columns."""
+def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
+    """The solve kernel writes M = (I + L)^-1 of every chunk's strictly lower-triangular L, as the float64 inverse,
+    from L itself or (a training forward) from Akk = L / beta, whose rows it scales by beta; the blocks above the
+    diagonal blocks are NaN in its input (never read), the output is NaN-poisoned (every block j <= i must be
+    written); a partial chunk's M is the inverse of its valid rows and columns."""
     from k3.kernels.kda import triton_chunk
 
     torch.manual_seed(0)
@@ -713,10 +724,13 @@ def test_solve_kernel_matches_float64_inverse(BT, lens):
                 Lh = torch.nan_to_num(L[:, h, :n].double(), nan=0.0)
                 want.append((c0, n, h, torch.linalg.inv(torch.eye(n, dtype=F64) + Lh)))
     Mm = torch.full((T_all, HV, BT), float("nan"), device=DEV)
+    beta = 0.2 + 0.8 * torch.rand(T_all, HV)
+    if from_akk:  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
+        Lkk = Lkk / beta[..., None]
     if NT_all:
-        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), Mm, chunk_indices, cu_t, T_all, NT, HV=HV, BT=BT,
-                                                 BC=BC, NC=BT // BC, VARLEN=True, PREC="ieee",
-                                                 **triton_chunk.launch_opts("solve"))
+        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
+                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk, VARLEN=True,
+                                                 PREC="ieee", **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
     for c0, n, h, M in want:
