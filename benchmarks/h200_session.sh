@@ -240,9 +240,10 @@ wublock)
   echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
   ;;
 table9)
-  # issue 4's whole table (four shapes and decode, k3 and fla in one process), then the model's call (the gate in
-  # kernel, first shape), without the GPU tests (for a call that follows one that ran them on the same kernels)
-  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  # the KDA GPU tests, then issue 4's whole table (four shapes and decode, k3 and fla in one process), then the
+  # model's call (the gate in kernel, first shape)
+  kda_gpu_tests
+  timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
   timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
   echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
