@@ -12,9 +12,9 @@ fla-core is the anchor (kda.md section 7): installed only in the benchmark envir
 
 Shapes (B, T, H, D) from issue 4; bf16 q/k/v, fp32 log gates g = -5 * sigmoid(z) (lower-bound gate range), beta in
 (0, 1) bf16; both libraries get use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5. Correctness against
-fla is checked (rel_rms of o, kda.md 6.1) before timing. Times are medians of triton.testing.do_bench (CUDA events); fwd+bwd resets the inputs' .grad before each call, so
-it times computing the gradients, not adding them into .grad (rows before 2026-11-30 03:30 UTC included that add
-for both libraries).
+fla is checked (rel_rms of o, kda.md 6.1) before timing. Times are medians of triton.testing.do_bench (CUDA
+events); fwd+bwd resets the inputs' .grad before each call, so it times computing the gradients, not adding them into
+.grad (the rows of RESULTS.md before commit 7c07d6a, 2026-11-30, included that add for both libraries).
 
 Roofline floor: FLOPs counted per token and head for BT = 64 (fwd: Aqk, L, w, u 2*BT*(3K + 2V); state scan and
 inter-chunk output 6*K*V; the 16x16 solve is ignored; fwd+bwd taken as 3x fwd) over the measured bf16 matmul rate,

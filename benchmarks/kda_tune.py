@@ -8,10 +8,11 @@ Every configuration (num_warps, num_stages, V block, backward dot precisions) is
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
 table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
 fwd+bwd: the forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts,
-reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accumulation into .grad (until
-2026-11-30 03:30 UTC it did: 0.47 ms at the default shape). The best configuration per kernel is starred, and its registers / spilled bytes per thread are printed,
-so the defaults in LAUNCH can be set from one run. `--fla` then profiles fla-core's chunk_kda on the same inputs, in
-the same process: its kernels and their time, the stage-by-stage side by side.
+reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accumulation into .grad (before commit
+7c07d6a it did: 0.47 ms at the default shape). The best configuration per kernel is starred, and its registers /
+spilled bytes per thread are printed, so the defaults in LAUNCH can be set from one run. `--defaults` profiles once
+with every kernel at its own LAUNCH entry instead of a sweep. `--fla` then profiles fla-core's chunk_kda on the same
+inputs, in the same process: its kernels and their time, the stage-by-stage side by side.
 """
 
 from __future__ import annotations

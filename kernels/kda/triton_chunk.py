@@ -7,8 +7,8 @@ BK = next_pow2(K), BV value block. Every tensor is addressed as [T_all, heads, d
 Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = chunk-local cumsum(g) / ln 2):
 1. `_intra_sub_kernel` (triton_common.py), one program per (chunk, 16-token sub-chunk s, value head), the whole K
    at once: Gamma [T_all, HV, K] fp32 (one walk over the earlier sub-chunks' g gives their decay to the anchor and
-   the carry into s); the rows of sub-chunk s of Aqk = scale * q k^T with decay (j <= i) and of L = diag(beta) k k^T with decay (j < i), both
-   [T_all, HV, BT]:
+   the carry into s); the rows of sub-chunk s of Aqk = scale * q k^T with decay (j <= i) and of L = diag(beta) k k^T
+   with decay (j < i), both [T_all, HV, BT]:
      off-diagonal (columns of earlier sub-chunks): one dot with the anchor Gamma_n = first row of sub-chunk s,
        query factor exp2(Gamma_i - Gamma_n) <= 1, key factor exp2(Gamma_n - Gamma_j) <= 1 (kda.md 3.3);
      diagonal 16 x 16 block: with `safe_gate` one dot with the fixed anchor C = Gamma_n - (BC - 1) s / 2 (in log2
@@ -30,9 +30,9 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) has the intra kernel store Akk = k k^T with decay (no beta, fp32) in place
-of L (STORE_AKK; the solve scales its rows by beta as it loads them) and keeps Gamma, Aqk, Akk and M; the backward recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u,
-kg, qg, v_new and the states, stored in fp32, or bf16 for bf16 inputs) and runs the reverse state scan, inter-chunk
-and intra-chunk gradient kernels.
+of L (STORE_AKK; the solve scales its rows by beta as it loads them) and keeps Gamma, Aqk, Akk and M; the backward
+recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u, kg, qg, v_new and the states, stored in fp32, or bf16 for
+bf16 inputs) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
 Aqk and Akk and recomputes w, u and h in its backward). A forward without gradients (inference) stores no Akk and

@@ -111,9 +111,9 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu_seql
     n = the first row of sub-chunk i, kda.md 3.3) is the running sum of g from row c + 1 to row n, and the carry into
     sub-chunk i (the sum of g before it) comes out of the same walk, so Gamma is stored after it. Own rows take Gamma
     relative to the anchor (exactly zero at row n); both factors of an off-diagonal block (j < i) are <= 1. The
-    diagonal block by `_diag_block`; columns after sub-chunk i are stored as zeros. Each program reads every earlier
-    sub-chunk's g once: 716 us per fwd+bwd at (8, 4096, 16, 128) on the H200 against 844 for the former form, which
-    first summed the earlier sub-chunks' g into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
+    diagonal block by `_diag_block`. Each program reads every earlier sub-chunk's g once: 716 us per fwd+bwd at
+    (8, 4096, 16, 128) on the H200 against 844 for the former form, which first summed the earlier sub-chunks' g
+    into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
     the safe gate's bound check, which then costs no pass of its own over g."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
