@@ -62,6 +62,7 @@ from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
+from .triton_scan import _scan_halves_kernel
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -82,7 +83,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
     # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
     # 1,673 us per fwd+bwd at 4 warps (session 7)
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
+    # HALVES: for 64 < K <= 128, the state in two [64, BV] tiles (triton_scan.py); untimed, so off
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "HALVES": False},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -325,9 +327,14 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
                              STORE_QG=q is not None, **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
-    _scan_kernel[(triton.cdiv(V, BVs), N, HV)](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT,
-                                               H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None,
-                                               STORE_HT=True, **common, **launch_opts("scan"))
+    grid = (triton.cdiv(V, BVs), N, HV)
+    if LAUNCH["scan"]["HALVES"] and BK == 128:  # opt-in, untimed: the state in two K halves (triton_scan.py)
+        _scan_halves_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
+                                  BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common,
+                                  **launch_opts("scan"))
+    else:
+        _scan_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+                           BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
 
 

@@ -61,6 +61,10 @@ for varlen in (False, True):
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
+    for half in (True, False):  # the opt-in state scan in K halves, bf16 or fp32 states
+        compile_(F._scan_halves_kernel, {"H": 1, "HV": 2, "K": 128, "V": 32, "BV": 32, "BT": 64, "HAS_H0": True,
+                                         "STORE_HT": True, "VARLEN": varlen, "PREC": "tf32"},
+                 F.LAUNCH["scan"]["num_warps"], ("w", "kg", "vnew", "hbuf") if half else ("w", "kg", "vnew"))
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))

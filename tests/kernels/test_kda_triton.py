@@ -603,6 +603,31 @@ def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
         assert_close(name, r, x, ratio)
 
 
+@pytest.mark.parametrize("D,cu", [(128, None), (100, [0, 15, 15, 80])], ids=["K128", "K100-varlen"])
+def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
+    """The opt-in forward scan with the state in two K halves (LAUNCH["scan"]["HALVES"], triton_scan.py; K in
+    (64, 128], the second half partial at K = 100), in the forward and the backward's recompute: outputs, final
+    state and gradients as the recurrence's, and the states entering each chunk as the one-tile scan's."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, D, 32, torch.float32, N=None if cu is None else len(cu) - 1)
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    kw = {"initial_state": h0, "output_final_state": True, "safe_gate": True, "lower_bound": -5.0,
+          "cu_seqlens": cu_t, "return_intermediate_states": True}
+    h_one = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "HALVES", True)
+    seen = []
+    real = fwd._scan_halves_kernel
+    monkeypatch.setattr(fwd, "_scan_halves_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
+        seen.append(grid), real[grid])[1]})())
+    h_halves = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
+    assert_close("h (halves vs one tile)", h_one, h_halves, 1e-6)
+    ref, out = grads_vs_naive(q, k, v, g.clamp_min(-5.0), beta, h0, cu=cu)
+    assert len(seen) == 3  # the forward above, then the forward and the backward's recompute
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
+
+
 def test_chunk_gradients_with_split_scans(monkeypatch):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
     gradients as the recurrence's."""
