@@ -2,7 +2,7 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls | wublock | table9 | scan
+#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls | wublock | table9 | optins
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -248,15 +248,16 @@ table9)
   timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
   echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
   ;;
-scan)
-  # session 9's untimed work, for the next call: the KDA GPU tests, then the forward state scans by variant at
-  # (8, 4096, 16, 128), every other kernel at its defaults (kda_tune.py --defaults, one process each): as shipped,
-  # in two K halves (triton_scan.py), at V block 32 (512 programs instead of 256), both; then the crash of call 4
-  # (every kernel at V block 32) localized by compute-sanitizer (benchmarks/kda_wu_bv16.py --all-kernels)
+optins)
+  # session 9's untimed work, for the next call: the KDA GPU tests, then at (8, 4096, 16, 128), every other kernel
+  # at its defaults (kda_tune.py --defaults, one process each): as shipped; the forward state scans in two K halves
+  # (triton_scan.py), at V block 32 (512 programs instead of 256), both; the intra backward walking the chunk (dg
+  # stored directly, no dg pass); then the crash of call 4 (every kernel at V block 32) localized by
+  # compute-sanitizer (benchmarks/kda_wu_bv16.py --all-kernels)
   kda_gpu_tests
-  for flags in "" "--scan-halves" "--scan-bv 32" "--scan-bv 32 --scan-halves"; do
+  for flags in "" "--scan-halves" "--scan-bv 32" "--scan-bv 32 --scan-halves" "--bwd-intra-chunk-loop"; do
     timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 $flags > "$OUT/kda_tune_scan.log" 2>&1
-    echo "kda_tune $flags rc=$?"; grep -E "^\| _scan|^\| total" "$OUT/kda_tune_scan.log"
+    echo "kda_tune $flags rc=$?"; grep -E "^\| _scan|^\| _bwd_intra|^\| _bwd_dg|^\| total" "$OUT/kda_tune_scan.log"
   done
   timeout 150 compute-sanitizer --tool memcheck --print-limit 3 python3 benchmarks/kda_wu_bv16.py --bv 32 \
     --all-kernels --warps 4 --stages 1 --B 2 --T 2048 > "$OUT/sanitizer_bv32.log" 2>&1
@@ -264,6 +265,6 @@ scan)
     "$OUT/sanitizer_bv32.log" | head -12
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|scan" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|optins" >&2; exit 2
   ;;
 esac

@@ -122,6 +122,10 @@ def main() -> None:
          {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
           "OFF": B._prec("bwd_intra", torch.bfloat16)},
          B._opts("bwd_intra"), {}),
+        (f"bwd intra walking the chunk (opt-in, K block {bki})", B._bwd_intra_chunk_kernel,
+         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
+          "OFF": B._prec("bwd_intra", torch.bfloat16)},
+         B._opts("bwd_intra"), {}),
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

@@ -68,7 +68,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
-    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32"},
+    # CHUNK_LOOP: one program per (chunk, K block, head) walking the sub-chunks, dg stored directly (no dg pass:
+    # `_bwd_intra_chunk_kernel`); untimed, so off
+    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32", "CHUNK_LOOP": False},
 }
 
 
@@ -253,10 +255,47 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     NKB: tl.constexpr = (K + BK - 1) // BK
     pid = tl.program_id(0)
     i_t, i_i, i_kb, i_hv = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB, tl.program_id(1)
-    i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
+    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid, i_i, i_kb,
+                                       i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF)
+    tl.store(dG_out + p_ik, b_dG, mask=m_ik)
+
+
+@triton.jit
+def _bwd_intra_chunk_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out, chunk_indices, cu_seqlens,
+                            scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                            BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr,
+                            SAFE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
+    """Opt-in (LAUNCH["bwd_intra"]["CHUNK_LOOP"], off; untimed): `_bwd_intra_kernel` and `_bwd_dg_kernel` in one.
+    One program per (chunk, K block, value head) walks the chunk's sub-chunks from the last to the first, each as
+    `_bwd_intra_kernel` computes it ([BC, BK] tiles, the same registers), and stores dg = the reverse cumsum of
+    dGamma directly: inside the sub-chunk from its own rows, plus the column sums of the later sub-chunks' dGamma,
+    carried down the walk. No dGamma buffer is written and read back, and no dg pass runs (148 us at
+    (8, 4096, 16, 128) on the H200, Nsight Compute, RESULTS.md session 9); 1/NC of the programs, each NC x longer."""
+    NKB: tl.constexpr = (K + BK - 1) // BK
+    i_t, i_kb, i_hv = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    b_carry = tl.zeros([BK], dtype=tl.float32)  # sum of dGamma over the rows after the current sub-chunk
+    for ii in range(NC):
+        i_i = NC - 1 - ii
+        if i_i * BC < n_valid:
+            b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid,
+                                               i_i, i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF)
+            b_tot = tl.sum(b_dG, axis=0)  # masked rows hold 0
+            tl.store(dg_out + p_ik, b_carry[None, :] + b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG, mask=m_ik)
+            b_carry += b_tot
+
+
+@triton.jit
+def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid, i_i, i_kb, i_hv, scale, shift,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
+    """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
+    end) and K block i_kb of one chunk and value head: stores their dq and dk; returns dGamma [BC, BK] fp32 (before
+    the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into [T_all, HV, K]."""
+    i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     o_k = i_kb * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -336,7 +375,7 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
              mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
     b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
-    tl.store(dG_out + p_ik, b_dG, mask=m_ik)
+    return b_dG, p_ik, m_ik
 
 
 @triton.jit
@@ -424,12 +463,16 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
         NKB = triton.cdiv(K, BKi)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg,
-                                                           chunk_indices, cu, float(scale), shift, T, NT, H=H, HV=HV,
-                                                           K=K, BK=BKi, BT=BT, BC=BC, NC=BT // BC,
-                                                           SAFE=safe_shift is not None, VARLEN=varlen, PREC=prec,
-                                                           OFF=_prec("bwd_intra", dt), **_opts("bwd_intra"))
-        _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT, VARLEN=varlen)
+        intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
+                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
+                 **_opts("bwd_intra")}
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu, float(scale), shift, T, NT)
+        if LAUNCH["bwd_intra"]["CHUNK_LOOP"]:  # opt-in, untimed: dg stored directly, no dg pass
+            _bwd_intra_chunk_kernel[(NT_all * NKB, HV)](*args, **intra)
+        else:
+            _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](*args, **intra)
+            _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT,
+                                               VARLEN=varlen)
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:

@@ -45,9 +45,9 @@ for varlen in (False, True):
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             compile_(B._bwd_scan_kernel, kv, 4, states)
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
-        for safe in (True, False):
-            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
-                                           "PREC": "bf16x3", "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
+        for safe, fn in itertools.product((True, False), (B._bwd_intra_kernel, B._bwd_intra_chunk_kernel)):
+            compile_(fn, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
+                          "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,

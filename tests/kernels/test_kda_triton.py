@@ -628,6 +628,38 @@ def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
         assert_close(name, r, x, ratio)
 
 
+CHUNK_LOOP_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
+    (2, 70, 1, 2, 60, 64, True, None),  # a partial chunk with an empty sub-chunk; K blocks 32 + a partial 28
+    (1, 45, 1, 1, 32, 32, False, None),  # the exact diagonal path
+    (1, 80, 2, 2, 32, 16, True, [0, 15, 15, 80]),  # varlen with an empty sequence, one sub-chunk per chunk
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", CHUNK_LOOP_CASES, ids=[
+    f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in CHUNK_LOOP_CASES])
+def test_chunk_gradients_with_the_intra_backward_walking_the_chunk(B, T, H, HV, D, BT, safe, cu, monkeypatch):
+    """The opt-in intra backward with one program per (chunk, K block) walking the sub-chunks and storing dg
+    directly (LAUNCH["bwd_intra"]["CHUNK_LOOP"], `_bwd_intra_chunk_kernel`; no dg pass): gradients as the
+    recurrence's, and dg as the default kernels' (per sub-chunk, then the dg pass)."""
+    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
+
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
+    g = g.clamp_min(-5.0) if safe else g
+    torch.manual_seed(1)
+    _, default = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
+    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_intra"], "CHUNK_LOOP", True)
+    launched = []
+    real = bwd_mod._bwd_intra_chunk_kernel
+    monkeypatch.setattr(bwd_mod, "_bwd_intra_chunk_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
+        launched.append(grid), real[grid])[1]})())
+    torch.manual_seed(1)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
+    assert len(launched) == 1
+    assert_close("dg (chunk walk vs per sub-chunk + dg pass)", default[5], out[5], 1e-6)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
+
+
 def test_chunk_gradients_with_split_scans(monkeypatch):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
     gradients as the recurrence's."""
