@@ -162,18 +162,22 @@ def time_decode(fn, B, H, D, name="k3"):
 
 
 def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
-    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH)."""
+    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts, then register caps at the two launches
+    that won the earlier sweeps (triton_recurrent.LAUNCH)."""
     from k3.kernels.kda import triton_recurrent
 
     saved = dict(triton_recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
-    print("| B | BV | num_warps | us | fraction |")
-    print("|---|---|---|---|---|")
-    for B in (64, 256):  # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
-        for bv, nw in itertools.product((32, 64, 128), (2, 4)):
-            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
+    print("| B | BV | num_warps | maxnreg | us | fraction |")
+    print("|---|---|---|---|---|---|")
+    # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
+    grid = [(bv, nw, None) for bv, nw in itertools.product((32, 64, 128), (2, 4))]
+    grid += [(32, 2, cap) for cap in (160, 128)] + [(64, 4, cap) for cap in (160, 128)]
+    for B in (64, 256):
+        for bv, nw, cap in grid:
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw, maxnreg=cap)
             t = time_decode(fused_recurrent_kda, B, H, D)
-            print(f"| {B} | {bv} | {nw} | {t:.1f} | "
+            print(f"| {B} | {bv} | {nw} | {cap or '-'} | {t:.1f} | "
                   f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} |", flush=True)
     triton_recurrent.LAUNCH.update(saved)
 

@@ -39,7 +39,10 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # went 0.80 -> 0.87 of copy bandwidth, at B=64 0.69 -> 0.72; at B=1 the 2x more programs of BV=32 keep the latency.
 # Streaming cache hints on the pool state (evict-first loads, .cs stores) were slower in every configuration of the
 # same sweep (B=256, BV 64, 4 warps: 154.7 vs 146.9 us; RESULTS.md session 4) and were removed.
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
+# maxnreg: a cap on registers per thread (None: ptxas's choice, 189 at BV 32 / 2 warps and 222 at BV 64 / 4 warps for
+# sm_90a with every in-kernel flag, so 5 and 2 programs per multiprocessor); a lower cap fits more programs, each with
+# its state tile in flight, at the cost of spills (160: 48 B). Untimed, so None.
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "maxnreg": None}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
@@ -192,8 +195,8 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
     BV = v_block(N, HV, V)
     # programs in launch order walk each sequence's state [HV, K, V] front to back (V blocks, then heads, then
     # sequences), the order of its bytes in memory: the grid (V blocks, N, HV) of sessions 1-5 jumped a whole state
-    # (HV * K * V * 4 bytes) between neighbours. fla's decode kernel (fla-core 0.6.0) walks heads within a sequence
-    # too and ran 108.6 us against this kernel's 145.6 at B = 256 (H200, 2026-11-29); this order is untimed yet
+    # (HV * K * V * 4 bytes) between neighbours. fla-core 0.6.0's in-place, by-slot decode step walks heads within a
+    # sequence too: 157.9 us against this kernel's 145.7 at B = 256 (H200, 2026-11-30, RESULTS.md session 9)
     grid = (triton.cdiv(V, BV), HV, N)
     if N and HV:
         _recurrent_kda_kernel[grid](
@@ -210,5 +213,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
             VARLEN=cu_seqlens is not None,
             num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
+            **({"maxnreg": LAUNCH["maxnreg"]} if LAUNCH["maxnreg"] else {}),
         )
     return o, ht

@@ -145,14 +145,17 @@ def test_recurrent_varlen():
     assert_close("ht", rs, s, 0.005)
 
 
+@pytest.mark.parametrize("maxnreg", [None, 128], ids=["regs-free", "regs-128"])
 @pytest.mark.parametrize("wide", [False, True], ids=["bv32", "bv64"])
 @pytest.mark.parametrize("state_v_first", [False, True])
-def test_recurrent_state_pool_in_place(state_v_first, wide, monkeypatch):
+def test_recurrent_state_pool_in_place(state_v_first, wide, maxnreg, monkeypatch):
     """Pool slots read and written in place; `wide`: the V block of large batches (triton_recurrent.BV_WIDE, one
-    masked block over V = 60) instead of two blocks of 32."""
+    masked block over V = 60) instead of two blocks of 32; `maxnreg`: the kernel compiled under a register cap
+    (triton_recurrent.LAUNCH; on a GPU it spills, under the interpreter the cap has no effect)."""
     from k3.kernels.kda import triton_recurrent
 
     monkeypatch.setattr(triton_recurrent, "WIDE_FROM", 1 if wide else 1 << 30)
+    monkeypatch.setitem(triton_recurrent.LAUNCH, "maxnreg", maxnreg)
     B, T, HV, D = 3, 2, 2, 60
     q, k, v, g, beta, _ = make_inputs(B, T, 1, HV, D, D, torch.float32)
     pool = torch.randn(5, HV, D, D, device=DEV)  # [P, HV, K, V] (read as V-first when state_v_first)
