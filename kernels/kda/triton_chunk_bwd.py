@@ -61,7 +61,8 @@ from .triton_common import _chunk_bounds, _dot, _seq_bounds
 # (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
 LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
-    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16"},
+    # HALVES: for 64 < K <= 128, the state gradient in two [64, BV] tiles (`_bwd_scan_halves_kernel`); untimed, so off
+    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16", "HALVES": False},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
@@ -158,6 +159,61 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
         b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
                 - _dot(tl.trans(b_w), b_dvn, PREC))
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _bwd_scan_halves_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                            BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """Opt-in (LAUNCH["bwd_scan"]["HALVES"], off; untimed): `_bwd_scan_kernel` for 64 < K <= 128 with the state
+    gradient in two [64, BV] tiles (rows 0..63 and 64..127 of K), as triton_scan.py does for the forward scan. The
+    transposed operands (Aqk^T, qg^T, w^T) are loaded transposed from memory instead of transposed in registers."""
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
+    o_a = tl.arange(0, 64)
+    o_b = 64 + o_a
+    m_b = o_b < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_av = (o_a < K)[:, None] & m_v[None, :]
+    m_bv = m_b[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    p_sa = ((i_n * HV + i_hv) * K + o_a[:, None]) * V + o_v[None, :]
+    p_sb = ((i_n * HV + i_hv) * K + o_b[:, None]) * V + o_v[None, :]
+    b_dha = tl.load(dht + p_sa, mask=m_av, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
+    b_dhb = tl.load(dht + p_sb, mask=m_bv, other=0.0).to(tl.float32)
+    for i_c in tl.range(0, n_chunks):
+        c = n_chunks - 1 - i_c
+        start = bos + c * BT
+        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
+        m_t = o_t < n_valid
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_hc = ((c0 + c) * HV + i_hv) * K
+        tl.store(dhs + (p_hc + o_a[:, None]) * V + o_v[None, :], b_dha.to(dhs.dtype.element_ty), mask=m_av)
+        tl.store(dhs + (p_hc + o_b[:, None]) * V + o_v[None, :], b_dhb.to(dhs.dtype.element_ty), mask=m_bv)
+        row = ((start + o_t) * HV + i_hv) * K  # [BT]: row t of w / kg / qg / Gamma
+        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        # Aqk^T [BT (key j), BT (query i)]: element (j, i) = Aqk[i, j], zero for queries past the end
+        b_At = _operand(tl.load(Aqk + ((start + o_t[None, :]) * HV + i_hv) * BT + o_t[:, None], mask=m_t[None, :],
+                                other=0.0), PREC)
+        b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
+        b_kga = _operand(tl.load(kg + row[:, None] + o_a[None, :], mask=m_t[:, None], other=0.0), PREC)
+        b_kgb = _operand(tl.load(kg + row[:, None] + o_b[None, :], mask=m_t[:, None] & m_b[None, :], other=0.0),
+                         PREC)
+        b_dvn = _dot(b_At, b_do, PREC) + _dot(b_kga, b_dha, PREC) + _dot(b_kgb, b_dhb, PREC)
+        tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
+        p_last = ((start + n_valid - 1) * HV + i_hv) * K  # Gamma_last
+        # qg^T and w^T as [64, BT] tiles (K rows, time columns)
+        b_qta = _operand(tl.load(qg + row[None, :] + o_a[:, None], mask=m_t[None, :], other=0.0), PREC)
+        b_wta = _operand(tl.load(w + row[None, :] + o_a[:, None], mask=m_t[None, :], other=0.0), PREC)
+        b_dha = (b_dha * tl.exp2(tl.load(Gam + p_last + o_a))[:, None] + _dot(b_qta, b_do, PREC)
+                 - _dot(b_wta, b_dvn, PREC))
+        b_qtb = _operand(tl.load(qg + row[None, :] + o_b[:, None], mask=m_b[:, None] & m_t[None, :], other=0.0), PREC)
+        b_wtb = _operand(tl.load(w + row[None, :] + o_b[:, None], mask=m_b[:, None] & m_t[None, :], other=0.0), PREC)
+        b_dhb = (b_dhb * tl.exp2(tl.load(Gam + p_last + o_b, mask=m_b, other=0.0))[:, None] + _dot(b_qtb, b_do, PREC)
+                 - _dot(b_wtb, b_dvn, PREC))
+    tl.store(dh0 + p_sa, b_dha, mask=m_av)
+    tl.store(dh0 + p_sb, b_dhb, mask=m_bv)
 
 
 @triton.jit
@@ -450,10 +506,13 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
             t.zero_()
     else:
         BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, device_sms(dev))
-        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu,
-                                                       chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVs,
-                                                       BT=BT, VARLEN=varlen, PREC=_prec("bwd_scan", dt),
-                                                       **_opts("bwd_scan"))
+        scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
+        scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
+                **_opts("bwd_scan")}
+        if LAUNCH["bwd_scan"]["HALVES"] and BK == 128:  # opt-in, untimed: the state gradient in two K halves
+            _bwd_scan_halves_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, **scan)
+        else:
+            _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,

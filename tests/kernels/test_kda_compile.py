@@ -44,6 +44,7 @@ for varlen in (False, True):
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             compile_(B._bwd_scan_kernel, kv, 4, states)
+            compile_(B._bwd_scan_halves_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "K": 128}, 4, states)
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe, fn in itertools.product((True, False), (B._bwd_intra_kernel, B._bwd_intra_chunk_kernel)):
             compile_(fn, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",

@@ -631,6 +631,30 @@ def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
         assert_close(name, r, x, ratio)
 
 
+@pytest.mark.parametrize("D,cu", [(128, None), (100, [0, 15, 15, 80])], ids=["K128", "K100-varlen"])
+def test_chunk_gradients_with_the_backward_scan_in_k_halves(D, cu, monkeypatch):
+    """The opt-in backward state scan with the state gradient in two K halves (LAUNCH["bwd_scan"]["HALVES"],
+    `_bwd_scan_halves_kernel`; K in (64, 128]): gradients as the recurrence's and as the one-tile scan's."""
+    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
+
+    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, D, 32, torch.float32, N=None if cu is None else len(cu) - 1)
+    g = g.clamp_min(-5.0)
+    torch.manual_seed(2)
+    _, default = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
+    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "HALVES", True)
+    seen = []
+    real = bwd_mod._bwd_scan_halves_kernel
+    monkeypatch.setattr(bwd_mod, "_bwd_scan_halves_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
+        seen.append(grid), real[grid])[1]})())
+    torch.manual_seed(2)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
+    assert len(seen) == 1
+    for name, d, r, x, ratio in zip(GRAD_NAMES, default, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS,
+                                    strict=True):
+        assert_close(f"{name} (halves vs one tile)", d, x, 1e-5)
+        assert_close(name, r, x, ratio)
+
+
 CHUNK_LOOP_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
     (2, 70, 1, 2, 60, 64, True, None),  # a partial chunk with an empty sub-chunk; K blocks 32 + a partial 28
     (1, 45, 1, 1, 32, 32, False, None),  # the exact diagonal path
