@@ -50,6 +50,7 @@ from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
+from .triton_scan import _halves
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -170,16 +171,8 @@ def _bwd_scan_halves_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seql
     transposed operands (Aqk^T, qg^T, w^T) are loaded transposed from memory instead of transposed in registers."""
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
-    o_a = tl.arange(0, 64)
-    o_b = 64 + o_a
-    m_b = o_b < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_av = (o_a < K)[:, None] & m_v[None, :]
-    m_bv = m_b[:, None] & m_v[None, :]
+    o_a, o_b, m_b, o_v, m_v, m_av, m_bv, p_sa, p_sb = _halves(i_n, i_hv, i_v, HV, K, V, BV)
     o_t = tl.arange(0, BT)
-    p_sa = ((i_n * HV + i_hv) * K + o_a[:, None]) * V + o_v[None, :]
-    p_sb = ((i_n * HV + i_hv) * K + o_b[:, None]) * V + o_v[None, :]
     b_dha = tl.load(dht + p_sa, mask=m_av, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
     b_dhb = tl.load(dht + p_sb, mask=m_bv, other=0.0).to(tl.float32)
     for i_c in tl.range(0, n_chunks):

@@ -19,22 +19,32 @@ from .triton_common import _seq_bounds
 
 
 @triton.jit
+def _halves(i_n, i_hv, i_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """The two K halves of a state scan's [128, BV] tile (this module's kernel and the backward's
+    `_bwd_scan_halves_kernel`): rows o_a = 0..63 and o_b = 64..127 (masked past K), columns o_v of V block i_v;
+    returns (o_a, o_b, m_b, o_v, m_v, the halves' masks m_av, m_bv and their offsets p_sa, p_sb into a
+    [N, HV, K, V] state for sequence i_n and value head i_hv)."""
+    o_a = tl.arange(0, 64)
+    o_b = 64 + o_a
+    m_b = o_b < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_av = (o_a < K)[:, None] & m_v[None, :]
+    m_bv = m_b[:, None] & m_v[None, :]
+    p_sa = ((i_n * HV + i_hv) * K + o_a[:, None]) * V + o_v[None, :]
+    p_sb = ((i_n * HV + i_hv) * K + o_b[:, None]) * V + o_v[None, :]
+    return o_a, o_b, m_b, o_v, m_v, m_av, m_bv, p_sa, p_sb
+
+
+@triton.jit
 def _scan_halves_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T, NT,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                         BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
                         PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
-    o_a = tl.arange(0, 64)  # rows 0..63 of K
-    o_b = 64 + o_a  # rows 64..127 (masked past K)
-    m_b = o_b < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_av = (o_a < K)[:, None] & m_v[None, :]
-    m_bv = m_b[:, None] & m_v[None, :]
+    o_a, o_b, m_b, o_v, m_v, m_av, m_bv, p_sa, p_sb = _halves(i_n, i_hv, i_v, HV, K, V, BV)
     o_t = tl.arange(0, BT)
-    p_sa = ((i_n * HV + i_hv) * K + o_a[:, None]) * V + o_v[None, :]
-    p_sb = ((i_n * HV + i_hv) * K + o_b[:, None]) * V + o_v[None, :]
     b_ha = tl.zeros([64, BV], dtype=tl.float32)
     b_hb = tl.zeros([64, BV], dtype=tl.float32)
     if HAS_H0:

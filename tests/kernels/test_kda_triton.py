@@ -606,6 +606,15 @@ def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
         assert_close(name, r, x, ratio)
 
 
+def spy_launches(monkeypatch, module, name):
+    """Replace kernel `name` of `module` by a wrapper that records each launch's grid, then launches it; returns the
+    list the grids go to."""
+    grids, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda _, grid: (grids.append(grid),
+                                                                                       real[grid])[1]})())
+    return grids
+
+
 @pytest.mark.parametrize("D,cu", [(128, None), (100, [0, 15, 15, 80])], ids=["K128", "K100-varlen"])
 def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
     """The opt-in forward scan with the state in two K halves (LAUNCH["scan"]["HALVES"], triton_scan.py; K in
@@ -619,10 +628,7 @@ def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
           "cu_seqlens": cu_t, "return_intermediate_states": True}
     h_one = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
     monkeypatch.setitem(fwd.LAUNCH["scan"], "HALVES", True)
-    seen = []
-    real = fwd._scan_halves_kernel
-    monkeypatch.setattr(fwd, "_scan_halves_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
-        seen.append(grid), real[grid])[1]})())
+    seen = spy_launches(monkeypatch, fwd, "_scan_halves_kernel")
     h_halves = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
     assert_close("h (halves vs one tile)", h_one, h_halves, 1e-6)
     ref, out = grads_vs_naive(q, k, v, g.clamp_min(-5.0), beta, h0, cu=cu)
@@ -642,10 +648,7 @@ def test_chunk_gradients_with_the_backward_scan_in_k_halves(D, cu, monkeypatch):
     torch.manual_seed(2)
     _, default = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
     monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "HALVES", True)
-    seen = []
-    real = bwd_mod._bwd_scan_halves_kernel
-    monkeypatch.setattr(bwd_mod, "_bwd_scan_halves_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
-        seen.append(grid), real[grid])[1]})())
+    seen = spy_launches(monkeypatch, bwd_mod, "_bwd_scan_halves_kernel")
     torch.manual_seed(2)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
     assert len(seen) == 1
@@ -675,10 +678,7 @@ def test_chunk_gradients_with_the_intra_backward_walking_the_chunk(B, T, H, HV, 
     torch.manual_seed(1)
     _, default = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
     monkeypatch.setitem(bwd_mod.LAUNCH["bwd_intra"], "CHUNK_LOOP", True)
-    launched = []
-    real = bwd_mod._bwd_intra_chunk_kernel
-    monkeypatch.setattr(bwd_mod, "_bwd_intra_chunk_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
-        launched.append(grid), real[grid])[1]})())
+    launched = spy_launches(monkeypatch, bwd_mod, "_bwd_intra_chunk_kernel")
     torch.manual_seed(1)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
     assert len(launched) == 1
