@@ -44,6 +44,14 @@ kda_gpu_tests() {
     > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
+# issue 4's whole table (four shapes and decode, k3 and fla in one process), then the model's call (raw z, the gate
+# in kernel, both libraries) at the first shape
+kda_table() {
+  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
+  echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
+}
 save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/fla-autotune.tgz" -T -); }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -195,10 +203,7 @@ final)
   # process), the model's call (gate in kernel), each k3 kernel at 4 and 8 warps, then the decode kernel's V block /
   # warps sweep (k3 alone)
   kda_gpu_tests
-  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
-  timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
-  echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
+  kda_table
   timeout 100 python3 benchmarks/kda_tune.py --warps 4,8 --stages 1 --bv 64 --iters 3 > "$OUT/kda_tune.log" 2>&1
   echo "kda_tune rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune.log"
   timeout 60 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
@@ -243,10 +248,7 @@ table9)
   # the KDA GPU tests, then issue 4's whole table (four shapes and decode, k3 and fla in one process), then the
   # model's call (the gate in kernel, first shape)
   kda_gpu_tests
-  timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
-  timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
-  echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
+  kda_table
   ;;
 optins)
   # session 9's untimed work, for the next call: the KDA GPU tests, then at (8, 4096, 16, 128), every other kernel

@@ -49,14 +49,20 @@ def _softplus(x):
 
 
 @triton.jit
+def _gate_value(x, a, lower_bound, LOWER: tl.constexpr):
+    """g from x = z + dt_bias and a = exp(A_log) (1 without A_log): lb sigmoid(a x), or -a softplus(x). Also the
+    per-token gate of the recurrent kernel (triton_recurrent.py)."""
+    if LOWER:
+        return lower_bound * tl.sigmoid(a * x)
+    else:
+        return -a * _softplus(x)
+
+
+@triton.jit
 def _gate_fwd_kernel(z, A_log, dt_bias, g, lower_bound, T_all, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                      BT: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr):
     p, m, _, x, a, _ = _gate_tile(z, A_log, dt_bias, T_all, HV, K, BK, BT, HAS_A, HAS_BIAS)
-    if LOWER:
-        out = lower_bound * tl.sigmoid(a * x)
-    else:
-        out = -a * _softplus(x)
-    tl.store(g + p, out, mask=m)
+    tl.store(g + p, _gate_value(x, a, lower_bound, LOWER), mask=m)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
+from .triton_gate import _gate_value
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
 BV_WIDE = 64  # with many programs: fewer, larger state tiles stream the pool closer to copy bandwidth
@@ -90,6 +91,7 @@ def _recurrent_kda_kernel(
         b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
 
     if GATE:
+        b_A = tl.full([], 1.0, tl.float32)  # the lower-bound gate without A_log
         if HAS_A_LOG:
             b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_DT_BIAS:
@@ -109,12 +111,8 @@ def _recurrent_kda_kernel(
         if GATE:
             if HAS_DT_BIAS:
                 b_g = b_g + b_bias
-            if LOWER_BOUND_GATE:  # g = lb * sigmoid(exp(A_log) * (z + dt_bias))
-                if HAS_A_LOG:
-                    b_g = b_A * b_g
-                b_g = lower_bound * tl.sigmoid(b_g)
-            else:  # g = -exp(A_log) * softplus(z + dt_bias); softplus(x) = x above 20, as torch's threshold
-                b_g = -b_A * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(tl.minimum(b_g, 20.0))))
+            # lb * sigmoid(exp(A_log) * (z + dt_bias)), or -exp(A_log) * softplus(z + dt_bias)
+            b_g = _gate_value(b_g, b_A, lower_bound, LOWER_BOUND_GATE)
             b_g = tl.where(m_k, b_g, 0.0)
         if BETA_SIGMOID:
             b_b = tl.sigmoid(b_b)
