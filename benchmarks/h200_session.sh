@@ -250,29 +250,7 @@ table9)
   kda_gpu_tests
   kda_table
   ;;
-optins)
-  # session 9's untimed work, for the next call: the KDA GPU tests, then at (8, 4096, 16, 128), every other kernel
-  # at its defaults (kda_tune.py --defaults, one process each): as shipped; the forward state scans in two K halves
-  # (triton_scan.py), at V block 32 (512 programs instead of 256), both; the backward scan in two K halves; the
-  # intra backward walking the chunk (dg stored directly, no dg pass); then the crash of call 4 (every kernel at V
-  # block 32) localized by compute-sanitizer (benchmarks/kda_wu_bv16.py --all-kernels); then the decode sweep with
-  # register caps
-  kda_gpu_tests
-  for flags in "" "--scan-halves" "--scan-bv 32" "--scan-bv 32 --scan-halves" "--bwd-scan-halves" \
-      "--bwd-intra-chunk-loop"; do
-    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 $flags > "$OUT/kda_tune_scan.log" 2>&1
-    echo "kda_tune $flags rc=$?"; grep -E "^\| _scan|^\| _bwd_scan|^\| _bwd_intra|^\| _bwd_dg|^\| total" \
-      "$OUT/kda_tune_scan.log"
-  done
-  timeout 150 compute-sanitizer --tool memcheck --print-limit 3 python3 benchmarks/kda_wu_bv16.py --bv 32 \
-    --all-kernels --warps 4 --stages 1 --B 2 --T 2048 > "$OUT/sanitizer_bv32.log" 2>&1
-  echo "compute-sanitizer bv32 rc=$?"; grep -E "Invalid|at 0x|by thread|ERROR SUMMARY|_kernel" \
-    "$OUT/sanitizer_bv32.log" | head -12
-  # the decode kernel's launch sweep with register caps (triton_recurrent.LAUNCH["maxnreg"]), k3 alone
-  timeout 90 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
-  echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
-  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|optins" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9" >&2; exit 2
   ;;
 esac

@@ -2,8 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--scan-halves] [--bwd-scan-halves]
-[--bwd-intra-chunk-loop] [--defaults] [--fla]`.
+[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -38,11 +37,9 @@ from k3.kernels.kda import triton_chunk as fwd_mod
 from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 
 KERNELS = {"_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
-           "_scan_kernel": (fwd_mod, "scan"),
-           "_scan_halves_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
-           "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_scan_halves_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
-           "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_intra_chunk_kernel": (bwd_mod, "bwd_intra"),
-           "_bwd_dg_kernel": (bwd_mod, "bwd_intra")}
+           "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
+           "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
+           "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_intra")}
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
 
 
@@ -147,12 +144,6 @@ def main():
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--bwd-intra-chunk-loop", action="store_true", help="the intra backward as one program per "
-                    "(chunk, K block) storing dg directly (triton_chunk_bwd.LAUNCH['bwd_intra']['CHUNK_LOOP'])")
-    ap.add_argument("--scan-halves", action="store_true", help="the forward state scans with the state in two K "
-                    "halves (triton_chunk.LAUNCH['scan']['HALVES'], triton_scan.py)")
-    ap.add_argument("--bwd-scan-halves", action="store_true", help="the backward state scan with the state gradient "
-                    "in two K halves (triton_chunk_bwd.LAUNCH['bwd_scan']['HALVES'])")
     ap.add_argument("--scan-bv", type=int, default=None, help="V block of the two forward state scans only "
                     "(triton_chunk.LAUNCH['scan']['BV']; with --defaults the other kernels keep theirs)")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
@@ -174,9 +165,6 @@ def main():
     for p in precs + intra_precs:
         if p not in bwd_mod.INTER_PRECISIONS:
             ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
-    fwd_mod.LAUNCH["scan"]["HALVES"] = args.scan_halves
-    bwd_mod.LAUNCH["bwd_intra"]["CHUNK_LOOP"] = args.bwd_intra_chunk_loop
-    bwd_mod.LAUNCH["bwd_scan"]["HALVES"] = args.bwd_scan_halves
     if args.scan_bv:
         fwd_mod.LAUNCH["scan"]["BV"] = args.scan_bv
     if args.wu_bk:

@@ -62,7 +62,6 @@ from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
-from .triton_scan import _scan_halves_kernel
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -83,8 +82,9 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
     # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
     # 1,673 us per fwd+bwd at 4 warps (session 7)
-    # HALVES: for 64 < K <= 128, the state in two [64, BV] tiles (triton_scan.py); untimed, so off
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "HALVES": False},
+    # The state in two [64, BV] K halves (as fla's state kernel holds it) took 313 us per scan against 299, and 361
+    # at V block 32 (H200, 2026-11-30, RESULTS.md session 10): removed
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -96,13 +96,15 @@ def launch_opts(name: str) -> dict[str, int]:
 
 def v_block(name: str, V: int, BK: int) -> int:
     """The V block of kernel `name`: LAUNCH's BV, at most next_pow2(V) (>= 16 for tl.dot), 32 when K > 128.
-    The w/u kernel never takes 16 when V >= 32: at V = 128 its BV-16 launch hit an illegal memory access on the
-    H200 (Triton 3.6, 2026-11-30), which compute-sanitizer places in the u dot: an out-of-bounds read of shared
-    memory that Triton lays out itself (benchmarks/kda_wu_bv16.py), so a compiler fault, not our addressing; and
-    the kernel gains nothing from small blocks (one program per chunk loops over them)."""
+    The w/u kernel takes at least min(64, next_pow2(V)), whatever K: at V = 128 its launches at V block 16 (session
+    8) and 32 (4 warps, 1 stage; session 10) hit an illegal memory access on the H200 (Triton 3.6, 2026-11-30),
+    which compute-sanitizer places in the u dot both times: an out-of-bounds read of shared memory that Triton lays
+    out itself (benchmarks/kda_wu_bv16.py), so a compiler fault, not our addressing. The kernel gains nothing from
+    small blocks (one program per chunk loops over them), and its V loop comes after the K loop, so a wide head
+    (K > 128) does not hold both at once."""
     bv = max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
     if name == "wu":
-        bv = max(bv, min(32, triton.next_power_of_2(V)))
+        return max(bv, min(64, triton.next_power_of_2(V)))
     return min(bv, 32) if BK > 128 else bv
 
 
@@ -328,13 +330,8 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
-    if LAUNCH["scan"]["HALVES"] and BK == 128:  # opt-in, untimed: the state in two K halves (triton_scan.py)
-        _scan_halves_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
-                                  BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common,
-                                  **launch_opts("scan"))
-    else:
-        _scan_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
-                           BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common, **launch_opts("scan"))
+    _scan_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
+                       BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
 
 

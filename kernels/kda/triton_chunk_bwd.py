@@ -50,7 +50,6 @@ from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
-from .triton_scan import _halves
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -62,17 +61,18 @@ from .triton_scan import _halves
 # (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
 LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
-    # HALVES: for 64 < K <= 128, the state gradient in two [64, BV] tiles (`_bwd_scan_halves_kernel`); untimed, so off
-    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16", "HALVES": False},
+    # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
+    # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: removed
+    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
-    # CHUNK_LOOP: one program per (chunk, K block, head) walking the sub-chunks, dg stored directly (no dg pass:
-    # `_bwd_intra_chunk_kernel`); untimed, so off
-    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32", "CHUNK_LOOP": False},
+    # One program per (chunk, K block, head) walking the sub-chunks and storing dg directly (no dg pass) took 1,820
+    # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed
+    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32"},
 }
 
 
@@ -160,53 +160,6 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
         b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
                 - _dot(tl.trans(b_w), b_dvn, PREC))
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
-
-
-@triton.jit
-def _bwd_scan_halves_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
-                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                            BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """Opt-in (LAUNCH["bwd_scan"]["HALVES"], off; untimed): `_bwd_scan_kernel` for 64 < K <= 128 with the state
-    gradient in two [64, BV] tiles (rows 0..63 and 64..127 of K), as triton_scan.py does for the forward scan. The
-    transposed operands (Aqk^T, qg^T, w^T) are loaded transposed from memory instead of transposed in registers."""
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
-    o_a, o_b, m_b, o_v, m_v, m_av, m_bv, p_sa, p_sb = _halves(i_n, i_hv, i_v, HV, K, V, BV)
-    o_t = tl.arange(0, BT)
-    b_dha = tl.load(dht + p_sa, mask=m_av, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
-    b_dhb = tl.load(dht + p_sb, mask=m_bv, other=0.0).to(tl.float32)
-    for i_c in tl.range(0, n_chunks):
-        c = n_chunks - 1 - i_c
-        start = bos + c * BT
-        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
-        m_t = o_t < n_valid
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_hc = ((c0 + c) * HV + i_hv) * K
-        tl.store(dhs + (p_hc + o_a[:, None]) * V + o_v[None, :], b_dha.to(dhs.dtype.element_ty), mask=m_av)
-        tl.store(dhs + (p_hc + o_b[:, None]) * V + o_v[None, :], b_dhb.to(dhs.dtype.element_ty), mask=m_bv)
-        row = ((start + o_t) * HV + i_hv) * K  # [BT]: row t of w / kg / qg / Gamma
-        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        # Aqk^T [BT (key j), BT (query i)]: element (j, i) = Aqk[i, j], zero for queries past the end
-        b_At = _operand(tl.load(Aqk + ((start + o_t[None, :]) * HV + i_hv) * BT + o_t[:, None], mask=m_t[None, :],
-                                other=0.0), PREC)
-        b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
-        b_kga = _operand(tl.load(kg + row[:, None] + o_a[None, :], mask=m_t[:, None], other=0.0), PREC)
-        b_kgb = _operand(tl.load(kg + row[:, None] + o_b[None, :], mask=m_t[:, None] & m_b[None, :], other=0.0),
-                         PREC)
-        b_dvn = _dot(b_At, b_do, PREC) + _dot(b_kga, b_dha, PREC) + _dot(b_kgb, b_dhb, PREC)
-        tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-        p_last = ((start + n_valid - 1) * HV + i_hv) * K  # Gamma_last
-        # qg^T and w^T as [64, BT] tiles (K rows, time columns)
-        b_qta = _operand(tl.load(qg + row[None, :] + o_a[:, None], mask=m_t[None, :], other=0.0), PREC)
-        b_wta = _operand(tl.load(w + row[None, :] + o_a[:, None], mask=m_t[None, :], other=0.0), PREC)
-        b_dha = (b_dha * tl.exp2(tl.load(Gam + p_last + o_a))[:, None] + _dot(b_qta, b_do, PREC)
-                 - _dot(b_wta, b_dvn, PREC))
-        b_qtb = _operand(tl.load(qg + row[None, :] + o_b[:, None], mask=m_b[:, None] & m_t[None, :], other=0.0), PREC)
-        b_wtb = _operand(tl.load(w + row[None, :] + o_b[:, None], mask=m_b[:, None] & m_t[None, :], other=0.0), PREC)
-        b_dhb = (b_dhb * tl.exp2(tl.load(Gam + p_last + o_b, mask=m_b, other=0.0))[:, None] + _dot(b_qtb, b_do, PREC)
-                 - _dot(b_wtb, b_dvn, PREC))
-    tl.store(dh0 + p_sa, b_dha, mask=m_av)
-    tl.store(dh0 + p_sb, b_dhb, mask=m_bv)
 
 
 @triton.jit
@@ -310,31 +263,6 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid, i_i, i_kb,
                                        i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF)
     tl.store(dG_out + p_ik, b_dG, mask=m_ik)
-
-
-@triton.jit
-def _bwd_intra_chunk_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dg_out, chunk_indices, cu_seqlens,
-                            scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                            BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr,
-                            SAFE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
-    """Opt-in (LAUNCH["bwd_intra"]["CHUNK_LOOP"], off; untimed): `_bwd_intra_kernel` and `_bwd_dg_kernel` in one.
-    One program per (chunk, K block, value head) walks the chunk's sub-chunks from the last to the first, each as
-    `_bwd_intra_kernel` computes it ([BC, BK] tiles, the same registers), and stores dg = the reverse cumsum of
-    dGamma directly: inside the sub-chunk from its own rows, plus the column sums of the later sub-chunks' dGamma,
-    carried down the walk. No dGamma buffer is written and read back, and no dg pass runs (148 us at
-    (8, 4096, 16, 128) on the H200, Nsight Compute, RESULTS.md session 9); 1/NC of the programs, each NC x longer."""
-    NKB: tl.constexpr = (K + BK - 1) // BK
-    i_t, i_kb, i_hv = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    b_carry = tl.zeros([BK], dtype=tl.float32)  # sum of dGamma over the rows after the current sub-chunk
-    for ii in range(NC):
-        i_i = NC - 1 - ii
-        if i_i * BC < n_valid:
-            b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid,
-                                               i_i, i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF)
-            b_tot = tl.sum(b_dG, axis=0)  # masked rows hold 0
-            tl.store(dg_out + p_ik, b_carry[None, :] + b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG, mask=m_ik)
-            b_carry += b_tot
 
 
 @triton.jit
@@ -502,10 +430,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
                 **_opts("bwd_scan")}
-        if LAUNCH["bwd_scan"]["HALVES"] and BK == 128:  # opt-in, untimed: the state gradient in two K halves
-            _bwd_scan_halves_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, **scan)
-        else:
-            _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
+        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
@@ -519,12 +444,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
                  **_opts("bwd_intra")}
         args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu, float(scale), shift, T, NT)
-        if LAUNCH["bwd_intra"]["CHUNK_LOOP"]:  # opt-in, untimed: dg stored directly, no dg pass
-            _bwd_intra_chunk_kernel[(NT_all * NKB, HV)](*args, **intra)
-        else:
-            _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](*args, **intra)
-            _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT,
-                                               VARLEN=varlen)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](*args, **intra)
+        _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT, VARLEN=varlen)
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:

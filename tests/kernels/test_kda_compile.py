@@ -44,10 +44,9 @@ for varlen in (False, True):
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             compile_(B._bwd_scan_kernel, kv, 4, states)
-            compile_(B._bwd_scan_halves_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "K": 128}, 4, states)
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
-        for safe, fn in itertools.product((True, False), (B._bwd_intra_kernel, B._bwd_intra_chunk_kernel)):
-            compile_(fn, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
+        for safe in (True, False):
+            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                           "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
@@ -62,10 +61,6 @@ for varlen in (False, True):
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
-    for half in (True, False):  # the opt-in state scan in K halves, bf16 or fp32 states
-        compile_(F._scan_halves_kernel, {"H": 1, "HV": 2, "K": 128, "V": 32, "BV": 32, "BT": 64, "HAS_H0": True,
-                                         "STORE_HT": True, "VARLEN": varlen, "PREC": "tf32"},
-                 F.LAUNCH["scan"]["num_warps"], ("w", "kg", "vnew", "hbuf") if half else ("w", "kg", "vnew"))
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))

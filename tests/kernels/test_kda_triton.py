@@ -145,17 +145,14 @@ def test_recurrent_varlen():
     assert_close("ht", rs, s, 0.005)
 
 
-@pytest.mark.parametrize("maxnreg", [None, 128], ids=["regs-free", "regs-128"])
 @pytest.mark.parametrize("wide", [False, True], ids=["bv32", "bv64"])
 @pytest.mark.parametrize("state_v_first", [False, True])
-def test_recurrent_state_pool_in_place(state_v_first, wide, maxnreg, monkeypatch):
+def test_recurrent_state_pool_in_place(state_v_first, wide, monkeypatch):
     """Pool slots read and written in place; `wide`: the V block of large batches (triton_recurrent.BV_WIDE, one
-    masked block over V = 60) instead of two blocks of 32; `maxnreg`: the kernel compiled under a register cap
-    (triton_recurrent.LAUNCH; on a GPU it spills, under the interpreter the cap has no effect)."""
+    masked block over V = 60) instead of two blocks of 32."""
     from k3.kernels.kda import triton_recurrent
 
     monkeypatch.setattr(triton_recurrent, "WIDE_FROM", 1 if wide else 1 << 30)
-    monkeypatch.setitem(triton_recurrent.LAUNCH, "maxnreg", maxnreg)
     B, T, HV, D = 3, 2, 2, 60
     q, k, v, g, beta, _ = make_inputs(B, T, 1, HV, D, D, torch.float32)
     pool = torch.randn(5, HV, D, D, device=DEV)  # [P, HV, K, V] (read as V-first when state_v_first)
@@ -539,20 +536,24 @@ def test_backward_dot_precision_setting(monkeypatch):
         bwd._prec("bwd_scan", torch.bfloat16)
 
 
-def test_v_blocks_keep_the_wu_kernel_off_16_wide_blocks(monkeypatch):
-    """LAUNCH's BV, capped at next_pow2(V) and at 32 for K > 128; the w/u kernel never runs 16-wide blocks when V >= 32
-    (its BV-16 launch hit an illegal memory access on the H200, triton_chunk.v_block)."""
+def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
+    """LAUNCH's BV, capped at next_pow2(V) and at 32 for K > 128; the w/u kernel runs blocks of at least
+    min(64, next_pow2(V)) whatever K (its V-block 16 and 32 launches hit an illegal memory access on the H200,
+    triton_chunk.v_block)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     for name in ("wu", "scan"):
         monkeypatch.setitem(fwd.LAUNCH[name], "BV", 16)
     assert fwd.v_block("scan", 128, 128) == 16
-    assert fwd.v_block("wu", 128, 128) == 32
+    assert fwd.v_block("wu", 128, 128) == 64
+    assert fwd.v_block("wu", 32, 32) == 32  # V = 32: one block, the whole of V
     assert fwd.v_block("wu", 16, 16) == 16  # V = 16: the only block there is
     monkeypatch.setitem(fwd.LAUNCH["wu"], "BV", 64)
     assert fwd.v_block("wu", 128, 128) == 64
     assert fwd.v_block("wu", 60, 64) == 64
-    assert fwd.v_block("wu", 128, 256) == 32
+    assert fwd.v_block("wu", 128, 256) == 64  # K > 128: the other kernels take 32
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
+    assert fwd.v_block("scan", 128, 256) == 32
 
 
 def test_scan_v_block_splits_when_few_sequences():
@@ -613,78 +614,6 @@ def spy_launches(monkeypatch, module, name):
     monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda _, grid: (grids.append(grid),
                                                                                        real[grid])[1]})())
     return grids
-
-
-@pytest.mark.parametrize("D,cu", [(128, None), (100, [0, 15, 15, 80])], ids=["K128", "K100-varlen"])
-def test_chunk_with_the_scan_in_k_halves(D, cu, monkeypatch):
-    """The opt-in forward scan with the state in two K halves (LAUNCH["scan"]["HALVES"], triton_scan.py; K in
-    (64, 128], the second half partial at K = 100), in the forward and the backward's recompute: outputs, final
-    state and gradients as the recurrence's, and the states entering each chunk as the one-tile scan's."""
-    from k3.kernels.kda import triton_chunk as fwd
-
-    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, D, 32, torch.float32, N=None if cu is None else len(cu) - 1)
-    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
-    kw = {"initial_state": h0, "output_final_state": True, "safe_gate": True, "lower_bound": -5.0,
-          "cu_seqlens": cu_t, "return_intermediate_states": True}
-    h_one = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "HALVES", True)
-    seen = spy_launches(monkeypatch, fwd, "_scan_halves_kernel")
-    h_halves = chunk_kda(q, k, v, g.clamp_min(-5.0), beta, **kw)[2]
-    assert_close("h (halves vs one tile)", h_one, h_halves, 1e-6)
-    ref, out = grads_vs_naive(q, k, v, g.clamp_min(-5.0), beta, h0, cu=cu)
-    assert len(seen) == 3  # the forward above, then the forward and the backward's recompute
-    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS, strict=True):
-        assert_close(name, r, x, ratio)
-
-
-@pytest.mark.parametrize("D,cu", [(128, None), (100, [0, 15, 15, 80])], ids=["K128", "K100-varlen"])
-def test_chunk_gradients_with_the_backward_scan_in_k_halves(D, cu, monkeypatch):
-    """The opt-in backward state scan with the state gradient in two K halves (LAUNCH["bwd_scan"]["HALVES"],
-    `_bwd_scan_halves_kernel`; K in (64, 128]): gradients as the recurrence's and as the one-tile scan's."""
-    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
-
-    q, k, v, g, beta, h0 = make_inputs(1, 80, 1, 2, D, 32, torch.float32, N=None if cu is None else len(cu) - 1)
-    g = g.clamp_min(-5.0)
-    torch.manual_seed(2)
-    _, default = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
-    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "HALVES", True)
-    seen = spy_launches(monkeypatch, bwd_mod, "_bwd_scan_halves_kernel")
-    torch.manual_seed(2)
-    ref, out = grads_vs_naive(q, k, v, g, beta, h0, cu=cu)
-    assert len(seen) == 1
-    for name, d, r, x, ratio in zip(GRAD_NAMES, default, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS,
-                                    strict=True):
-        assert_close(f"{name} (halves vs one tile)", d, x, 1e-5)
-        assert_close(name, r, x, ratio)
-
-
-CHUNK_LOOP_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens)
-    (2, 70, 1, 2, 60, 64, True, None),  # a partial chunk with an empty sub-chunk; K blocks 32 + a partial 28
-    (1, 45, 1, 1, 32, 32, False, None),  # the exact diagonal path
-    (1, 80, 2, 2, 32, 16, True, [0, 15, 15, 80]),  # varlen with an empty sequence, one sub-chunk per chunk
-]
-
-
-@pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", CHUNK_LOOP_CASES, ids=[
-    f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in CHUNK_LOOP_CASES])
-def test_chunk_gradients_with_the_intra_backward_walking_the_chunk(B, T, H, HV, D, BT, safe, cu, monkeypatch):
-    """The opt-in intra backward with one program per (chunk, K block) walking the sub-chunks and storing dg
-    directly (LAUNCH["bwd_intra"]["CHUNK_LOOP"], `_bwd_intra_chunk_kernel`; no dg pass): gradients as the
-    recurrence's, and dg as the default kernels' (per sub-chunk, then the dg pass)."""
-    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
-
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
-    g = g.clamp_min(-5.0) if safe else g
-    torch.manual_seed(1)
-    _, default = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
-    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_intra"], "CHUNK_LOOP", True)
-    launched = spy_launches(monkeypatch, bwd_mod, "_bwd_intra_chunk_kernel")
-    torch.manual_seed(1)
-    ref, out = grads_vs_naive(q, k, v, g, beta, h0, BT=BT, safe=safe, cu=cu)
-    assert len(launched) == 1
-    assert_close("dg (chunk walk vs per sub-chunk + dg pass)", default[5], out[5], 1e-6)
-    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if cu else GRAD_RATIOS, strict=True):
-        assert_close(name, r, x, ratio)
 
 
 def test_chunk_gradients_with_split_scans(monkeypatch):
