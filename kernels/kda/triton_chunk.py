@@ -24,7 +24,9 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
-5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new.
+5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
+   (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the w/u
+   kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back.
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
@@ -84,7 +86,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 1,673 us per fwd+bwd at 4 warps (session 7)
     # The state in two [64, BV] K halves (as fla's state kernel holds it) took 313 us per scan against 299, and 361
     # at V block 32 (H200, 2026-11-30, RESULTS.md session 10): removed
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64},
+    # OUTPUT_FROM: the forward's output kernel fused into the scan from this many scan programs on (fuse_output)
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -174,10 +177,13 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
 
 
 @triton.jit
-def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 VARLEN: tl.constexpr, PREC: tl.constexpr):
+                 OUTPUT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
+    # registers, and neither h[c] nor v_new is stored (hbuf, vnew unused); qg = scale q exp2(Gamma) from the w/u
+    # kernel. Without it: h[c] and v_new are stored for `_output_kernel` (and the backward, which recomputes them)
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -199,14 +205,23 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, cu_seqlens, chunk_offsets, T
         m_t = o_t < n_valid
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                 b_h.to(hbuf.dtype.element_ty), mask=m_kv)
+        if not OUTPUT:
+            tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                     b_h.to(hbuf.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
-        tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
+        if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
+            b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
+            b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
+                          other=0.0)
+            b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
+            b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        else:
+            tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
         b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
@@ -292,7 +307,7 @@ def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None):
+                     kq_dtype=None, Aqk=None, o=None):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -302,7 +317,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     or None. Returns (w [T_all, HV, K], u [T_all, HV, V], vnew [T_all, HV, V] in Mm.dtype, hbuf [NT_all, HV, K, V]
     = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32, kg = k e^(Gamma_last - Gamma)
     [T_all, HV, K], qg = scale q e^Gamma [T_all, HV, K] when q [B, T, H, K] is given, else None; kg and qg in
-    kq_dtype, default Mm.dtype). cu_host: as chunk_layout."""
+    kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
+    With `o` ([B, T, HV, V], to be written) and Aqk [T_all, HV, BT] (and q): the scan also computes the output
+    o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and stores neither v_new nor the states: vnew and hbuf
+    are returned as None."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -311,9 +329,12 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     k, v, beta = k.to(dt).contiguous(), v.to(dt).contiguous(), beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, k)
     T_all = B * T
-    w = torch.empty(T_all, HV, K, dtype=dt, device=dev)
-    u, vnew = (torch.empty(T_all, HV, V, dtype=dt, device=dev) for _ in range(2))
-    hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
+    fused = o is not None
+    w, u = torch.empty(T_all, HV, K, dtype=dt, device=dev), torch.empty(T_all, HV, V, dtype=dt, device=dev)
+    vnew = hbuf = None
+    if not fused:
+        vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
+        hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     # k e^(Gamma_last - Gamma) (and scale q e^Gamma), from the w/u kernel to the scans
     kg = torch.empty(T_all, HV, K, dtype=kq_dtype or dt, device=dev)
@@ -330,9 +351,21 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
-    _scan_kernel[grid](kg, w, u, Gam, vnew, hbuf, h0c, ht, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
-                       BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, **common, **launch_opts("scan"))
+    # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
+    _scan_kernel[grid](kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
+                       qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H,
+                       HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
+                       **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
+
+
+def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
+    """Whether a forward computes its output inside the state scan (chunk_fwd_states with `o`) rather than in
+    `_output_kernel`: when the scan runs at least LAUNCH["scan"]["OUTPUT_FROM"] programs (sequences x value heads
+    x V blocks). The fused scan stores no states and no v_new, but each step of its sequential loop does the output's
+    two dots too; with few programs that loop is the forward's critical path."""
+    BVs = scan_v_block(v_block("scan", V, max(16, triton.next_power_of_2(K))), V, N * HV, device_sms(dev))
+    return N * HV * triton.cdiv(V, BVs) >= LAUNCH["scan"]["OUTPUT_FROM"]
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
@@ -354,7 +387,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     NC = BT // BC
     BK = max(16, triton.next_power_of_2(K))  # tl.dot needs every dimension >= 16
     q, k, v, g, beta = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
-    _N, NT, NT_all, chunk_indices, _, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, q)
+    N, NT, NT_all, chunk_indices, _, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, q)
     T_all = B * T
     f32 = torch.float32
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
@@ -377,9 +410,12 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
+    # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
+    fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
-        k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host)
-    if launch:
+        k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
+        q=q if fused else None, scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None)
+    if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
                                                           cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
@@ -421,7 +457,8 @@ class _ChunkKDATriton(torch.autograd.Function):
         elif ctx.bwd == "torch":
             ctx.save_for_backward(q, k, v, g, beta, h0)
         ctx.o_meta = (r["o"].shape, r["o"].dtype, r["o"].device)  # for a zero do when only the state is used
-        ctx.mark_non_differentiable(r["hbuf"])
+        if r["hbuf"] is not None:  # None when the scan computed the output (triton_chunk.fuse_output)
+            ctx.mark_non_differentiable(r["hbuf"])
         return r["o"], r["ht"], r["hbuf"]
 
     @staticmethod

@@ -92,3 +92,16 @@ def triton_kda_backward(monkeypatch, triton_cpu):
     dispatch.kernel_backend.cache_clear()
     yield
     dispatch.kernel_backend.cache_clear()
+
+
+@pytest.fixture
+def launch_spy(monkeypatch):
+    """spy(module, name): replace kernel `name` of `module` by a wrapper that records each launch's grid, then
+    launches it; returns the list the grids go to (restored after the test)."""
+    def spy(module, name):
+        grids, real = [], getattr(module, name)
+        monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda _, grid: (grids.append(grid),
+                                                                                           real[grid])[1]})())
+        return grids
+
+    return spy

@@ -61,6 +61,10 @@ for varlen in (False, True):
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
                                        "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
                  F.LAUNCH["intra"]["num_warps"])
+    for output, half in itertools.product((True, False), repeat=2):  # the state scan: with the output, or storing
+        compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True,  # states
+                                  "OUTPUT": output, "VARLEN": varlen, "PREC": "tf32"}, F.LAUNCH["scan"]["num_warps"],
+                 ("kg", "qg", "o") + (("hbuf",) if half else ()))
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
