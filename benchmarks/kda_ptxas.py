@@ -1,6 +1,7 @@
 """Registers and spills of every Triton KDA chunk kernel for an H200 (sm_90a), without a GPU.
 
-Run anywhere Triton is installed (never in tests): `python benchmarks/kda_ptxas.py [--shape K,V,BT] [--intra-bk 32]`.
+Run anywhere Triton is installed (never in tests): `python benchmarks/kda_ptxas.py [--shape K,V,BT] [--intra-bk 32]`;
+`--decode`: the recurrent decode kernel instead (decode_launch).
 Each kernel is compiled by Triton's own front end for sm_90a with the launch settings of triton_chunk.LAUNCH /
 triton_chunk_bwd.LAUNCH and the specialisation a GPU launch gets (pointers 16-byte aligned, T and NT multiples of
 16), then Triton's bundled `ptxas -v` reports registers and spill bytes per thread. Compiled this way, the forward
@@ -13,6 +14,7 @@ kernel changes between GPU calls: spills cost time on the H200, but fewer spills
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -58,6 +60,11 @@ def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[i
                if sig[a].startswith("*") or a in ("T", "NT")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=aligned)
+    return ptxas_src(src, opts)
+
+
+def ptxas_src(src: ASTSource, opts: dict) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread of a kernel source compiled for sm_90a."""
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -69,6 +76,66 @@ def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[i
     return regs, int(spills.group(1)), int(spills.group(2))
 
 
+def decode_launch(vloop: bool, bv: int, num_warps: int) -> tuple[ASTSource, dict]:
+    """The recurrent kernel of one decode step as benchmarks/kda.py's decode_inputs calls it (bf16 q, k, v and beta
+    logits, fp32 z, A_log = 0 and dt_bias, the fp32 pool [B, 16, 128, 128] by reversed slots, every in-kernel flag,
+    lower bound -5, T = 1) under triton_recurrent.LAUNCH = {VLOOP, BV, num_warps}: the wrapper runs on CPU tensors
+    with the kernel replaced by a recorder, and the recorded arguments are specialised as Triton's launcher does
+    (integers equal to 1 become constants, T and the value stride among them; pointers and multiples of 16 get
+    divisibility hints). B = 16: the kernel's arguments do not depend on B."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from k3.kernels.kda import triton_recurrent as R
+
+    name = "_recurrent_kda_vloop_kernel" if vloop else "_recurrent_kda_kernel"
+    fn, seen, saved = getattr(R, name), [], dict(R.LAUNCH)
+    B, H, D = 16, 16, 128
+    q, k, v = (torch.randn(B, 1, H, D, dtype=torch.bfloat16) for _ in range(3))
+    kw = {"A_log": torch.zeros(H), "dt_bias": torch.randn(H * D), "scale": None,
+          "initial_state": torch.randn(B, H, D, D), "output_final_state": False, "use_qk_l2norm_in_kernel": True,
+          "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "cu_seqlens": None,
+          "state_v_first": False, "ssm_state_indices": torch.arange(B - 1, -1, -1, dtype=torch.int32),
+          "num_accepted_tokens": None}
+    recorder = type("Recorder", (), {"__getitem__": lambda _, grid: lambda *a, **c: seen.append((a, c))})()
+    check = R.check_device
+    try:
+        R.LAUNCH.update(VLOOP=vloop, BV=bv, num_warps=num_warps)
+        setattr(R, name, recorder)
+        R.check_device = lambda *_: None  # CPU tensors outside the interpreter: nothing runs
+        R.fused_recurrent_kda_triton(q, k, v, torch.randn(B, 1, H, D), torch.randn(B, 1, H, dtype=torch.bfloat16),
+                                     **kw)
+    finally:
+        setattr(R, name, fn)
+        R.check_device = check
+        R.LAUNCH.clear()
+        R.LAUNCH.update(saved)
+    (args, named), = seen
+    specs = [native_specialize_impl(CUDABackend, a, False, True, True) for a in args]
+    sig, consts, attrs = {}, {}, {}
+    for i, a in enumerate(fn.arg_names):
+        kind, attr = specs[i] if i < len(specs) else ("constexpr", None)
+        sig[a] = kind
+        if kind == "constexpr":
+            consts[(i,)] = args[i] if i < len(specs) else named[a]
+        elif attr:
+            attrs[(i,)] = CUDABackend.parse_attr(attr)
+    opts = {key: val for key, val in named.items() if key not in fn.arg_names}
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
+
+
+def decode_table() -> None:
+    """Registers and spills of the decode kernel, one program per V block vs the V-block loop (LAUNCH["VLOOP"])."""
+    print("# Triton " + triton.__version__ + ", sm_90a, the decode step of benchmarks/kda.py (B=256 there: H=16, "
+          "K=V=128, T=1, pool by slot, every in-kernel flag); bytes per thread")
+    print("| kernel | BV | num_warps | registers | spill stores B | spill loads B |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for vloop, (bv, nw) in itertools.product((False, True), ((32, 4), (64, 4), (32, 2))):
+        regs, st, ld = ptxas_src(*decode_launch(vloop, bv, nw))
+        name = "V-block loop (LAUNCH['VLOOP'])" if vloop else "one program per V block"
+        print(f"| {name} | {bv} | {nw} | {regs} | {st} | {ld} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="128,128,64", help="K,V,BT (head dims and chunk size)")
@@ -78,7 +145,13 @@ def main() -> None:
                     "scan and inter kernels (default: triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--bwd-intra-prec", choices=B.INTER_PRECISIONS, default=None, help="dot precision of the backward "
                     "intra kernel's off-diagonal blocks (default: triton_chunk_bwd.LAUNCH)")
+    ap.add_argument("--decode", action="store_true", help="instead: the recurrent decode kernel, one program per V "
+                    "block vs the V-block loop (triton_recurrent.LAUNCH['VLOOP']), at the decode step of "
+                    "benchmarks/kda.py")
     args = ap.parse_args()
+    if args.decode:
+        decode_table()
+        return
     if args.bwd_prec:
         B.LAUNCH["bwd_scan"]["PREC"] = B.LAUNCH["bwd_inter"]["PREC"] = args.bwd_prec
     if args.bwd_intra_prec:
