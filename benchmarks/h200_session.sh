@@ -40,7 +40,8 @@ for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_C
 # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates, the gate), 8 processes
 kda_gpu_tests() {
   timeout -s INT -k 10 150 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py -p no:cacheprovider -rf -n 8 \
+    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py \
+    tests/kernels/test_kda_recurrent_vloop.py -p no:cacheprovider -rf -n 8 \
     > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -250,7 +251,24 @@ table9)
   kda_gpu_tests
   kda_table
   ;;
+fused)
+  # session 10: the KDA GPU tests (with the fused-output and decode V-loop tests), then per shape every kernel at its
+  # defaults (kda_tune.py --defaults, one process each) with the forward's output fused into the state scan
+  # (--output-from 0) and in its own kernel (--output-from 2^30); then the decode sweep (one program per V block, or
+  # per head looping over the V blocks with the next state tile prefetched: triton_recurrent.LAUNCH["VLOOP"])
+  kda_gpu_tests
+  for shape in 8,4096,16,128 2,16384,16,128 1,65536,16,128 16,2048,32,64; do
+    for of in 0 1073741824; do
+      timeout 75 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --output-from $of \
+        > "$OUT/kda_tune_fused.log" 2>&1
+      echo "kda_tune $shape output-from $of rc=$?"; grep -E "^\| _wu|^\| _scan|^\| _output|^\| total" \
+        "$OUT/kda_tune_fused.log"
+    done
+  done
+  timeout 120 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
+  echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused" >&2; exit 2
   ;;
 esac
