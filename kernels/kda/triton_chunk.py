@@ -86,8 +86,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 1,673 us per fwd+bwd at 4 warps (session 7)
     # The state in two [64, BV] K halves (as fla's state kernel holds it) took 313 us per scan against 299, and 361
     # at V block 32 (H200, 2026-11-30, RESULTS.md session 10): removed
-    # OUTPUT_FROM: the forward's output kernel fused into the scan from this many scan programs on (fuse_output)
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 0},
+    # OUTPUT_FROM: the forward's output computed inside the scan from this many scan programs on (fuse_output).
+    # H200, us per fwd+bwd, fused / separate output kernel (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
+    # 10): (8, 4096, 16, 128), 256 programs: 6,242 / 6,418; (16, 2048, 32, 64), 512: 6,499 / 6,627; but
+    # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 256},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
