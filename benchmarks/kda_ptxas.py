@@ -167,11 +167,14 @@ def main() -> None:
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         ("intra, safe gate (inference)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
+         {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("intra, safe gate (training: Akk)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True}, F.launch_opts("intra"), {"beta": "*fp32"}),
+         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True, "STORE_QG": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
+        ("intra, safe gate (training, qg for the fused output)", F._intra_sub_kernel,
+         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True, "STORE_QG": True}, F.launch_opts("intra"),
+         {"beta": "*fp32"}),
         ("intra, exact gate (training)", F._intra_sub_kernel,
-         {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
+         {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False, "STORE_QG": False}, F.launch_opts("intra"), {"beta": "*fp32"}),
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),

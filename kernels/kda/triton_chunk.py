@@ -73,7 +73,9 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
     # session 8's two-pass form)
-    "intra": {"num_warps": 2, "num_stages": 1},
+    # QG: with the output fused into the scan, qg = scale q exp2(Gamma) stored by this kernel (else by the w/u
+    # kernel, which then loads q); untimed, so off
+    "intra": {"num_warps": 2, "num_stages": 1, "QG": False},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -310,7 +312,7 @@ def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None):
+                     kq_dtype=None, Aqk=None, o=None, qg=None):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -323,7 +325,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written) and Aqk [T_all, HV, BT] (and q): the scan also computes the output
     o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and stores neither v_new nor the states: vnew and hbuf
-    are returned as None."""
+    are returned as None. qg: scale q e^Gamma as computed already (the intra kernel's), in place of q."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -341,7 +343,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     # k e^(Gamma_last - Gamma) (and scale q e^Gamma), from the w/u kernel to the scans
     kg = torch.empty(T_all, HV, K, dtype=kq_dtype or dt, device=dev)
-    qg = None if q is None else torch.empty_like(kg)
+    qg = qg if q is None else torch.empty_like(kg)
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return w, u, vnew, hbuf, ht, kg, qg
@@ -402,22 +404,25 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
     Gam, Aqk, Lkk, Mm = r["Gam"], r["Aqk"], r["Lkk"], r["Mm"]
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
+    # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
+    fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
+    qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused and LAUNCH["intra"]["QG"] else None
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu, float(scale),
-                                             shift, T, NT, **intra, **launch_opts("intra"))
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
+                                             chunk_indices, cu, float(scale), shift, T, NT, **intra,
+                                             **launch_opts("intra"))
         if g_check:
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
-    # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
-    fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        q=q if fused else None, scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None)
+        q=q if fused and qg is None else None, scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None,
+        qg=qg)
     if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,

@@ -97,10 +97,10 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -115,7 +115,9 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu_seql
     (8, 4096, 16, 128) on the H200 against 844 for the former form, which first summed the earlier sub-chunks' g
     into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
-    the safe gate's bound check, which then costs no pass of its own over g."""
+    the safe gate's bound check, which then costs no pass of its own over g.
+    STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
+    and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -172,7 +174,10 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, chunk_indices, cu_seql
         else:
             tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
     # absolute Gamma = carry + cumsum, the carry into sub-chunk i being b_cj now
-    tl.store(Gam + p_ik, b_G + ((b_cj + b_gn) * log2e)[None, :], mask=m_ik)
+    b_Ga = b_G + ((b_cj + b_gn) * log2e)[None, :]
+    tl.store(Gam + p_ik, b_Ga, mask=m_ik)
+    if STORE_QG:
+        tl.store(qg + p_ik, (b_q * tl.exp2(b_Ga)).to(qg.dtype.element_ty), mask=m_ik)
     b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, b_Gn, shift, BC, SAFE, PREC)
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])

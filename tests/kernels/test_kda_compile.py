@@ -57,10 +57,10 @@ for varlen in (False, True):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
             compile_(G._gate_fwd_kernel, flags, 4, ("z",))
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
-    for safe, store_akk, check in itertools.product((True, False), repeat=3):  # the forward's intra kernel
+    for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
         compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
-                                       "CHECK_G": check, "VARLEN": varlen, "PREC": "tf32"},
-                 F.LAUNCH["intra"]["num_warps"])
+                                       "CHECK_G": check, "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"},
+                 F.LAUNCH["intra"]["num_warps"], ("qg",))
     for output, half in itertools.product((True, False), repeat=2):  # the state scan: with the output, or storing
         compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True,  # states
                                   "OUTPUT": output, "VARLEN": varlen, "PREC": "tf32"}, F.LAUNCH["scan"]["num_warps"],
