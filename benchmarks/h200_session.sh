@@ -41,7 +41,7 @@ for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_C
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-150}" python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py \
-    tests/kernels/test_kda_recurrent_vloop.py -p no:cacheprovider -rf -n 8 \
+    tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf -n 8 \
     > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -252,10 +252,9 @@ table9)
   kda_table
   ;;
 fused)
-  # session 10: the KDA GPU tests (with the fused-output and decode V-loop tests), then per shape every kernel at its
-  # defaults (kda_tune.py --defaults, one process each) with the forward's output fused into the state scan
-  # (--output-from 0) and in its own kernel (--output-from 2^30); then the decode sweep (one program per V block, or
-  # per head looping over the V blocks with the next state tile prefetched: triton_recurrent.LAUNCH["VLOOP"])
+  # session 10: the KDA GPU tests (with the fused-output tests), then per shape every kernel at its defaults
+  # (kda_tune.py --defaults, one process each) with the forward's output fused into the state scan (--output-from 0)
+  # and in its own kernel (--output-from 2^30); then the decode sweep (V block x warps)
   kda_gpu_tests
   for shape in 8,4096,16,128 2,16384,16,128 1,65536,16,128 16,2048,32,64; do
     for of in 0 1073741824; do

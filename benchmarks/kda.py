@@ -162,18 +162,16 @@ def time_decode(fn, B, H, D, name="k3"):
 
 
 def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
-    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH), one program
-    per V block, then the opt-in V-block loop (LAUNCH["VLOOP"]: one program per value head and sequence walking its
-    V blocks, the next block's state tile prefetched) in the same table."""
+    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH), each row's
+    output and pool after one step checked against the default launch's."""
     from k3.kernels.kda import triton_recurrent
 
     saved = dict(triton_recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
-    print("| B | vloop | BV | num_warps | us | fraction | rel_rms o / pool vs default launch |")
-    print("|---|---|---|---|---|---|---|")
-    # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep (one program per V block)
-    grid = [(False, bv, nw) for bv, nw in itertools.product((32, 64, 128), (2, 4))]
-    grid += [(True, bv, nw) for bv, nw in itertools.product((32, 64), (2, 4, 8))]
+    print("| B | BV | num_warps | us | fraction | rel_rms o / pool vs default launch |")
+    print("|---|---|---|---|---|---|")
+    # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
+    grid = list(itertools.product((32, 64, 128), (2, 4)))
 
     def step(B):  # one decode step on decode_inputs (seeded): (output, pool after the step)
         xs, kw = decode_inputs(B, H, D)
@@ -182,16 +180,15 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
     for B in (64, 256):
         triton_recurrent.LAUNCH.update(saved)
         ref = step(B)  # the default launch
-        for vloop, bv, nw in grid:
-            triton_recurrent.LAUNCH.update(VLOOP=vloop, BV=bv, num_warps=nw)
+        for bv, nw in grid:
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
             try:  # the same step's results before timing it
                 err = [rel_rms(r, x) for r, x in zip(ref, step(B), strict=True)]
             except (RuntimeError, TypeError, ValueError) as e:  # as time_decode: report and go on
-                print(f"decode sweep B={B} vloop={vloop} BV={bv} warps={nw} failed: {type(e).__name__}: {e}",
-                      file=sys.stderr)
+                print(f"decode sweep B={B} BV={bv} warps={nw} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 err = [float("nan")] * 2
             t = time_decode(fused_recurrent_kda, B, H, D)
-            print(f"| {B} | {'on' if vloop else '-'} | {bv} | {nw} | {t:.1f} | "
+            print(f"| {B} | {bv} | {nw} | {t:.1f} | "
                   f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} | {err[0]:.1e} / {err[1]:.1e} |", flush=True)
     triton_recurrent.LAUNCH.update(saved)
 

@@ -14,7 +14,6 @@ kernel changes between GPU calls: spills cost time on the H200, but fewer spills
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import subprocess
@@ -76,20 +75,19 @@ def ptxas_src(src: ASTSource, opts: dict) -> tuple[int, int, int]:
     return regs, int(spills.group(1)), int(spills.group(2))
 
 
-def decode_launch(vloop: bool, bv: int, num_warps: int) -> tuple[ASTSource, dict]:
+def decode_launch(bv: int, num_warps: int) -> tuple[ASTSource, dict]:
     """The recurrent kernel of one decode step as benchmarks/kda.py's decode_inputs calls it (bf16 q, k, v and beta
     logits, fp32 z, A_log = 0 and dt_bias, the fp32 pool [B, 16, 128, 128] by reversed slots, every in-kernel flag,
-    lower bound -5, T = 1) under triton_recurrent.LAUNCH = {VLOOP, BV, num_warps}: the wrapper runs on CPU tensors
-    with the kernel replaced by a recorder, and the recorded arguments are specialised as Triton's launcher does
-    (integers equal to 1 become constants, T and the value stride among them; pointers and multiples of 16 get
-    divisibility hints). B = 16: the kernel's arguments do not depend on B."""
+    lower bound -5, T = 1) under triton_recurrent.LAUNCH = {BV, num_warps}: the wrapper runs on CPU tensors with the
+    kernel replaced by a recorder, and the recorded arguments are specialised as Triton's launcher does (integers
+    equal to 1 become constants, T and the value stride among them; pointers and multiples of 16 get divisibility
+    hints). B = 16: the kernel's arguments do not depend on B."""
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import native_specialize_impl
 
     from k3.kernels.kda import triton_recurrent as R
 
-    name = "_recurrent_kda_vloop_kernel" if vloop else "_recurrent_kda_kernel"
-    fn, seen, saved = getattr(R, name), [], dict(R.LAUNCH)
+    fn, seen, saved = R._recurrent_kda_kernel, [], dict(R.LAUNCH)
     B, H, D = 16, 16, 128
     q, k, v = (torch.randn(B, 1, H, D, dtype=torch.bfloat16) for _ in range(3))
     kw = {"A_log": torch.zeros(H), "dt_bias": torch.randn(H * D), "scale": None,
@@ -100,13 +98,13 @@ def decode_launch(vloop: bool, bv: int, num_warps: int) -> tuple[ASTSource, dict
     recorder = type("Recorder", (), {"__getitem__": lambda _, grid: lambda *a, **c: seen.append((a, c))})()
     check = R.check_device
     try:
-        R.LAUNCH.update(VLOOP=vloop, BV=bv, num_warps=num_warps)
-        setattr(R, name, recorder)
+        R.LAUNCH.update(BV=bv, num_warps=num_warps)
+        R._recurrent_kda_kernel = recorder
         R.check_device = lambda *_: None  # CPU tensors outside the interpreter: nothing runs
         R.fused_recurrent_kda_triton(q, k, v, torch.randn(B, 1, H, D), torch.randn(B, 1, H, dtype=torch.bfloat16),
                                      **kw)
     finally:
-        setattr(R, name, fn)
+        R._recurrent_kda_kernel = fn
         R.check_device = check
         R.LAUNCH.clear()
         R.LAUNCH.update(saved)
@@ -125,15 +123,14 @@ def decode_launch(vloop: bool, bv: int, num_warps: int) -> tuple[ASTSource, dict
 
 
 def decode_table() -> None:
-    """Registers and spills of the decode kernel, one program per V block vs the V-block loop (LAUNCH["VLOOP"])."""
+    """Registers and spills of the decode kernel at the default launches (BV 32 and 64, 4 warps) and BV 32 / 2 warps."""
     print("# Triton " + triton.__version__ + ", sm_90a, the decode step of benchmarks/kda.py (B=256 there: H=16, "
           "K=V=128, T=1, pool by slot, every in-kernel flag); bytes per thread")
-    print("| kernel | BV | num_warps | registers | spill stores B | spill loads B |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for vloop, (bv, nw) in itertools.product((False, True), ((32, 4), (64, 4), (32, 2))):
-        regs, st, ld = ptxas_src(*decode_launch(vloop, bv, nw))
-        name = "V-block loop (LAUNCH['VLOOP'])" if vloop else "one program per V block"
-        print(f"| {name} | {bv} | {nw} | {regs} | {st} | {ld} |", flush=True)
+    print("| BV | num_warps | registers | spill stores B | spill loads B |")
+    print("|---:|---:|---:|---:|---:|")
+    for bv, nw in ((32, 4), (64, 4), (32, 2)):
+        regs, st, ld = ptxas_src(*decode_launch(bv, nw))
+        print(f"| {bv} | {nw} | {regs} | {st} | {ld} |", flush=True)
 
 
 def main() -> None:
@@ -145,9 +142,8 @@ def main() -> None:
                     "scan and inter kernels (default: triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--bwd-intra-prec", choices=B.INTER_PRECISIONS, default=None, help="dot precision of the backward "
                     "intra kernel's off-diagonal blocks (default: triton_chunk_bwd.LAUNCH)")
-    ap.add_argument("--decode", action="store_true", help="instead: the recurrent decode kernel, one program per V "
-                    "block vs the V-block loop (triton_recurrent.LAUNCH['VLOOP']), at the decode step of "
-                    "benchmarks/kda.py")
+    ap.add_argument("--decode", action="store_true", help="instead: the recurrent decode kernel at the decode step "
+                    "of benchmarks/kda.py")
     args = ap.parse_args()
     if args.decode:
         decode_table()

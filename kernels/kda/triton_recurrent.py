@@ -18,10 +18,6 @@ tokens t goes to pool[idx[n, t]]. Each program touches only its own (slot, head,
 named are never written (bit-identical). The state is addressed through strides, so K-first and V-first
 (`state_v_first`) layouts share one kernel.
 
-Opt-in, untimed (LAUNCH["VLOOP"]): `_recurrent_kda_vloop_kernel`, one program per (value head, sequence) that walks
-the V blocks of its state and loads block j + 1's tile before it computes and stores block j; same arguments and
-semantics, the per-token work shared with the one-block kernel through @triton.jit helpers.
-
 float64 inputs (the reference precision) are computed by the PyTorch twin: the kernel accumulates in fp32.
 """
 
@@ -45,121 +41,14 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # Streaming cache hints on the pool state (evict-first loads, .cs stores) were slower in every configuration of the
 # same sweep (B=256, BV 64, 4 warps: 154.7 vs 146.9 us; RESULTS.md session 4) and were removed.
 # maxnreg removed (H200 2026-11-30, B=256, us free/cap 160/cap 128: BV32 2w 145.2/144.6/162.6, BV64 4w 145.2/145.3/185.9)
-# VLOOP (opt-in, untimed): _recurrent_kda_vloop_kernel, one program per (value head, sequence) over all the V blocks
-# (of BV, chosen as above) of its state, prefetching the next block's tile while it computes one.
-LAUNCH: dict[str, int | bool | None] = {"BV": None, "num_warps": None, "VLOOP": False}
+# V-block loop per (head, sequence), next tile prefetched: best 146.6 vs 145.3 us, B=256, H200; removed (session 10)
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
     """The V block of a launch over N sequences and HV value heads (LAUNCH["BV"] when set)."""
     bv = LAUNCH["BV"] or (BV_WIDE if N * HV >= WIDE_FROM else BV_DEFAULT)
     return min(bv, triton.next_power_of_2(V))
-
-
-@triton.jit
-def _seq_span(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
-    """(first token of sequence i_n in the flat [B * T] token order, int64; its token count)."""
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_n + 1) - tl.load(cu_seqlens + i_n)).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
-    return bos, seq_len
-
-
-@triton.jit
-def _tile(base, row, i_hv, o_k, o_v, s_n, s_h, s_k, s_v):
-    """Pointers [BK, BV] of the state tile (row, value head i_hv, keys o_k, values o_v); row >= 0."""
-    return base + row * s_n + i_hv * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
-
-
-@triton.jit
-def _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-                 HAS_DT_BIAS: tl.constexpr):
-    """Value head i_hv's gate parameters, loaded once: (exp(A_log) or 1, the lower-bound gate without A_log;
-    dt_bias [BK], zeros without it)."""
-    b_A = tl.full([], 1.0, tl.float32)
-    b_bias = tl.zeros(o_k.shape, tl.float32)
-    if GATE:
-        if HAS_A_LOG:
-            b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        if HAS_DT_BIAS:
-            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    return b_A, b_bias
-
-
-@triton.jit
-def _token_inputs(q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A, b_bias, lower_bound,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr,
-                  GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  BETA_SIGMOID: tl.constexpr, LOAD_V: tl.constexpr):
-    """Token tok's inputs after the in-kernel norm, gate and sigmoid (kda.md section 2): (q [BK], k [BK], v [BV] of
-    the values o_v (zeros without LOAD_V), log decay g [BK], beta). The V-loop kernel loads v per V block itself
-    (LOAD_V False: one call serves all its blocks); the one-block kernel loads it here, between k and g, its order
-    before these helpers, so that its PTX stays the same."""
-    b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_vt = tl.zeros(o_v.shape, tl.float32)
-    if LOAD_V:
-        b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-    b_g = tl.load(g + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_b = tl.load(beta + tok * HV + i_hv).to(tl.float32)
-    if L2NORM:  # x / sqrt(sum x^2 + 1e-6), eps inside the sqrt (kda.md section 2)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    if GATE:
-        if HAS_DT_BIAS:
-            b_g = b_g + b_bias
-        # lb * sigmoid(exp(A_log) * (z + dt_bias)), or -exp(A_log) * softplus(z + dt_bias)
-        b_g = _gate_value(b_g, b_A, lower_bound, LOWER_BOUND_GATE)
-        b_g = tl.where(m_k, b_g, 0.0)
-    if BETA_SIGMOID:
-        b_b = tl.sigmoid(b_b)
-    return b_q, b_k, b_vt, b_g, b_b
-
-
-@triton.jit
-def _load_state(h0, slot, i_hv, o_k, o_v, m_k, s0_n, s0_h, s0_k, s0_v, V: tl.constexpr, HAS_H0: tl.constexpr):
-    """The fp32 state tile [BK, BV] of (pool slot or row `slot`, value head i_hv, values o_v): zeros without h0 or
-    for a negative slot, nothing read there nor past V."""
-    b_h = tl.zeros([o_k.shape[0], o_v.shape[0]], dtype=tl.float32)
-    if HAS_H0:
-        m_kv = m_k[:, None] & (o_v < V)[None, :]
-        p_h0 = _tile(h0, tl.maximum(slot, 0), i_hv, o_k, o_v, s0_n, s0_h, s0_k, s0_v)
-        b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
-    return b_h
-
-
-@triton.jit
-def _token_step(b_h, b_q, b_k, b_vt, b_decay, b_b, scale, o, h0, per_token, tok, t, i_n, i_hv, o_k, o_v, m_kv,
-                s0_n, s0_h, s0_k, s0_v, pt_n, HV: tl.constexpr, V: tl.constexpr, PER_TOKEN: tl.constexpr):
-    """Token tok (the t-th of sequence i_n) on a [BK, BV] state tile, kda.md section 1's delta form with
-    decay = exp(g) [BK] (taken as an argument: the V-loop kernel computes token 0's once for all V blocks): stores
-    o_t [BV] (and with PER_TOKEN the state after it in its own pool slot); returns the new tile."""
-    b_h = b_h * b_decay[:, None]  # decay first
-    b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
-    b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
-    b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
-    tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
-    if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
-        s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
-        p_w = _tile(h0, tl.maximum(s_t, 0), i_hv, o_k, o_v, s0_n, s0_h, s0_k, s0_v)
-        tl.store(p_w, b_h.to(h0.dtype.element_ty), mask=m_kv & (s_t >= 0))
-    return b_h
-
-
-@triton.jit
-def _store_final(b_h, h0, ht, slot, i_n, i_hv, o_k, o_v, m_kv, s0_n, s0_h, s0_k, s0_v, st_n, st_h, st_k, st_v,
-                 POOL: tl.constexpr, PER_TOKEN: tl.constexpr, STORE_HT: tl.constexpr):
-    """The final [BK, BV] state tile: back to the sequence's own pool slot in place (none for a negative slot; with
-    PER_TOKEN every token's state was stored already), and to row i_n of ht."""
-    if POOL and not PER_TOKEN:
-        p_h0 = _tile(h0, tl.maximum(slot, 0), i_hv, o_k, o_v, s0_n, s0_h, s0_k, s0_v)
-        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
-    if STORE_HT:
-        p_ht = _tile(ht, i_n, i_hv, o_k, o_v, st_n, st_h, st_k, st_v)
-        tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
@@ -174,13 +63,17 @@ def _recurrent_kda_kernel(
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """One program per (V block, value head, sequence)."""
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
     # cast them, else the state would turn fp64 and the loop below would not compile
     scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
     i_h = i_hv // (HV // H)  # GVA: value head i_hv reads q/k head i_hv // (HV / H)
-    bos, seq_len = _seq_span(cu_seqlens, i_n, T, VARLEN)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1) - tl.load(cu_seqlens + i_n)).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -188,90 +81,57 @@ def _recurrent_kda_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
 
     # initial state: row i_n of h0, or pool slot `slot` (negative: zeros, nothing read)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     slot = i_n.to(tl.int64)
-    if HAS_H0 and POOL:
-        slot = tl.load(slots + i_n).to(tl.int64)
-    b_h = _load_state(h0, slot, i_hv, o_k, o_v, m_k, s0_n, s0_h, s0_k, s0_v, V, HAS_H0)  # [BK, BV]
-    b_A, b_bias = _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, GATE, HAS_A_LOG, HAS_DT_BIAS)
+    if HAS_H0:
+        if POOL:
+            slot = tl.load(slots + i_n).to(tl.int64)
+        p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
+
+    if GATE:
+        b_A = tl.full([], 1.0, tl.float32)  # the lower-bound gate without A_log
+        if HAS_A_LOG:
+            b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
 
     t = 0
     while t < seq_len:  # a while loop: Triton's interpreter cannot range() over a runtime scalar under numpy >= 2.4
         tok = bos + t
-        b_q, b_k, b_vt, b_g, b_b = _token_inputs(q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A, b_bias,
-                                                 lower_bound, H, HV, K, V, L2NORM, GATE, LOWER_BOUND_GATE,
-                                                 HAS_DT_BIAS, BETA_SIGMOID, True)
-        b_h = _token_step(b_h, b_q, b_k, b_vt, tl.exp(b_g), b_b, scale, o, h0, per_token, tok, t, i_n, i_hv, o_k,
-                          o_v, m_kv, s0_n, s0_h, s0_k, s0_v, pt_n, HV, V, PER_TOKEN)
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+        b_g = tl.load(g + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_b = tl.load(beta + tok * HV + i_hv).to(tl.float32)
+        if L2NORM:  # x / sqrt(sum x^2 + 1e-6), eps inside the sqrt (kda.md section 2)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if GATE:
+            if HAS_DT_BIAS:
+                b_g = b_g + b_bias
+            # lb * sigmoid(exp(A_log) * (z + dt_bias)), or -exp(A_log) * softplus(z + dt_bias)
+            b_g = _gate_value(b_g, b_A, lower_bound, LOWER_BOUND_GATE)
+            b_g = tl.where(m_k, b_g, 0.0)
+        if BETA_SIGMOID:
+            b_b = tl.sigmoid(b_b)
+        b_h = b_h * tl.exp(b_g)[:, None]  # decay first
+        b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
+        b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
+        b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
+        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
+            s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
+            p_w = h0 + tl.maximum(s_t, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+            tl.store(p_w, b_h.to(h0.dtype.element_ty), mask=m_kv & (s_t >= 0))
         t += 1
-    _store_final(b_h, h0, ht, slot, i_n, i_hv, o_k, o_v, m_kv, s0_n, s0_h, s0_k, s0_v, st_n, st_h, st_k, st_v, POOL,
-                 PER_TOKEN, STORE_HT)
 
-
-@triton.jit
-def _recurrent_kda_vloop_kernel(
-    q, k, v, g, beta, o, A_log, dt_bias, h0, ht, cu_seqlens, slots, per_token,
-    scale, lower_bound, T,
-    s0_n, s0_h, s0_k, s0_v, st_n, st_h, st_k, st_v, pt_n,  # as _recurrent_kda_kernel's
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr, NV: tl.constexpr,
-):
-    """LAUNCH["VLOOP"]: one program per (value head, sequence) walks the NV = cdiv(V, BV) V blocks of its state. The
-    slot, the gate parameters and token 0's q, k, decay and beta are loaded and computed once, not once per V block;
-    each block's state tile is prefetched one block ahead."""
-    i_hv, i_n = tl.program_id(0), tl.program_id(1)
-    # fp64 scalars under inductor: cast, as in _recurrent_kda_kernel
-    scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
-    i_h = i_hv // (HV // H)
-    bos, seq_len = _seq_span(cu_seqlens, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-    slot = i_n.to(tl.int64)
-    if HAS_H0 and POOL:
-        slot = tl.load(slots + i_n).to(tl.int64)
-    # block 0's tile first, as the one-block kernel loads its tile: in flight while token 0's inputs are computed
-    b_next = _load_state(h0, slot, i_hv, o_k, o_b, m_k, s0_n, s0_h, s0_k, s0_v, V, HAS_H0)  # [BK, BV]
-    b_A, b_bias = _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, GATE, HAS_A_LOG, HAS_DT_BIAS)
-    # token 0 [BK] (a decode step's only token); its v is per V block. An empty sequence (varlen) reads nothing.
-    b_q0 = tl.zeros([BK], tl.float32)
-    b_k0, b_d0, b_b0 = b_q0, b_q0, tl.zeros([], tl.float32)
-    if seq_len > 0:
-        b_q0, b_k0, _, b_g0, b_b0 = _token_inputs(q, k, v, g, beta, bos, i_h, i_hv, o_k, m_k, o_b, o_b < V, b_A,
-                                                  b_bias, lower_bound, H, HV, K, V, L2NORM, GATE, LOWER_BOUND_GATE,
-                                                  HAS_DT_BIAS, BETA_SIGMOID, False)
-        b_d0 = tl.exp(b_g0)
-
-    # software prefetch: iteration i_v first issues the load of block i_v + 1's tile into the loop-carried b_next
-    # (past the last block its mask reads nothing), then computes and stores block i_v, whose tile arrived during
-    # the previous iteration: each program keeps a tile in flight while it computes. Blocks are disjoint columns of
-    # the state, so the prefetch never reads what this program writes (per-token slots included).
-    for i_v in range(NV):
-        o_v = i_v * BV + o_b
-        m_v = o_v < V
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_h = b_next
-        b_next = _load_state(h0, slot, i_hv, o_k, o_v + BV, m_k, s0_n, s0_h, s0_k, s0_v, V, HAS_H0)
-        t = 0
-        while t < seq_len:  # a while loop: see _recurrent_kda_kernel
-            tok = bos + t
-            b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-            # token 0's inputs are selected here, not used straight from above: merged with the later tokens' they stay
-            # compact [BK] vectors, broadcast per block. Peeling token 0 out of this loop let the compiler hoist their
-            # broadcast forms out of the V loop: 166 registers instead of 146 at BV 32 / 4 warps, and 92-108 B of
-            # spills at BV 64 / 4 and BV 32 / 2 warps (ptxas, sm_90a, the decode step of benchmarks/kda.py)
-            b_q, b_k, b_d, b_b = b_q0, b_k0, b_d0, b_b0
-            if t > 0:  # later tokens (appends, drafts): their inputs per V block, as _recurrent_kda_kernel does
-                b_q, b_k, _, b_g, b_b = _token_inputs(q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A,
-                                                      b_bias, lower_bound, H, HV, K, V, L2NORM, GATE,
-                                                      LOWER_BOUND_GATE, HAS_DT_BIAS, BETA_SIGMOID, False)
-                b_d = tl.exp(b_g)
-            b_h = _token_step(b_h, b_q, b_k, b_vt, b_d, b_b, scale, o, h0, per_token, tok, t, i_n, i_hv, o_k, o_v,
-                              m_kv, s0_n, s0_h, s0_k, s0_v, pt_n, HV, V, PER_TOKEN)
-            t += 1
-        _store_final(b_h, h0, ht, slot, i_n, i_hv, o_k, o_v, m_kv, s0_n, s0_h, s0_k, s0_v, st_n, st_h, st_k, st_v,
-                     POOL, PER_TOKEN, STORE_HT)
+    if POOL and not PER_TOKEN:  # write the final state back to the sequence's own slot, in place
+        p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
+    if STORE_HT:
+        p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
+        tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
 
 
 def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state,
@@ -333,13 +193,10 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
     # programs in launch order walk each sequence's state [HV, K, V] front to back (V blocks, then heads, then
     # sequences), the order of its bytes in memory: the grid (V blocks, N, HV) of sessions 1-5 jumped a whole state
     # (HV * K * V * 4 bytes) between neighbours. fla-core 0.6.0's in-place, by-slot decode step walks heads within a
-    # sequence too: 157.9 us against this kernel's 145.7 at B = 256 (H200, 2026-11-30, RESULTS.md session 9). The
-    # V-block loop keeps that order: its grid is (HV, N) and each program walks its V blocks
-    vloop = bool(LAUNCH["VLOOP"])
-    kernel = _recurrent_kda_vloop_kernel if vloop else _recurrent_kda_kernel
-    grid = (HV, N) if vloop else (triton.cdiv(V, BV), HV, N)
+    # sequence too: 157.9 us against this kernel's 145.7 at B = 256 (H200, 2026-11-30, RESULTS.md session 9)
+    grid = (triton.cdiv(V, BV), HV, N)
     if N and HV:
-        kernel[grid](
+        _recurrent_kda_kernel[grid](
             q, k, v, g, beta, o,
             A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             h0 if h0 is not None else dummy, ht if ht is not None else dummy,
@@ -351,7 +208,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             L2NORM=use_qk_l2norm_in_kernel, GATE=use_gate_in_kernel, LOWER_BOUND_GATE=lower_bound is not None,
             HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
-            VARLEN=cu_seqlens is not None, **({"NV": triton.cdiv(V, BV)} if vloop else {}),
+            VARLEN=cu_seqlens is not None,
             num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
         )
     return o, ht

@@ -1,0 +1,52 @@
+"""The recurrent KDA kernel (triton_recurrent._recurrent_kda_kernel) compiles for the GPU (sm_90, Triton's front end,
+without a GPU). The interpreter, which runs the CPU tests, never compiles it; compiled in a process of its own,
+without the interpreter (as test_kda_compile.py).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+_COMPILE = r"""
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3.kernels.kda import triton_recurrent as R
+
+fn = R._recurrent_kda_kernel
+TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "o": "*bf16", "cu_seqlens": "*i64",
+         "slots": "*i32", "per_token": "*i32", "scale": "fp32", "lower_bound": "fp32"}
+cases = list(itertools.product([(128, 128, 32), (100, 60, 32)], (True, False), ("pool", "per_token", "h0", "none")))
+for (K, V, BV), t1, states in cases + [((128, 128, 64), True, "pool")]:  # + the decode step at BV 64
+    varlen = v_first = states in ("per_token", "h0")
+    pool = states in ("pool", "per_token")
+    consts = {"H": 1, "HV": 2, "K": K, "V": V, "BK": 128, "BV": BV, "L2NORM": K == 128, "GATE": K == 128,
+              "LOWER_BOUND_GATE": not t1, "HAS_A_LOG": t1, "HAS_DT_BIAS": True, "BETA_SIGMOID": K == 128,
+              "HAS_H0": states != "none", "STORE_HT": not t1, "POOL": pool, "PER_TOKEN": states == "per_token",
+              "VARLEN": varlen}
+    if t1:  # a GPU launch turns integer arguments equal to 1 into constants: T at decode, the unit state stride
+        consts["T"] = 1
+    if states != "none":
+        consts["s0_k" if v_first else "s0_v"] = 1
+    sig = {a: "constexpr" if a in consts else TYPES.get(a, "*fp32" if a[0] in "ghAd" else "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): x for a, x in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert f".entry {fn.__name__}" in ptx, fn.__name__
+print("compiled")
+"""
+
+
+def test_recurrent_kernel_compiles_for_sm90():
+    """Pool, per-token, plain and no states (the last two varlen with V-first strides), K = V = 128 and K = 100 /
+    V = 60, one token as a constant (a decode launch's specialisation) or a runtime T."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
