@@ -39,7 +39,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"; done
 # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates, the gate), 8 processes
 kda_gpu_tests() {
-  timeout -s INT -k 10 "${KDA_TEST_LIMIT:-150}" python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
+  timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py \
     tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf -n 8 \
     > "$OUT/ktests.log" 2>&1
@@ -267,22 +267,7 @@ fused)
   timeout 120 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
   echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
   ;;
-qg)
-  # session 10, last call: the KDA GPU tests (longer limit: a cold compile cache), then qg for the fused output
-  # stored by the intra kernel or by the w/u kernel, per kernel (kda_tune.py) and side by side with fla (kda.py) at
-  # the two shapes where the output is fused
-  KDA_TEST_LIMIT=260 kda_gpu_tests
-  for shape in 8,4096,16,128 16,2048,32,64; do
-    for flag in "" "--intra-qg"; do
-      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flag > "$OUT/kda_tune_qg.log" 2>&1
-      echo "kda_tune $shape $flag rc=$?"; grep -E "^\| _intra|^\| _wu|^\| _scan|^\| total" "$OUT/kda_tune_qg.log"
-    done
-  done
-  timeout 150 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode --intra-qg on \
-    > "$OUT/kda_qg.log" 2>&1
-  echo "kda --intra-qg on rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_qg.log"
-  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|qg" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused" >&2; exit 2
   ;;
 esac

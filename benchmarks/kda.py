@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk_bwd
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -225,11 +225,7 @@ def main():
     ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
                     "dt_bias (use_gate_in_kernel=True, the lower-bound gate: the K3 model's call) instead of "
                     "precomputed log gates")
-    ap.add_argument("--intra-qg", choices=["on", "off"], default=None, help="with the output fused into the scan: "
-                    "qg stored by the intra kernel (on) or the w/u kernel (off) (triton_chunk.LAUNCH['intra']['QG'])")
     args = ap.parse_args()
-    if args.intra_qg:
-        triton_chunk.LAUNCH["intra"]["QG"] = args.intra_qg == "on"
     launch = triton_chunk_bwd.LAUNCH
     default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],

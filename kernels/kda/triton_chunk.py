@@ -25,8 +25,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
-   (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the w/u
-   kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back.
+   (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
+   intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back.
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
@@ -73,9 +73,7 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
     # session 8's two-pass form)
-    # QG: with the output fused into the scan, qg = scale q exp2(Gamma) stored by this kernel (else by the w/u
-    # kernel, which then loads q); untimed, so off
-    "intra": {"num_warps": 2, "num_stages": 1, "QG": False},
+    "intra": {"num_warps": 2, "num_stages": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -323,9 +321,9 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32, kg = k e^(Gamma_last - Gamma)
     [T_all, HV, K], qg = scale q e^Gamma [T_all, HV, K] when q [B, T, H, K] is given, else None; kg and qg in
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
-    With `o` ([B, T, HV, V], to be written) and Aqk [T_all, HV, BT] (and q): the scan also computes the output
-    o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and stores neither v_new nor the states: vnew and hbuf
-    are returned as None. qg: scale q e^Gamma as computed already (the intra kernel's), in place of q."""
+    With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
+    kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
+    stores neither v_new nor the states: vnew and hbuf are returned as None."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -406,7 +404,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
     fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
-    qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused and LAUNCH["intra"]["QG"] else None
+    # qg = scale q exp2(Gamma) for the fused output, stored by the intra kernel, which holds q and Gamma anyway:
+    # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
+    # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
+    qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused else None
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
@@ -421,8 +422,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        q=q if fused and qg is None else None, scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None,
-        qg=qg)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg)
     if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,

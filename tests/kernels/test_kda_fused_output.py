@@ -1,5 +1,5 @@
 """The forward's output computed inside the state scan (triton_chunk.fuse_output: `_scan_kernel` with OUTPUT, no
-states or v_new stored) against the float64 recurrence, and against the separate output kernel it replaces.
+states or v_new stored; qg = scale q exp2(Gamma) from the intra kernel) against the float64 recurrence, and against the separate output kernel it replaces.
 
 Both paths are forced through LAUNCH["scan"]["OUTPUT_FROM"] (0: always fused; 2**30: never), whatever the default
 is, and a launch spy proves which one ran. Outputs come from torch.empty, NaN-poisoned by tests/conftest.py, so a
@@ -85,14 +85,12 @@ def test_fused_output_matches_recurrence_and_output_kernel(T, H, HV, K, V, BT, s
     o_u, s_u, split_launches, _ = _run(monkeypatch, launch_spy, xs, NEVER, BT=BT, safe=safe, h0=h0, cu=cu)
     assert len(split_launches) == 1
     ro, rs = _naive(xs, h0, cu)
-    for qg_from_intra in (False, True):  # qg = scale q exp2(Gamma) stored by the w/u kernel, or by the intra kernel
-        monkeypatch.setitem(fwd.LAUNCH["intra"], "QG", qg_from_intra)
-        o_f, s_f, fused_launches, _ = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=safe, h0=h0, cu=cu)
-        assert fused_launches == []
-        assert_close(f"o (fused, qg from intra {qg_from_intra})", ro, o_f, 0.005)  # kda.md 6.2 "chunk"
-        assert_close("ht (fused)", rs, s_f, 0.005)
-        assert_close("o (fused vs output kernel)", o_u, o_f, 1e-6)
-        assert torch.equal(s_f, s_u), "the final state must not depend on where the output is computed"
+    o_f, s_f, fused_launches, _ = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=safe, h0=h0, cu=cu)
+    assert fused_launches == []
+    assert_close("o (fused)", ro, o_f, 0.005)  # kda.md 6.2 "chunk"
+    assert_close("ht (fused)", rs, s_f, 0.005)
+    assert_close("o (fused vs output kernel)", o_u, o_f, 1e-6)
+    assert torch.equal(s_f, s_u), "the final state must not depend on where the output is computed"
 
 
 def test_fused_forward_changes_no_gradient(monkeypatch, launch_spy):
