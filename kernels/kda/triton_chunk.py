@@ -185,7 +185,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                  OUTPUT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
-    # registers, and neither h[c] nor v_new is stored (hbuf, vnew unused); qg = scale q exp2(Gamma) from the w/u
+    # registers, and neither h[c] nor v_new is stored (hbuf, vnew unused); qg = scale q exp2(Gamma) from the intra
     # kernel. Without it: h[c] and v_new are stored for `_output_kernel` (and the backward, which recomputes them)
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
@@ -373,8 +373,9 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
                        cu_host=None, g_check=None):
-    """Run the five kernels; return a dict of every intermediate (see the module docstring for shapes):
-    Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32;
+    """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
+    Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
+    (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
     with `store_akk` (a training forward: the backward reads it) Akk = k k^T with decay, no beta, fp32
     [T_all, HV, BT], and Lkk None (the solve applies beta to Akk's rows itself); without, Lkk = diag(beta) Akk and
     Akk None. Of either, only the blocks j <= i of each chunk are written. cu_host: cu_seqlens as host ints, or
@@ -437,7 +438,8 @@ class _ChunkKDATriton(torch.autograd.Function):
 
     q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
-    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient).
+    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient; None when the
+    scan computed o, which it never does for return_intermediate_states).
 
     Kept for the backward (ctx.bwd):
       None (inference): nothing, and the intra kernel stores no Akk.
