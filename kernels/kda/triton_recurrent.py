@@ -40,8 +40,9 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # went 0.80 -> 0.87 of copy bandwidth, at B=64 0.69 -> 0.72; at B=1 the 2x more programs of BV=32 keep the latency.
 # Streaming cache hints on the pool state (evict-first loads, .cs stores) were slower in every configuration of the
 # same sweep (B=256, BV 64, 4 warps: 154.7 vs 146.9 us; RESULTS.md session 4) and were removed.
-# maxnreg removed (H200 2026-11-30, B=256, us free/cap 160/cap 128: BV32 2w 145.2/144.6/162.6, BV64 4w 145.2/145.3/185.9)
-# V-block loop per (head, sequence), next tile prefetched: best 146.6 vs 145.3 us, B=256, H200; removed (session 10)
+# Removed after H200 sweeps at B = 256 (2026-11-30, RESULTS.md session 10): a register cap (us uncapped / cap 160 /
+# cap 128: BV 32, 2 warps 145.2 / 144.6 / 162.6; BV 64, 4 warps 145.2 / 145.3 / 185.9), and one program per (head,
+# sequence) looping over the V blocks with the next state tile prefetched (best 146.6 against 145.3 us).
 LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
 
 

@@ -1,5 +1,6 @@
 """The forward's output computed inside the state scan (triton_chunk.fuse_output: `_scan_kernel` with OUTPUT, no
-states or v_new stored; qg = scale q exp2(Gamma) from the intra kernel) against the float64 recurrence, and against the separate output kernel it replaces.
+states or v_new stored; qg = scale q exp2(Gamma) from the intra kernel) against the float64 recurrence, and against
+the separate output kernel it replaces.
 
 Both paths are forced through LAUNCH["scan"]["OUTPUT_FROM"] (0: always fused; 2**30: never), whatever the default
 is, and a launch spy proves which one ran. Outputs come from torch.empty, NaN-poisoned by tests/conftest.py, so a
