@@ -267,7 +267,14 @@ fused)
   timeout 120 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
   echo "decode sweep rc=$?"; sed -n '/decode sweep/,$p' "$OUT/decode.log"
   ;;
+vfirst)
+  # the decode step with the state pool K-first (as served) and V-first (each program's tile contiguous), k3 alone
+  for flag in "" "--state-v-first"; do
+    timeout 100 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep $flag > "$OUT/decode$flag.log" 2>&1
+    echo "decode $flag rc=$?"; grep "^|" "$OUT/decode$flag.log"
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst" >&2; exit 2
   ;;
 esac

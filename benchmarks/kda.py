@@ -113,10 +113,13 @@ def time_sdpa(xs, do, fwd_only=False):
     return t_fwd, t_fb
 
 
+STATE_V_FIRST = False  # --state-v-first: the decode pool as [P, H, V, K] (k3 only)
+
+
 def decode_inputs(B, H, D):
     """One decode step's inputs at batch B, T = 1, all in-kernel flags: (q, k, v, z, beta logits, keyword arguments
     with the state pool [B, H, D, D] fp32 addressed by slot through ssm_state_indices, reversed so that a kernel
-    ignoring the slots computes something else)."""
+    ignoring the slots computes something else; V-first with STATE_V_FIRST)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 1, H, D, device=DEV, dtype=BF16) for _ in range(3))
     z = torch.randn(B, 1, H, D, device=DEV)
@@ -126,6 +129,8 @@ def decode_inputs(B, H, D):
     kw = {"A_log": A_log, "dt_bias": dt_bias, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
           "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0, "ssm_state_indices": idx,
           "initial_state": torch.randn(B, H, D, D, device=DEV)}
+    if STATE_V_FIRST:
+        kw["state_v_first"] = True
     return (q, k, v, z, b), kw
 
 
@@ -225,7 +230,14 @@ def main():
     ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
                     "dt_bias (use_gate_in_kernel=True, the lower-bound gate: the K3 model's call) instead of "
                     "precomputed log gates")
+    ap.add_argument("--state-v-first", action="store_true", help="decode with the state pool V-first, [P, H, V, K] "
+                    "(each program's state tile contiguous in memory); k3 only, so with --no-fla")
     args = ap.parse_args()
+    if args.state_v_first:
+        if not args.no_fla:
+            ap.error("--state-v-first times k3 alone (fla's by-slot step reads K-first pools): add --no-fla")
+        global STATE_V_FIRST
+        STATE_V_FIRST = True
     launch = triton_chunk_bwd.LAUNCH
     default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
