@@ -274,7 +274,21 @@ vfirst)
     echo "decode $flag rc=$?"; grep "^|" "$OUT/decode$flag.log"
   done
   ;;
+stages)
+  # prepared in session 10, untimed: the state scans pipelined (num_stages 2 / 3, loads a chunk ahead through shared
+  # memory) when they run fewer programs than multiprocessors (triton_chunk.scan_stages: the two long shapes), per
+  # kernel; then the output fused into the pipelined scan at those shapes (--output-from 0)
+  kda_gpu_tests
+  for shape in 2,16384,16,128 1,65536,16,128; do
+    for flags in "" "--few-stages 2" "--few-stages 3" "--few-stages 2 --output-from 0"; do
+      timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
+        > "$OUT/kda_tune_stages.log" 2>&1
+      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _wu|^\| _scan|^\| _output|^\| _bwd_scan|^\| total" \
+        "$OUT/kda_tune_stages.log"
+    done
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst|stages" >&2; exit 2
   ;;
 esac

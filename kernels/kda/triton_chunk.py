@@ -90,7 +90,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # H200, us per fwd+bwd, fused / separate output kernel (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
     # 10): (8, 4096, 16, 128), 256 programs: 6,242 / 6,418; (16, 2048, 32, 64), 512: 6,499 / 6,627; but
     # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 256},
+    # FEW_STAGES: num_stages with fewer programs than multiprocessors (scan_stages); untimed, so 1
+    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 256, "FEW_STAGES": 1},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -123,6 +124,16 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
     if bv > 32 and seq_heads * triton.cdiv(V, bv) < sms:
         return 32
     return bv
+
+
+def scan_stages(cfg: dict, BV: int, V: int, seq_heads: int, sms: int) -> dict[str, int]:
+    """num_warps / num_stages of a state scan (`cfg`: its LAUNCH entry) at V block BV: the FEW_STAGES entry when the
+    scan runs fewer programs than the GPU has multiprocessors (seq_heads * V / BV < sms), else num_stages. With more
+    than one stage the loop's loads go through shared memory (cp.async) a chunk ahead: 80 / 136 KB for the forward
+    / backward scan at V block 32 and 2 stages (sm_90a), so one program per multiprocessor still fits, where at
+    (8, 4096, 16, 128) two programs per multiprocessor no longer did (session 7: 914 -> 1,673 us per fwd+bwd)."""
+    few = 0 < seq_heads * triton.cdiv(V, BV) < sms
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["FEW_STAGES"] if few else cfg["num_stages"]}
 
 
 @functools.cache
@@ -351,14 +362,15 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
                              float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
                              STORE_QG=q is not None, **common, **launch_opts("wu"))
-    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
+    sms = device_sms(dev)
+    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, sms)
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
     _scan_kernel[grid](kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
                        qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H,
                        HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
-                       **common, **launch_opts("scan"))
+                       **common, **scan_stages(LAUNCH["scan"], BVs, V, N * HV, sms))
     return w, u, vnew, hbuf, ht, kg, qg
 
 

@@ -31,11 +31,12 @@ HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
-def compile_(fn, consts, num_warps, half=()):
+def compile_(fn, consts, num_warps, half=(), num_stages=None):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
            or a in half else "*fp32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    opts = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     assert f".entry {fn.__name__}" in ptx, fn.__name__
 
 shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
@@ -44,6 +45,7 @@ for varlen in (False, True):
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             compile_(B._bwd_scan_kernel, kv, 4, states)
+            compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=3)  # FEW_STAGES (triton_chunk.scan_stages)
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
@@ -65,6 +67,9 @@ for varlen in (False, True):
         compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True,  # states
                                   "OUTPUT": output, "VARLEN": varlen, "PREC": "tf32"}, F.LAUNCH["scan"]["num_warps"],
                  ("kg", "qg", "o") + (("hbuf",) if half else ()))
+        compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True,
+                                  "OUTPUT": output, "VARLEN": varlen, "PREC": "tf32"}, F.LAUNCH["scan"]["num_warps"],
+                 ("kg", "qg", "o") + (("hbuf",) if half else ()), num_stages=3)  # FEW_STAGES
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
