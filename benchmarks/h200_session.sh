@@ -41,7 +41,7 @@ for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_C
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py \
-    tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf -n 8 \
+    tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_decode_persistent.py -p no:cacheprovider -rf -n 8 \
     > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -288,7 +288,17 @@ stages)
     done
   done
   ;;
+persist)
+  # prepared in session 10, untimed: the decode sweep with the persistent decode-step kernel (triton_recurrent
+  # LAUNCH["PERSIST"] / ["PERSIST_STAGES"]), k3 alone, after its GPU tests
+  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_decode_persistent.py \
+    tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_triton.py -k "recurrent or persistent" \
+    -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+  echo "decode tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+  timeout 200 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
+  echo "decode sweep rc=$?"; grep "^|" "$OUT/decode.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst|stages" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst|stages|persist" >&2; exit 2
   ;;
 esac
