@@ -39,10 +39,10 @@ mkdir -p "$TRITON_CACHE_DIR"
 for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"; done
 # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates, the gate), 8 processes
 kda_gpu_tests() {
-  timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
-    tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py \
-    tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_decode_persistent.py -p no:cacheprovider -rf -n 8 \
-    > "$OUT/ktests.log" 2>&1
+  timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
+    tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
+    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
+    tests/kernels/test_kda_decode_persistent.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
 # issue 4's whole table (four shapes and decode, k3 and fla in one process), then the model's call (raw z, the gate

@@ -18,6 +18,9 @@ tokens t goes to pool[idx[n, t]]. Each program touches only its own (slot, head,
 named are never written (bit-identical). The state is addressed through strides, so K-first and V-first
 (`state_v_first`) layouts share one kernel.
 
+Opt-in, untimed (LAUNCH["PERSIST"]): `_decode_step_kernel`, the plain decode step (one token per sequence, the pool by
+slot) as a persistent kernel whose pipelined loop keeps the next state tile in flight; per tile the same work.
+
 float64 inputs (the reference precision) are computed by the PyTorch twin: the kernel accumulates in fp32.
 """
 
