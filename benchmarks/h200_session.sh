@@ -2,7 +2,9 @@
 # The H200 device calls behind the GPU rows of benchmarks/RESULTS.md (issues 4 and 5), one mode per call, run from the
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
-#   bash benchmarks/h200_session.sh kernels | serve | spec | batch | anchor | table | table2 | prec | ncu | tune | final | breakdown | stalls | wublock | table9 | optins
+#   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | persist
+#   (each mode's own comment below says what it runs; stages and persist were prepared in session 10, untimed)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -299,6 +301,7 @@ persist)
   echo "decode sweep rc=$?"; grep "^|" "$OUT/decode.log"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9|fused|vfirst|stages|persist" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE (kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|" \
+    "breakdown|stalls|wublock|table9|fused|vfirst|stages|persist)" >&2; exit 2
   ;;
 esac
