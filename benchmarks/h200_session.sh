@@ -301,7 +301,7 @@ persist)
   echo "decode sweep rc=$?"; grep "^|" "$OUT/decode.log"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh MODE (kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|" \
-    "breakdown|stalls|wublock|table9|fused|vfirst|stages|persist)" >&2; exit 2
+  modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|persist)" >&2; exit 2
   ;;
 esac
