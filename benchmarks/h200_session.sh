@@ -3,8 +3,8 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | persist
-#   (each mode's own comment below says what it runs; stages and persist were prepared in session 10, untimed)
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | segments | persist
+#   (each mode's own comment below says what it runs; stages, segments and persist: prepared in session 10, untimed)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -44,8 +44,21 @@ kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
     tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_decode_persistent.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+    tests/kernels/test_kda_decode_persistent.py tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf \
+    -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+}
+# at the two long shapes, kda_tune.py --defaults once per argument (each a set of extra flags; "" for as shipped):
+# the scan, w/u and output kernels and the total, us per fwd+bwd
+long_shapes_tune() {
+  for shape in 2,16384,16,128 1,65536,16,128; do
+    for flags in "$@"; do
+      timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
+        > "$OUT/kda_tune_long.log" 2>&1
+      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _wu|^\| _scan|^\| _output|^\| _bwd_scan|^\| total" \
+        "$OUT/kda_tune_long.log"
+    done
+  done
 }
 # issue 4's whole table (four shapes and decode, k3 and fla in one process), then the model's call (raw z, the gate
 # in kernel, both libraries) at the first shape
@@ -281,14 +294,16 @@ stages)
   # memory) when they run fewer programs than multiprocessors (triton_chunk.scan_stages: the two long shapes), per
   # kernel; then the output fused into the pipelined scan at those shapes (--output-from 0)
   kda_gpu_tests
-  for shape in 2,16384,16,128 1,65536,16,128; do
-    for flags in "" "--few-stages 2" "--few-stages 3" "--few-stages 2 --output-from 0"; do
-      timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
-        > "$OUT/kda_tune_stages.log" 2>&1
-      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _wu|^\| _scan|^\| _output|^\| _bwd_scan|^\| total" \
-        "$OUT/kda_tune_stages.log"
-    done
-  done
+  long_shapes_tune "" "--few-stages 2" "--few-stages 3" "--few-stages 2 --output-from 0"
+  ;;
+segments)
+  # prepared in session 10, untimed: at the two long shapes, the forward scans (the forward's and the backward's
+  # recompute) in two levels over segments of 8 / 16 / 32 chunks (triton_scan2.py, --segment), the 16-chunk one also
+  # with the output fused into its last pass; the GPU tests of the two-level scan first
+  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf -n 8 \
+    > "$OUT/ktests.log" 2>&1
+  echo "two-level tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+  long_shapes_tune "" "--segment 8" "--segment 16" "--segment 32" "--segment 16 --output-from 0"
   ;;
 persist)
   # prepared in session 10, untimed: the decode sweep with the persistent decode-step kernel (triton_recurrent
@@ -302,6 +317,6 @@ persist)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|persist)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|segments|persist)" >&2; exit 2
   ;;
 esac

@@ -70,6 +70,10 @@ for varlen in (False, True):
         compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True,
                                   "OUTPUT": output, "VARLEN": varlen, "PREC": "tf32"}, F.LAUNCH["scan"]["num_warps"],
                  ("kg", "qg", "o") + (("hbuf",) if half else ()), num_stages=3)  # FEW_STAGES
+    for final_only, zero_u in ((True, False), (True, True)):  # the two-level scan's segment passes (triton_scan2)
+        compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": zero_u, "STORE_HT": True,
+                                  "OUTPUT": False, "VARLEN": True, "PREC": "tf32", "FINAL_ONLY": final_only,
+                                  "ZERO_U": zero_u}, F.LAUNCH["scan"]["num_warps"], ("kg",))
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
