@@ -297,9 +297,10 @@ stages)
   long_shapes_tune "" "--few-stages 2" "--few-stages 3" "--few-stages 2 --output-from 0"
   ;;
 segments)
-  # prepared in session 10, untimed: at the two long shapes, the forward scans (the forward's and the backward's
-  # recompute) in two levels over segments of 8 / 16 / 32 chunks (triton_scan2.py, --segment), the 16-chunk one also
-  # with the output fused into its last pass; the GPU tests of the two-level scan first
+  # prepared in session 10, untimed: at the two long shapes, the state scans (the forward's, the backward's
+  # recompute and the backward's reverse scan) in two levels over segments of 8 / 16 / 32 chunks (triton_scan2.py,
+  # --segment), the 16-chunk one also with the output fused into its last pass; the GPU tests of the two-level scans
+  # first
   timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf -n 8 \
     > "$OUT/ktests.log" 2>&1
   echo "two-level tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12

@@ -169,6 +169,8 @@ def main() -> None:
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
+    # the scans' defaulted constexprs, as a launch passes them (constants, not arguments)
+    scan_flags = {"FINAL_ONLY": False, "ZERO_U": False}
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         ("intra, safe gate (inference)", F._intra_sub_kernel,
          {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": False}, F.launch_opts("intra"),
@@ -189,15 +191,16 @@ def main() -> None:
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         ("state scan (bf16 states)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False}, F.launch_opts("scan"),
+         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False, **scan_flags}, F.launch_opts("scan"),
          {"hbuf": "*bf16"}),
         ("state scan with the output (forward, no states stored)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": True}, F.launch_opts("scan"), {}),
+         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, **scan_flags}, F.launch_opts("scan"), {}),
         ("state scan (fp32 states: backward)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False}, F.launch_opts("scan"), {}),
+         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False, **scan_flags}, F.launch_opts("scan"), {}),
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
-         {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16)}, B._opts("bwd_scan"), {}),
+         {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16), "FINAL_ONLY": False,
+          "ZERO_DO": False}, B._opts("bwd_scan"), {}),
         (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
          {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
           "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),

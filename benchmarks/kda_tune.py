@@ -153,7 +153,7 @@ def main():
     ap.add_argument("--few-stages", type=int, default=None, help="num_stages of both state scans when they run fewer "
                     "programs than multiprocessors (LAUNCH['scan'] and ['bwd_scan'] FEW_STAGES; triton_chunk."
                     "scan_stages)")
-    ap.add_argument("--segment", type=int, default=None, help="the forward scans in two levels over segments of this "
+    ap.add_argument("--segment", type=int, default=None, help="the state scans in two levels over segments of this "
                     "many chunks when they run fewer programs than multiprocessors (triton_chunk.LAUNCH['scan']"
                     "['SEGMENT'], triton_scan2.py)")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "

@@ -91,7 +91,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 10): (8, 4096, 16, 128), 256 programs: 6,242 / 6,418; (16, 2048, 32, 64), 512: 6,499 / 6,627; but
     # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144
     # FEW_STAGES: num_stages with fewer programs than multiprocessors (scan_stages); untimed, so 1. SEGMENT: the
-    # forward scan in two levels over segments of this many chunks then (triton_scan2.py); untimed, so 0 (off)
+    # state scans (and the backward's) in two levels over segments of this many chunks then (triton_scan2.py); 0: off
     "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 256, "FEW_STAGES": 1, "SEGMENT": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }

@@ -20,6 +20,11 @@ its own (a varlen layout over segment boundaries), all segments at once:
 Steps 1, 2 and 4 run S x HV x V-block programs instead of N x HV x V-block; the scan's work is done about three
 times over (step 2 at V = K). The transitions are contractions for L2-normalized keys and beta in [0, 1] (the
 eigenvalues of I - beta k k^T lie in [0, 1]), so composing them is stable in fp32.
+
+The backward's reverse scan (triton_chunk_bwd.py) is affine too, in the gradient dh' of the state leaving a chunk:
+dh = A_c^T dh' + (qg^T - w^T Aqk^T) do. `two_level_bwd_scan` runs the same four steps on `_bwd_scan_kernel` in
+reverse: each segment's gradient map from a zero dh' (e_s) and with do = 0 from the identity (T_s), composed from a
+sequence's last segment to its first, then the reverse scan of every segment from its leaving gradient.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import triton_chunk
+from . import triton_chunk, triton_chunk_bwd
 from .triton_chunk import LAUNCH, chunk_layout, scan_stages, v_block
 
 
@@ -87,3 +92,35 @@ def two_level_scan(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, *, T, K, V, BK
                                             **{**shape, "FINAL_ONLY": False, "OUTPUT": fused}, V=V, BV=BV, **seg,
                                             **opts)
     ht.copy_(ht_seg.view(N, P, HV, K, V)[:, -1])
+
+
+def two_level_bwd_scan(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, *, T, K, V, BK, BV, BT, prec):
+    """The reverse scan's four steps in place of triton_chunk_bwd's one-level `_bwd_scan_kernel` launch, with its
+    arguments (dht [N, HV, K, V] fp32: the final state's gradient; dvn, dhs, dh0 written); prec: its dot precision."""
+    N, HV = dht.shape[0], dht.shape[1]
+    dev, f32 = kg.device, torch.float32
+    cu, host, P = segment_layout(N, T, BT, LAUNCH["scan"]["SEGMENT"], dev)
+    S, _, _, _, chunk_offsets, cu = chunk_layout(N, T, BT, cu, dev, host)
+    kern = triton_chunk_bwd._bwd_scan_kernel  # looked up at call time (tests wrap the kernel)
+    shape = {"H": HV, "HV": HV, "K": K, "BK": BK, "BT": BT, "VARLEN": True, "PREC": prec, "FINAL_ONLY": True,
+             **scan_stages(triton_chunk_bwd.LAUNCH["bwd_scan"], BV, V, S * HV, 0)}
+    # 1. e_s: each segment's gradient from a zero dh'; 2. T_s: with do = 0 from the identity, V = K
+    e, Tm = torch.empty(S, HV, K, V, dtype=f32, device=dev), torch.empty(S, HV, K, K, dtype=f32, device=dev)
+    zero, eye = torch.zeros(S, HV, K, V, dtype=f32, device=dev), torch.eye(K, dtype=f32, device=dev)
+    kern[(triton.cdiv(V, BV), S, HV)](qg, kg, w, Gam, Aqk, do, zero, w, w, e, cu, chunk_offsets, T, 0, V=V, BV=BV,
+                                      **shape)
+    BA = v_block("scan", K, BK)
+    kern[(triton.cdiv(K, BA), S, HV)](qg, kg, w, Gam, Aqk, do, eye.expand(S, HV, K, K).contiguous(), w, w, Tm, cu,
+                                      chunk_offsets, T, 0, V=K, BV=BA, ZERO_DO=True, **shape)
+    # 3. the gradient leaving each segment, from a sequence's last segment back to its first
+    Tm, e = Tm.view(N, P, HV, K, K), e.view(N, P, HV, K, V)
+    d_out = torch.empty(N, P, HV, K, V, dtype=f32, device=dev)
+    d = dht.float()
+    for s in reversed(range(P)):
+        d_out[:, s] = d
+        d = torch.baddbmm(e[:, s].reshape(-1, K, V), Tm[:, s].reshape(-1, K, K), d.reshape(-1, K, V)).view_as(d)
+    # 4. the reverse scan of every segment from its leaving gradient: dv_new and dh' per chunk, dh0 per segment
+    dh0_seg = torch.empty(S, HV, K, V, dtype=f32, device=dev)
+    kern[(triton.cdiv(V, BV), S, HV)](qg, kg, w, Gam, Aqk, do, d_out.view(S, HV, K, V), dvn, dhs, dh0_seg, cu,
+                                      chunk_offsets, T, 0, V=V, BV=BV, **{**shape, "FINAL_ONLY": False})
+    dh0.copy_(dh0_seg.view(N, P, HV, K, V)[:, 0])

@@ -1,7 +1,7 @@
-"""The forward state scan in two levels (triton_chunk.LAUNCH["scan"]["SEGMENT"], triton_scan2.py: segment maps,
-their composition, then the scan from each segment's entering state) against the one-level scan and the float64
-recurrence: outputs, final states, the states entering every chunk and all gradients (the backward's recompute runs
-the two-level scan too). The two-level path needs fewer scan programs than multiprocessors: the tests report 1,000
+"""The state scans in two levels (triton_chunk.LAUNCH["scan"]["SEGMENT"], triton_scan2.py: segment maps, their
+composition, then the scan from each segment's entering state; the backward's reverse scan likewise) against the
+one-level scans and the float64 recurrence: outputs, final states, the states entering every chunk and all gradients
+(the backward's recompute runs the two-level forward scan too). The two-level path needs fewer scan programs than multiprocessors: the tests report 1,000
 multiprocessors. Outputs come from torch.empty, NaN-poisoned by tests/conftest.py. CPU: Triton's interpreter.
 """
 
@@ -47,7 +47,7 @@ def _run(monkeypatch, launch_spy, xs, segment, *, BT, h0):
     monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT", segment)
     for mod in (fwd, bwd):
         monkeypatch.setattr(mod, "device_sms", lambda dev: 1000)
-    scans = launch_spy(fwd, "_scan_kernel")
+    scans, bwd_scans = launch_spy(fwd, "_scan_kernel"), launch_spy(bwd, "_bwd_scan_kernel")
     leaves = [x.detach().clone().requires_grad_() for x in xs]
     kw = {"initial_state": leaves[5] if h0 else None, "output_final_state": True, "chunk_size": BT,
           "safe_gate": True, "lower_bound": -5.0}
@@ -57,7 +57,7 @@ def _run(monkeypatch, launch_spy, xs, segment, *, BT, h0):
     torch.manual_seed(1)
     loss = (o * torch.randn(o.shape).to(DEV)).sum() + (s * torch.randn(s.shape).to(DEV)).sum()
     grads = torch.autograd.grad(loss, leaves if h0 else leaves[:5])
-    return o.detach(), s.detach(), h, grads, len(scans)
+    return o.detach(), s.detach(), h, grads, (len(scans), len(bwd_scans))
 
 
 @pytest.mark.parametrize("B,T,H,HV,K,V,BT,seg,h0", CASES, ids=[
@@ -66,9 +66,9 @@ def test_two_level_scan_matches_one_level_and_recurrence(B, T, H, HV, K, V, BT, 
     xs = _inputs(B, T, H, HV, K, V)
     one = _run(monkeypatch, launch_spy, xs, 0, BT=BT, h0=h0)
     two = _run(monkeypatch, launch_spy, xs, seg, BT=BT, h0=h0)
-    # one level: a scan per forward (3 forwards: the states run, the training forward, the backward's recompute);
-    # two levels: three each (segment states, segment transitions, the scan from the composed states)
-    assert (one[4], two[4]) == (3, 9)
+    # one level: a scan per forward (3 forwards: the states run, the training forward, the backward's recompute) and
+    # one reverse scan; two levels: three each (segment states, segment transitions, the scan from composed states)
+    assert (one[4], two[4]) == ((3, 1), (9, 3))
     # fp32 throughout: the composed segment maps agree with the chunk-by-chunk scan to rounding (|diff| <= 1e-6 seen
     # under the interpreter); a transposed transition matrix moves o by 3e-4 to 6e-3 in these cases
     pairs = [("o", one[0], two[0]), ("final state", one[1], two[1]), ("h entering each chunk", one[2], two[2])]
