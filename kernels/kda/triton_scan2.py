@@ -37,7 +37,7 @@ from .triton_chunk import LAUNCH, chunk_layout, scan_stages, v_block
 
 
 def use_two_level(N: int, HV: int, V: int, NT: int, BV: int, sms: int, varlen: bool) -> bool:
-    """Whether the forward scan runs in two levels: SEGMENT set, fixed-length sequences longer than one segment, and
+    """Whether a state scan runs in two levels: SEGMENT set, fixed-length sequences longer than one segment, and
     fewer scan programs (N * HV * V / BV) than multiprocessors."""
     seg = LAUNCH["scan"]["SEGMENT"]
     return bool(seg) and not varlen and NT > seg and 0 < N * HV * triton.cdiv(V, BV) < sms
