@@ -171,32 +171,28 @@ def main() -> None:
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
     # the scans' defaulted constexprs, as a launch passes them (constants, not arguments)
     scan_flags = {"FINAL_ONLY": False, "ZERO_U": False}
+    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
+    intra_uses = [("safe gate (inference)", True, False, True, False),
+                  ("safe gate (training: Akk; output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
+                  ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
-        ("intra, safe gate (inference)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": False}, F.launch_opts("intra"),
-         {"beta": "*fp32"}),
-        ("intra, safe gate (training: Akk; output kernel)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True, "STORE_QG": False}, F.launch_opts("intra"),
-         {"beta": "*fp32"}),
-        ("intra, safe gate (training: Akk, qg for the output fused in the scan)", F._intra_sub_kernel,
-         {**intra, "SAFE": True, "STORE_AKK": True, "CHECK_G": True, "STORE_QG": True}, F.launch_opts("intra"),
-         {"beta": "*fp32"}),
-        ("intra, exact gate (training)", F._intra_sub_kernel,
-         {**intra, "SAFE": False, "STORE_AKK": True, "CHECK_G": False, "STORE_QG": False}, F.launch_opts("intra"),
-         {"beta": "*fp32"}),
+        *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
+                                                   "STORE_QG": qg}, F.launch_opts("intra"), {"beta": "*fp32"})
+          for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
-        ("state scan (bf16 states)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False, **scan_flags}, F.launch_opts("scan"),
-         {"hbuf": "*bf16"}),
-        ("state scan with the output (forward, no states stored)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, **scan_flags}, F.launch_opts("scan"), {}),
-        ("state scan (fp32 states: backward)", F._scan_kernel,
-         {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": False, **scan_flags}, F.launch_opts("scan"), {}),
+        # the forward scan in each use: (name, OUTPUT, argument type overrides)
+        *[(f"state scan ({name})", F._scan_kernel,
+           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, **scan_flags},
+           F.launch_opts("scan"), over)
+          for name, out, over in (("bf16 states", False, {"hbuf": "*bf16"}),
+                                  ("with the output: forward, no states stored", True, {}),
+                                  ("fp32 states: backward", False, {}))],
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
          {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16), "FINAL_ONLY": False,

@@ -50,7 +50,6 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import weakref
@@ -61,7 +60,7 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds
+from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds, device_sms
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
@@ -135,17 +134,6 @@ def scan_stages(cfg: dict, BV: int, V: int, seq_heads: int, sms: int) -> dict[st
     (8, 4096, 16, 128) two programs per multiprocessor no longer did (session 7: 914 -> 1,673 us per fwd+bwd)."""
     few = 0 < seq_heads * triton.cdiv(V, BV) < sms
     return {"num_warps": cfg["num_warps"], "num_stages": cfg["FEW_STAGES"] if few else cfg["num_stages"]}
-
-
-@functools.cache
-def sm_count(index: int) -> int:
-    """Multiprocessors of CUDA device `index` (scan_v_block's `sms`)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sms(dev: torch.device) -> int:
-    """sm_count of a CUDA device; 0 elsewhere (the CPU interpreter keeps LAUNCH's V blocks)."""
-    return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
 
 
 @triton.jit
@@ -373,10 +361,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, sms)
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
-    from .triton_scan2 import two_level_scan, use_two_level  # here: that module imports this one
-    if use_two_level(N, HV, V, NT, BVs, sms, cu_seqlens is not None):  # opt-in, untimed (LAUNCH["scan"]["SEGMENT"])
-        two_level_scan(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, T=T, K=K, V=V, BK=BK, BV=v_block("scan", V, BK),
-                       BT=BT, common=common)
+    two_level = _two_level() if LAUNCH["scan"]["SEGMENT"] else None  # opt-in, untimed
+    if two_level and two_level.use_two_level(N, HV, V, NT, BVs, sms, cu_seqlens is not None):
+        two_level.two_level_scan(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, T=T, K=K, V=V, BK=BK,
+                                 BV=v_block("scan", V, BK), BT=BT, common=common)
         return w, u, vnew, hbuf, ht, kg, qg
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
     _scan_kernel[grid](kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
@@ -384,6 +372,14 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
                        HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
                        **common, **scan_stages(LAUNCH["scan"], BVs, V, N * HV, sms))
     return w, u, vnew, hbuf, ht, kg, qg
+
+
+def _two_level():
+    """triton_scan2, the opt-in two-level scans (LAUNCH["scan"]["SEGMENT"]; imported on first use: it imports
+    this module)."""
+    from . import triton_scan2
+
+    return triton_scan2
 
 
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:

@@ -48,7 +48,8 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_stages, scan_v_block
+from .triton_chunk import LAUNCH as FWD_LAUNCH
+from .triton_chunk import RCP_LN2, _two_level, chunk_fwd_states, chunk_layout, device_sms, scan_stages, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
@@ -445,9 +446,10 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
                 **scan_stages(LAUNCH["bwd_scan"], BVs, V, N * HV, sms)}
-        from .triton_scan2 import two_level_bwd_scan, use_two_level  # here: that module imports this one
-        if use_two_level(N, HV, V, NT, BVs, sms, varlen):  # opt-in, untimed (triton_chunk.LAUNCH["scan"]["SEGMENT"])
-            two_level_bwd_scan(*scan_args[:10], T=T, K=K, V=V, BK=BK, BV=_bv("bwd_scan", V), BT=BT, prec=scan["PREC"])
+        two_level = _two_level() if FWD_LAUNCH["scan"]["SEGMENT"] else None  # opt-in, untimed
+        if two_level and two_level.use_two_level(N, HV, V, NT, BVs, sms, varlen):
+            two_level.two_level_bwd_scan(*scan_args[:10], T=T, K=K, V=V, BK=BK, BV=_bv("bwd_scan", V), BT=BT,
+                                         prec=scan["PREC"])
         else:
             _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
         del kg, qg

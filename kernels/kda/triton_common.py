@@ -1,12 +1,27 @@
-"""Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): a program's
-chunk or sequence bounds (padded and varlen layouts, both directions), the diagonal 16 x 16 block of the forward's
-intra-chunk step, and its kernel, one program per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
+"""Triton helpers of the KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward, triton_recurrent.py):
+the device's multiprocessor count for the launch heuristics, a program's chunk or sequence bounds (padded and varlen
+layouts, both directions), the diagonal 16 x 16 block of the forward's intra-chunk step, and its kernel, one program
+per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device `index` (the `sms` of the launch heuristics)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sms(dev: torch.device) -> int:
+    """sm_count of a CUDA device; 0 elsewhere (the CPU interpreter keeps LAUNCH's V blocks)."""
+    return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
 
 
 @triton.jit
@@ -137,15 +152,14 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
     if CHECK_G:  # masked entries read 0, above any lower bound
         tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
-    # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there); stored once the walk below
-    # has the carry
+    # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there), so the anchor's own Gamma
+    # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
     b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row [BK]
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
-    b_Gn = tl.zeros([BK], dtype=tl.float32)
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
-    e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))  # <= 1
+    e_q = tl.exp2(tl.where(m_ik, b_G, float("-inf")))  # Gamma_i - Gamma_n <= 0
     b_qf = (b_q * e_q).to(k.dtype.element_ty)
     b_kf = (b_k * e_q).to(k.dtype.element_ty)
     p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of Aqk / Lkk
@@ -157,13 +171,13 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
         r_j = j * BC + o_c
         p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
         b_gj = tl.load(g + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
-        # Gamma_c relative to the anchor (b_Gn = 0): -(g_n + g over sub-chunks j + 1 .. i - 1 + g of rows c + 1 ..
-        # of sub-chunk j), every term a sum of g <= 0
+        # Gamma_c relative to the anchor: -(g_n + g over sub-chunks j + 1 .. i - 1 + g of rows c + 1 .. of
+        # sub-chunk j), every term a sum of g <= 0
         b_tj = tl.sum(b_gj, axis=0)
         b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
         b_cj += b_tj
         b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], b_Gn[None, :] - b_Gj, float("-inf"))))
+        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], -b_Gj, float("-inf"))))  # Gamma_n - Gamma_c
         b_kc = b_kc.to(k.dtype.element_ty)
         b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
@@ -178,7 +192,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     tl.store(Gam + p_ik, b_Ga, mask=m_ik)
     if STORE_QG:
         tl.store(qg + p_ik, (b_q * tl.exp2(b_Ga)).to(qg.dtype.element_ty), mask=m_ik)
-    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, b_Gn, shift, BC, SAFE, PREC)
+    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, tl.zeros([BK], dtype=tl.float32), shift, BC, SAFE, PREC)  # anchor: 0
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])
     if STORE_AKK:

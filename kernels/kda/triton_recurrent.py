@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
-from .triton_chunk import device_sms
+from .triton_common import device_sms
 from .triton_gate import _gate_value
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
