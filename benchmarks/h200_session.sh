@@ -44,14 +44,14 @@ kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
     tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_decode_persistent.py tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf \
+    tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
-# at the two long shapes, kda_tune.py --defaults once per argument (each a set of extra flags; "" for as shipped):
-# the scan, w/u and output kernels and the total, us per fwd+bwd
+# at the two long shapes (or $SHAPES), kda_tune.py --defaults once per argument (each a set of extra flags; "" for as
+# shipped): the scan, w/u and output kernels and the total, us per fwd+bwd
 long_shapes_tune() {
-  for shape in 2,16384,16,128 1,65536,16,128; do
+  for shape in ${SHAPES:-2,16384,16,128 1,65536,16,128}; do
     for flags in "$@"; do
       timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
         > "$OUT/kda_tune_long.log" 2>&1
@@ -315,6 +315,28 @@ persist)
   echo "decode tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   timeout 200 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
   echo "decode sweep rc=$?"; grep "^|" "$OUT/decode.log"
+  ;;
+s11)
+  # session 11: the KDA GPU tests with the pipelined state scans on (FEW_STAGES 3), then at the two long shapes: the
+  # output fused into the scan, 4 forward stages, V block 16 for both scans (128 programs), the two-level scans
+  kda_gpu_tests
+  long_shapes_tune "" "--output-from 0" "--few-stages 4,3" "--scan-bv 16 --bwd-scan-bv 16" \
+    "--scan-bv 16 --bwd-scan-bv 16 --output-from 0" "--segment 8" "--segment 16" "--segment 32"
+  ;;
+s11b)
+  # session 11: the KDA GPU tests (V block 16 scans, the output always fused), the long shapes as shipped, then the
+  # state scans pipelined whatever their program count at the two short shapes (--scan-stages)
+  kda_gpu_tests
+  long_shapes_tune ""
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--scan-stages 2" "--scan-stages 3" \
+    "--scan-bv 32 --bwd-scan-bv 32 --scan-stages 3"
+  ;;
+s11c)
+  # session 11: the KDA GPU tests and issue 4's whole table with both state scans at 3 stages, then the scans at 8
+  # warps (per kernel, the first and the longest shape)
+  kda_gpu_tests
+  kda_table
+  SHAPES="8,4096,16,128 1,65536,16,128" long_shapes_tune "--scan-warps 8"
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"

@@ -88,10 +88,15 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # OUTPUT_FROM: the forward's output computed inside the scan from this many scan programs on (fuse_output).
     # H200, us per fwd+bwd, fused / separate output kernel (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
     # 10): (8, 4096, 16, 128), 256 programs: 6,242 / 6,418; (16, 2048, 32, 64), 512: 6,499 / 6,627; but
-    # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144
-    # FEW_STAGES: num_stages with fewer programs than multiprocessors (scan_stages); untimed, so 1. SEGMENT: the
-    # state scans (and the backward's) in two levels over segments of this many chunks then (triton_scan2.py); 0: off
-    "scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "OUTPUT_FROM": 256, "FEW_STAGES": 1, "SEGMENT": 0},
+    # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144.
+    # With 3 stages there (session 11): 6,587 / 6,802 and 15,420 / 15,681, so 0: always (the output kernel only
+    # for return_intermediate_states)
+    # FEW_STAGES: num_stages with fewer programs than multiprocessors (scan_stages). H200, us per fwd+bwd at 1 / 2 /
+    # 3 stages, both scans (kda_tune.py --defaults --few-stages, 2026-11-30, RESULTS.md session 11): forward scans
+    # 1,522 / 1,100 / 865 and backward scan 1,012 / 639 / 495 at (2, 16384, 16, 128); 5,799 / 4,149 / 3,147 and
+    # 3,839 / 2,336 / 1,733 at (1, 65536, 16, 128). SEGMENT: the state scans (and the backward's) in two levels
+    # over segments of this many chunks then (triton_scan2.py); 0: off
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "FEW_STAGES": 3, "SEGMENT": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -116,13 +121,16 @@ def v_block(name: str, V: int, BK: int) -> int:
 
 
 def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
-    """A state scan's V block: `bv` (from v_block), halved to 32 while the scan would run fewer programs
-    (seq_heads * V / bv, seq_heads = N * HV) than the GPU has multiprocessors (`sms`): each program walks its
-    sequence's chunks in order, so with few sequences the V blocks are the only parallelism. H200, (1, 65536, 16,
-    128), 32 -> 64 programs: forward scan 6,236 -> 5,443 us, backward scan 4,657 -> 3,898 us per fwd+bwd
-    (kda_tune.py, 2026-11-30)."""
-    if bv > 32 and seq_heads * triton.cdiv(V, bv) < sms:
-        return 32
+    """A state scan's V block: `bv` (from v_block), halved (down to 16) while the halved block still runs fewer
+    programs (seq_heads * V / bv, seq_heads = N * HV) than the GPU has multiprocessors (`sms`): each program walks
+    its sequence's chunks in order, so with few sequences the V blocks are the only parallelism, and with fewer
+    programs than multiprocessors the scans pipeline their loads (scan_stages). H200, per fwd+bwd (kda_tune.py):
+    (1, 65536, 16, 128), 32 -> 64 programs at 1 stage: forward scans 6,236 -> 5,443 us, backward scan 4,657 ->
+    3,898 (2026-11-30, session 9); 64 -> 128 programs at 3 stages: forward scans 3,135 -> 2,732, backward scan
+    1,725 -> 1,727; total 15,681 -> 15,286 (session 11). At (2, 16384, 16, 128) V block 16 would make 256
+    programs, one stage: forward scans 872 -> 1,581 us (session 11)."""
+    while bv > 16 and seq_heads * triton.cdiv(V, bv // 2) < sms:
+        bv //= 2
     return bv
 
 

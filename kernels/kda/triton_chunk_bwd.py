@@ -64,8 +64,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
     # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
     # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: removed
-    # FEW_STAGES: num_stages with fewer programs than multiprocessors (triton_chunk.scan_stages); untimed, so 1
-    "bwd_scan": {"num_warps": 4, "num_stages": 1, "BV": 64, "PREC": "bf16", "FEW_STAGES": 1},
+    # FEW_STAGES: num_stages with fewer programs than multiprocessors (triton_chunk.scan_stages; times at 1 / 2 / 3
+    # stages in triton_chunk.LAUNCH's comment)
+    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16", "FEW_STAGES": 3},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},

@@ -557,14 +557,16 @@ def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
 
 
 def test_scan_v_block_splits_when_few_sequences():
-    """The state scans take 32-wide V blocks while N * HV * V / BV programs would leave multiprocessors idle."""
+    """The state scans halve their V block (down to 16) while N * HV * V / BV programs, halved, stay below the
+    multiprocessor count."""
     from k3.kernels.kda.triton_chunk import scan_v_block
 
-    assert scan_v_block(64, 128, 16, 132) == 32  # (1, T, 16, 128): 32 programs at BV 64 -> 64
-    assert scan_v_block(64, 128, 32, 132) == 32  # (2, T, 16, 128): 64 -> 128
+    assert scan_v_block(64, 128, 16, 132) == 16  # (1, T, 16, 128): 32 programs at BV 64 -> 128 at 16
+    assert scan_v_block(64, 128, 32, 132) == 32  # (2, T, 16, 128): 64 -> 128 (256 at 16 would not be fewer)
+    assert scan_v_block(64, 128, 33, 132) == 64  # 66 -> 132 would not be fewer
+    assert scan_v_block(64, 128, 1, 132) == 16  # never below 16 (tl.dot)
     assert scan_v_block(64, 128, 128, 132) == 64  # (8, T, 16, 128): 256 programs already
     assert scan_v_block(64, 64, 512, 132) == 64
-    assert scan_v_block(32, 128, 1, 132) == 32  # never below LAUNCH's (or v_block's) choice
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
