@@ -3,8 +3,8 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | segments | persist
-#   (each mode's own comment below says what it runs; stages, segments and persist: prepared in session 10, untimed)
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | segments
+#   (each mode's own comment below says what it runs; stages and segments: prepared in session 10, untimed)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -306,16 +306,6 @@ segments)
   echo "two-level tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
   long_shapes_tune "" "--segment 8" "--segment 16" "--segment 32" "--segment 16 --output-from 0"
   ;;
-persist)
-  # prepared in session 10, untimed: the decode sweep with the persistent decode-step kernel (triton_recurrent
-  # LAUNCH["PERSIST"] / ["PERSIST_STAGES"]), k3 alone, after its GPU tests
-  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_decode_persistent.py \
-    tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_triton.py -k "recurrent or persistent" \
-    -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
-  echo "decode tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
-  timeout 200 python3 benchmarks/kda.py --decode-only --no-fla --decode-sweep > "$OUT/decode.log" 2>&1
-  echo "decode sweep rc=$?"; grep "^|" "$OUT/decode.log"
-  ;;
 s11)
   # session 11: the KDA GPU tests with the pipelined state scans on (FEW_STAGES 3), then at the two long shapes: the
   # output fused into the scan, 4 forward stages, V block 16 for both scans (128 programs), the two-level scans
@@ -340,6 +330,6 @@ s11c)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|segments|persist)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|segments)" >&2; exit 2
   ;;
 esac

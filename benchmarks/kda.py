@@ -167,20 +167,16 @@ def time_decode(fn, B, H, D, name="k3"):
 
 
 def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
-    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH), then the
-    persistent decode-step kernel (LAUNCH["PERSIST"] programs per multiprocessor, PERSIST_STAGES pipeline stages);
-    each row's output and pool after one step checked against the default launch's."""
+    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH), each row's
+    output and pool after one step checked against the default launch's."""
     from k3.kernels.kda import triton_recurrent
 
     saved = dict(triton_recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
-    print("| B | BV | num_warps | persist / stages | us | fraction | rel_rms o / pool vs default launch |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | BV | num_warps | us | fraction | rel_rms o / pool vs default launch |")
+    print("|---|---|---|---|---|---|")
     # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
-    grid = [(bv, nw, 0, 2) for bv, nw in itertools.product((32, 64, 128), (2, 4))]
-    # the persistent kernel: 4 programs of 128 registers (BV 32, 4 warps) or 2 of 125 (BV 64, 8 warps) fit a
-    # multiprocessor at 2 stages (benchmarks/kda_ptxas.py --decode)
-    grid += [(bv, nw, p, st) for bv, nw in ((32, 4), (64, 8), (64, 4)) for p in (2, 4, 8) for st in (2, 3)]
+    grid = list(itertools.product((32, 64, 128), (2, 4)))
 
     def step(B):  # one decode step on decode_inputs (seeded): (output, pool after the step)
         xs, kw = decode_inputs(B, H, D)
@@ -189,16 +185,15 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
     for B in (64, 256):
         triton_recurrent.LAUNCH.update(saved)
         ref = step(B)  # the default launch
-        for bv, nw, persist, stages in grid:
-            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw, PERSIST=persist, PERSIST_STAGES=stages)
+        for bv, nw in grid:
+            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
             try:  # the same step's results before timing it
                 err = [rel_rms(r, x) for r, x in zip(ref, step(B), strict=True)]
             except (RuntimeError, TypeError, ValueError) as e:  # as time_decode: report and go on
-                print(f"decode sweep B={B} BV={bv} warps={nw} persist={persist}/{stages} failed: "
-                      f"{type(e).__name__}: {e}", file=sys.stderr)
+                print(f"decode sweep B={B} BV={bv} warps={nw} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 err = [float("nan")] * 2
             t = time_decode(fused_recurrent_kda, B, H, D)
-            print(f"| {B} | {bv} | {nw} | {f'{persist} / {stages}' if persist else '-'} | {t:.1f} | "
+            print(f"| {B} | {bv} | {nw} | {t:.1f} | "
                   f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} | {err[0]:.1e} / {err[1]:.1e} |", flush=True)
     triton_recurrent.LAUNCH.update(saved)
 

@@ -75,21 +75,19 @@ def ptxas_src(src: ASTSource, opts: dict) -> tuple[int, int, int]:
     return regs, int(spills.group(1)), int(spills.group(2))
 
 
-def decode_launch(bv: int, num_warps: int, persist: int = 0, stages: int = 2) -> tuple[ASTSource, dict]:
+def decode_launch(bv: int, num_warps: int) -> tuple[ASTSource, dict]:
     """The recurrent kernel of one decode step as benchmarks/kda.py's decode_inputs calls it (bf16 q, k, v and beta
     logits, fp32 z, A_log = 0 and dt_bias, the fp32 pool [B, 16, 128, 128] by reversed slots, every in-kernel flag,
     lower bound -5, T = 1) under triton_recurrent.LAUNCH = {BV, num_warps}: the wrapper runs on CPU tensors with the
     kernel replaced by a recorder, and the recorded arguments are specialised as Triton's launcher does (integers
     equal to 1 become constants, T and the value stride among them; pointers and multiples of 16 get divisibility
-    hints). B = 16: the kernel's arguments do not depend on B. `persist`: the persistent decode-step kernel at that
-    LAUNCH["PERSIST"], its loop over `stages` stages."""
+    hints). B = 16: the kernel's arguments do not depend on B."""
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import native_specialize_impl
 
     from k3.kernels.kda import triton_recurrent as R
 
-    fn = R._decode_step_kernel if persist else R._recurrent_kda_kernel
-    tile_fn, step_fn, seen, saved = R._recurrent_kda_kernel, R._decode_step_kernel, [], dict(R.LAUNCH)
+    fn, seen, saved = R._recurrent_kda_kernel, [], dict(R.LAUNCH)
     B, H, D = 16, 16, 128
     q, k, v = (torch.randn(B, 1, H, D, dtype=torch.bfloat16) for _ in range(3))
     kw = {"A_log": torch.zeros(H), "dt_bias": torch.randn(H * D), "scale": None,
@@ -100,13 +98,13 @@ def decode_launch(bv: int, num_warps: int, persist: int = 0, stages: int = 2) ->
     recorder = type("Recorder", (), {"__getitem__": lambda _, grid: lambda *a, **c: seen.append((a, c))})()
     check = R.check_device
     try:
-        R.LAUNCH.update(BV=bv, num_warps=num_warps, PERSIST=persist, PERSIST_STAGES=stages)
-        R._recurrent_kda_kernel = R._decode_step_kernel = recorder
+        R.LAUNCH.update(BV=bv, num_warps=num_warps)
+        R._recurrent_kda_kernel = recorder
         R.check_device = lambda *_: None  # CPU tensors outside the interpreter: nothing runs
         R.fused_recurrent_kda_triton(q, k, v, torch.randn(B, 1, H, D), torch.randn(B, 1, H, dtype=torch.bfloat16),
                                      **kw)
     finally:
-        R._recurrent_kda_kernel, R._decode_step_kernel = tile_fn, step_fn
+        R._recurrent_kda_kernel = fn
         R.check_device = check
         R.LAUNCH.clear()
         R.LAUNCH.update(saved)
@@ -125,20 +123,14 @@ def decode_launch(bv: int, num_warps: int, persist: int = 0, stages: int = 2) ->
 
 
 def decode_table() -> None:
-    """Registers, spills and shared memory of the decode kernel at the default launches (BV 32 and 64, 4 warps) and
-    BV 32 / 2 warps; then of the persistent decode-step kernel (LAUNCH["PERSIST"]) at 1-3 pipeline stages."""
+    """Registers and spills of the decode kernel at the default launches (BV 32 and 64, 4 warps) and BV 32 / 2 warps."""
     print("# Triton " + triton.__version__ + ", sm_90a, the decode step of benchmarks/kda.py (B=256 there: H=16, "
-          "K=V=128, T=1, pool by slot, every in-kernel flag); bytes per thread, shared bytes per program")
-    print("| kernel | BV | num_warps | stages | registers | spill stores B | spill loads B | shared B |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    rows = [(0, bv, nw, 1) for bv, nw in ((32, 4), (64, 4), (32, 2))]
-    rows += [(1, bv, nw, st) for bv, nw in ((32, 4), (64, 8)) for st in (1, 2, 3)]
-    for persist, bv, nw, st in rows:
-        src, opts = decode_launch(bv, nw, persist, st)
-        regs, st_b, ld_b = ptxas_src(src, {**opts, **({"num_stages": st} if persist else {})})
-        shared = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).metadata.shared
-        name = "persistent decode step" if persist else "one program per tile"
-        print(f"| {name} | {bv} | {nw} | {st if persist else '-'} | {regs} | {st_b} | {ld_b} | {shared} |", flush=True)
+          "K=V=128, T=1, pool by slot, every in-kernel flag); bytes per thread")
+    print("| BV | num_warps | registers | spill stores B | spill loads B |")
+    print("|---:|---:|---:|---:|---:|")
+    for bv, nw in ((32, 4), (64, 4), (32, 2)):
+        regs, st, ld = ptxas_src(*decode_launch(bv, nw))
+        print(f"| {bv} | {nw} | {regs} | {st} | {ld} |", flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""Triton helpers of the KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward, triton_recurrent.py):
-the device's multiprocessor count for the launch heuristics, a program's chunk or sequence bounds (padded and varlen
-layouts, both directions), the diagonal 16 x 16 block of the forward's intra-chunk step, and its kernel, one program
-per sub-chunk (`_intra_sub_kernel`). Legend as in triton_chunk.py.
+"""Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): the device's
+multiprocessor count for the launch heuristics, a program's chunk or sequence bounds (padded and varlen layouts, both
+directions), the diagonal 16 x 16 block of the forward's intra-chunk step, and its kernel, one program per sub-chunk
+(`_intra_sub_kernel`). Legend as in triton_chunk.py.
 """
 
 from __future__ import annotations

@@ -18,9 +18,6 @@ tokens t goes to pool[idx[n, t]]. Each program touches only its own (slot, head,
 named are never written (bit-identical). The state is addressed through strides, so K-first and V-first
 (`state_v_first`) layouts share one kernel.
 
-Opt-in, untimed (LAUNCH["PERSIST"]): `_decode_step_kernel`, the plain decode step (one token per sequence, the pool by
-slot) as a persistent kernel whose pipelined loop keeps the next state tile in flight; per tile the same work.
-
 float64 inputs (the reference precision) are computed by the PyTorch twin: the kernel accumulates in fp32.
 """
 
@@ -32,7 +29,6 @@ import triton.language as tl
 
 from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
-from .triton_common import device_sms
 from .triton_gate import _gate_value
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
@@ -47,58 +43,14 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # Removed after H200 sweeps at B = 256 (2026-11-30, RESULTS.md session 10): a register cap (us uncapped / cap 160 /
 # cap 128: BV 32, 2 warps 145.2 / 144.6 / 162.6; BV 64, 4 warps 145.2 / 145.3 / 185.9), and one program per (head,
 # sequence) looping over the V blocks with the next state tile prefetched (best 146.6 against 145.3 us).
-# PERSIST: the decode step (T = 1, the pool by slot) as `_decode_step_kernel`, this many programs per multiprocessor
-# (0: off; untimed), its loop pipelined over PERSIST_STAGES stages
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "PERSIST": 0, "PERSIST_STAGES": 2}
+# Tried and removed: a persistent decode step, at best 187.9 against 146.3 us (H200, B = 256; RESULTS.md session 11)
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
     """The V block of a launch over N sequences and HV value heads (LAUNCH["BV"] when set)."""
     bv = LAUNCH["BV"] or (BV_WIDE if N * HV >= WIDE_FROM else BV_DEFAULT)
     return min(bv, triton.next_power_of_2(V))
-
-
-@triton.jit
-def _token_step(b_h, q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A, b_bias, scale, lower_bound,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr,
-                GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                BETA_SIGMOID: tl.constexpr):
-    """Token `tok` of value head i_hv on a [BK, BV] fp32 state tile (columns o_v): its inputs loaded and the
-    in-kernel steps applied, then the delta rule. Returns (the new tile, the output row [BV] fp32)."""
-    b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-    b_g = tl.load(g + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_b = tl.load(beta + tok * HV + i_hv).to(tl.float32)
-    if L2NORM:  # x / sqrt(sum x^2 + 1e-6), eps inside the sqrt (kda.md section 2)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    if GATE:
-        if HAS_DT_BIAS:
-            b_g = b_g + b_bias
-        # lb * sigmoid(exp(A_log) * (z + dt_bias)), or -exp(A_log) * softplus(z + dt_bias)
-        b_g = _gate_value(b_g, b_A, lower_bound, LOWER_BOUND_GATE)
-        b_g = tl.where(m_k, b_g, 0.0)
-    if BETA_SIGMOID:
-        b_b = tl.sigmoid(b_b)
-    b_h = b_h * tl.exp(b_g)[:, None]  # decay first
-    b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
-    b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
-    b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
-    return b_h, b_o
-
-
-@triton.jit
-def _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr, HAS_A_LOG: tl.constexpr,
-                 HAS_DT_BIAS: tl.constexpr):
-    """(exp(A_log) of value head i_hv, or 1 without A_log; its dt_bias row [BK], or zeros)."""
-    b_A = tl.full([], 1.0, tl.float32)  # the lower-bound gate without A_log
-    if HAS_A_LOG:
-        b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_bias = tl.zeros(o_k.shape, dtype=tl.float32)
-    if HAS_DT_BIAS:
-        b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    return b_A, b_bias
 
 
 @triton.jit
@@ -139,13 +91,36 @@ def _recurrent_kda_kernel(
         p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
         b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
 
-    b_A, b_bias = _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A_LOG and GATE, HAS_DT_BIAS and GATE)
+    if GATE:
+        b_A = tl.full([], 1.0, tl.float32)  # the lower-bound gate without A_log
+        if HAS_A_LOG:
+            b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
 
     t = 0
     while t < seq_len:  # a while loop: Triton's interpreter cannot range() over a runtime scalar under numpy >= 2.4
         tok = bos + t
-        b_h, b_o = _token_step(b_h, q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A, b_bias, scale,
-                               lower_bound, H, HV, K, V, L2NORM, GATE, LOWER_BOUND_GATE, HAS_DT_BIAS, BETA_SIGMOID)
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_vt = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+        b_g = tl.load(g + (tok * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_b = tl.load(beta + tok * HV + i_hv).to(tl.float32)
+        if L2NORM:  # x / sqrt(sum x^2 + 1e-6), eps inside the sqrt (kda.md section 2)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if GATE:
+            if HAS_DT_BIAS:
+                b_g = b_g + b_bias
+            # lb * sigmoid(exp(A_log) * (z + dt_bias)), or -exp(A_log) * softplus(z + dt_bias)
+            b_g = _gate_value(b_g, b_A, lower_bound, LOWER_BOUND_GATE)
+            b_g = tl.where(m_k, b_g, 0.0)
+        if BETA_SIGMOID:
+            b_b = tl.sigmoid(b_b)
+        b_h = b_h * tl.exp(b_g)[:, None]  # decay first
+        b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
+        b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
+        b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
             s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
@@ -159,40 +134,6 @@ def _recurrent_kda_kernel(
     if STORE_HT:
         p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
         tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def _decode_step_kernel(
-    q, k, v, g, beta, o, A_log, dt_bias, h0, slots, scale, lower_bound, n_items,
-    s0_n, s0_h, s0_k, s0_v,  # strides of the pool: slot, head, key, value
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    """Opt-in (LAUNCH["PERSIST"]; untimed): the decode step (one token per sequence, the pool by slot, in place) as
-    a persistent kernel. Each program walks the items (V block, value head, sequence) = the state tiles, in memory
-    order, with a stride of the grid size; `tl.range`'s software pipelining (NUM_STAGES) issues the next item's
-    loads, its state tile among them, into shared memory (cp.async) while the current one is updated, so a program
-    keeps a tile in flight without holding two in registers. Per tile the same work as `_recurrent_kda_kernel`."""
-    scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), num_stages=NUM_STAGES):
-        i_v, i_hv, i_n = item % NV, (item // NV) % HV, item // (NV * HV)
-        i_h = i_hv // (HV // H)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = m_k[:, None] & m_v[None, :]
-        slot = tl.load(slots + i_n).to(tl.int64)  # negative: start from zeros, write nothing
-        p_h = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        b_h = tl.load(p_h, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
-        b_A, b_bias = _gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A_LOG and GATE, HAS_DT_BIAS and GATE)
-        tok = tl.full([], i_n, tl.int64)  # T = 1 (a tensor: the interpreter's loop variable is a Python int)
-        b_h, b_o = _token_step(b_h, q, k, v, g, beta, tok, i_h, i_hv, o_k, m_k, o_v, m_v, b_A, b_bias, scale,
-                               lower_bound, H, HV, K, V, L2NORM, GATE, LOWER_BOUND_GATE, HAS_DT_BIAS, BETA_SIGMOID)
-        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(p_h, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
 
 
 def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state,
@@ -256,20 +197,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
     # (HV * K * V * 4 bytes) between neighbours. fla-core 0.6.0's in-place, by-slot decode step walks heads within a
     # sequence too: 157.9 us against this kernel's 145.7 at B = 256 (H200, 2026-11-30, RESULTS.md session 9)
     grid = (triton.cdiv(V, BV), HV, N)
-    flags = {"L2NORM": use_qk_l2norm_in_kernel, "GATE": use_gate_in_kernel, "LOWER_BOUND_GATE": lower_bound is not None,
-             "HAS_A_LOG": A_log is not None, "HAS_DT_BIAS": dt_bias is not None,
-             "BETA_SIGMOID": use_beta_sigmoid_in_kernel}
-    num_warps = LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2)
-    n_items = N * HV * grid[0]
-    if LAUNCH["PERSIST"] and n_items and T == 1 and pooled and per_token is None and cu_seqlens is None and ht is None:
-        # the decode step as a persistent kernel (opt-in): LAUNCH["PERSIST"] programs per multiprocessor (on a CPU,
-        # where there is no multiprocessor count, that many programs), each walking the state tiles
-        programs = min(n_items, max(device_sms(q.device), 1) * LAUNCH["PERSIST"])
-        _decode_step_kernel[(programs,)](
-            q, k, v, g, beta, o, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, h0,
-            slots, float(scale), float(lower_bound) if lower_bound is not None else 0.0, n_items, *strides(h0),
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **flags, NUM_STAGES=LAUNCH["PERSIST_STAGES"], num_warps=num_warps)
-        return o, ht
     if N and HV:
         _recurrent_kda_kernel[grid](
             q, k, v, g, beta, o,
@@ -279,8 +206,11 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             slots if slots is not None else dummy, per_token if per_token is not None else dummy,
             float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
             *strides(h0), *strides(ht), per_token.stride(0) if per_token is not None else 0,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **flags,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            L2NORM=use_qk_l2norm_in_kernel, GATE=use_gate_in_kernel, LOWER_BOUND_GATE=lower_bound is not None,
+            HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
-            VARLEN=cu_seqlens is not None, num_warps=num_warps,
+            VARLEN=cu_seqlens is not None,
+            num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
         )
     return o, ht
