@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--few-stages 2] [--scan-stages 2] [--scan-warps 8] [--segment 16]
+[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--few-stages 2] [--scan-stages 2] [--scan-warps 8]
 [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
@@ -158,9 +158,6 @@ def main():
     ap.add_argument("--scan-warps", type=int, default=None, help="num_warps of both state scans")
     ap.add_argument("--bwd-scan-bv", type=int, default=None, help="V block of the backward's reverse state scan "
                     "(triton_chunk_bwd.LAUNCH['bwd_scan']['BV'])")
-    ap.add_argument("--segment", type=int, default=None, help="the state scans in two levels over segments of this "
-                    "many chunks when they run fewer programs than multiprocessors (triton_chunk.LAUNCH['scan']"
-                    "['SEGMENT'], triton_scan2.py)")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
                     "(triton_chunk.LAUNCH['wu']['BK'])")
     ap.add_argument("--defaults", action="store_true", help="one profile with every kernel at its own launch "
@@ -182,8 +179,6 @@ def main():
             ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
     if args.scan_bv:
         fwd_mod.LAUNCH["scan"]["BV"] = args.scan_bv
-    if args.segment:
-        fwd_mod.LAUNCH["scan"]["SEGMENT"] = args.segment
     if args.few_stages:
         few = ints(args.few_stages)
         fwd_mod.LAUNCH["scan"]["FEW_STAGES"], bwd_mod.LAUNCH["bwd_scan"]["FEW_STAGES"] = few[0], few[-1]
