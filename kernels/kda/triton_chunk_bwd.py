@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_stages, scan_v_block
+from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
@@ -63,9 +63,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
     # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
     # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: removed
-    # FEW_STAGES: num_stages with fewer programs than multiprocessors (triton_chunk.scan_stages; times at 1 / 2 / 3
-    # stages in triton_chunk.LAUNCH's comment)
-    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16", "FEW_STAGES": 3},
+    # 3 stages, as the forward scans (times at 1 / 2 / 3 stages in triton_chunk.LAUNCH's comment)
+    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
@@ -431,7 +430,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, sms)
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
-                **scan_stages(LAUNCH["bwd_scan"], BVs, V, N * HV, sms)}
+                **_opts("bwd_scan")}
         _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)

@@ -44,8 +44,7 @@ for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
-            compile_(B._bwd_scan_kernel, kv, 4, states)
-            compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=3)  # FEW_STAGES (triton_chunk.scan_stages)
+            compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
@@ -67,8 +66,7 @@ for varlen in (False, True):
         scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,  # states
                 "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
-        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves)
-        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, num_stages=3)  # FEW_STAGES
+        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
