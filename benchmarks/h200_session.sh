@@ -3,8 +3,8 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | stages | segments
-#   (each mode's own comment below says what it runs; stages and segments: prepared in session 10, untimed)
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c
+#   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
 #            the Triton serving path end to end) alongside every CUDA serving test (`tests/serve -k cuda`: graphs,
@@ -43,8 +43,7 @@ for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_C
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
-    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf \
+    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -289,30 +288,6 @@ vfirst)
     echo "decode $flag rc=$?"; grep "^|" "$OUT/decode$flag.log"
   done
   ;;
-stages)
-  # prepared in session 10, untimed: the state scans pipelined (num_stages 2 / 3, loads a chunk ahead through shared
-  # memory) when they run fewer programs than multiprocessors (triton_chunk.scan_stages: the two long shapes), per
-  # kernel; then the output fused into the pipelined scan at those shapes (--output-from 0)
-  kda_gpu_tests
-  long_shapes_tune "" "--few-stages 2" "--few-stages 3" "--few-stages 2 --output-from 0"
-  ;;
-segments)
-  # prepared in session 10, untimed: at the two long shapes, the state scans (the forward's, the backward's
-  # recompute and the backward's reverse scan) in two levels over segments of 8 / 16 / 32 chunks (triton_scan2.py,
-  # --segment), the 16-chunk one also with the output fused into its last pass; the GPU tests of the two-level scans
-  # first
-  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_two_level_scan.py -p no:cacheprovider -rf -n 8 \
-    > "$OUT/ktests.log" 2>&1
-  echo "two-level tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
-  long_shapes_tune "" "--segment 8" "--segment 16" "--segment 32" "--segment 16 --output-from 0"
-  ;;
-s11)
-  # session 11: the KDA GPU tests with the pipelined state scans on (FEW_STAGES 3), then at the two long shapes: the
-  # output fused into the scan, 4 forward stages, V block 16 for both scans (128 programs), the two-level scans
-  kda_gpu_tests
-  long_shapes_tune "" "--output-from 0" "--few-stages 4,3" "--scan-bv 16 --bwd-scan-bv 16" \
-    "--scan-bv 16 --bwd-scan-bv 16 --output-from 0" "--segment 8" "--segment 16" "--segment 32"
-  ;;
 s11b)
   # session 11: the KDA GPU tests (V block 16 scans, the output always fused), the long shapes as shipped, then the
   # state scans pipelined whatever their program count at the two short shapes (--scan-stages)
@@ -330,6 +305,6 @@ s11c)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|stages|segments)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c)" >&2; exit 2
   ;;
 esac

@@ -161,8 +161,6 @@ def main() -> None:
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
-    # the scans' defaulted constexprs, as a launch passes them (constants, not arguments)
-    scan_flags = {"FINAL_ONLY": False, "ZERO_U": False}
     # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
     intra_uses = [("safe gate (inference)", True, False, True, False),
                   ("safe gate (training: Akk; output kernel)", True, True, True, False),
@@ -180,15 +178,15 @@ def main() -> None:
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
-           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, **scan_flags},
+           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out},
            F.launch_opts("scan"), over)
           for name, out, over in (("bf16 states", False, {"hbuf": "*bf16"}),
                                   ("with the output: forward, no states stored", True, {}),
                                   ("fp32 states: backward", False, {}))],
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
-         {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16), "FINAL_ONLY": False,
-          "ZERO_DO": False}, B._opts("bwd_scan"), {}),
+         {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16)},
+         B._opts("bwd_scan"), {}),
         (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
          {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
           "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
-[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--few-stages 2] [--scan-stages 2] [--scan-warps 8] [--segment 16]
+[--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--scan-stages 2] [--scan-warps 8]
 [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
@@ -150,17 +150,11 @@ def main():
     ap.add_argument("--output-from", type=int, default=None, help="fuse the forward's output into its state scan "
                     "from this many scan programs on (triton_chunk.LAUNCH['scan']['OUTPUT_FROM']; 0: always, "
                     "1073741824: never)")
-    ap.add_argument("--few-stages", default=None, help="num_stages of the state scans when they run fewer programs "
-                    "than multiprocessors (LAUNCH['scan'] and ['bwd_scan'] FEW_STAGES; triton_chunk.scan_stages): "
-                    "one number for both, or FWD,BWD")
-    ap.add_argument("--scan-stages", type=int, default=None, help="num_stages of both state scans whatever their "
-                    "program count (LAUNCH['scan'] and ['bwd_scan'] num_stages and FEW_STAGES)")
+    ap.add_argument("--scan-stages", type=int, default=None, help="num_stages of both state scans (LAUNCH['scan'] "
+                    "and ['bwd_scan'] num_stages)")
     ap.add_argument("--scan-warps", type=int, default=None, help="num_warps of both state scans")
     ap.add_argument("--bwd-scan-bv", type=int, default=None, help="V block of the backward's reverse state scan "
                     "(triton_chunk_bwd.LAUNCH['bwd_scan']['BV'])")
-    ap.add_argument("--segment", type=int, default=None, help="the state scans in two levels over segments of this "
-                    "many chunks when they run fewer programs than multiprocessors (triton_chunk.LAUNCH['scan']"
-                    "['SEGMENT'], triton_scan2.py)")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
                     "(triton_chunk.LAUNCH['wu']['BK'])")
     ap.add_argument("--defaults", action="store_true", help="one profile with every kernel at its own launch "
@@ -182,14 +176,8 @@ def main():
             ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
     if args.scan_bv:
         fwd_mod.LAUNCH["scan"]["BV"] = args.scan_bv
-    if args.segment:
-        fwd_mod.LAUNCH["scan"]["SEGMENT"] = args.segment
-    if args.few_stages:
-        few = ints(args.few_stages)
-        fwd_mod.LAUNCH["scan"]["FEW_STAGES"], bwd_mod.LAUNCH["bwd_scan"]["FEW_STAGES"] = few[0], few[-1]
     if args.scan_stages:
-        for cfg in (fwd_mod.LAUNCH["scan"], bwd_mod.LAUNCH["bwd_scan"]):
-            cfg["num_stages"] = cfg["FEW_STAGES"] = args.scan_stages
+        fwd_mod.LAUNCH["scan"]["num_stages"] = bwd_mod.LAUNCH["bwd_scan"]["num_stages"] = args.scan_stages
     if args.scan_warps:
         fwd_mod.LAUNCH["scan"]["num_warps"] = bwd_mod.LAUNCH["bwd_scan"]["num_warps"] = args.scan_warps
     if args.bwd_scan_bv:

@@ -81,8 +81,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
-    # scan: 1 stage. Its tl.range loop pipelines the loads from 2 stages on, which was slower on the H200: 914 ->
-    # 1,673 us per fwd+bwd at 4 warps (session 7)
+    # scan: the scans run 3 stages (their tl.range loops pipeline the loads); H200 per fwd+bwd at 1 / 3 stages
+    # (kda_tune.py --defaults --scan-stages, session 11): (8,4096,16,128) 6,214 -> 6,139 us; (16,2048,32,64)
+    # 6,429 -> 6,266; (2,16384,16,128) 7,983 -> 6,802; (1,65536,16,128) 20,480 -> 15,681. Per kernel at 1 / 2 / 3
+    # stages (2026-11-30, RESULTS.md session 11): forward scans 1,522 / 1,100 / 865 and backward scan 1,012 / 639 /
+    # 495 at (2, 16384, 16, 128); 5,799 / 4,149 / 3,147 and 3,839 / 2,336 / 1,733 at (1, 65536, 16, 128)
     # The state in two [64, BV] K halves (as fla's state kernel holds it) took 313 us per scan against 299, and 361
     # at V block 32 (H200, 2026-11-30, RESULTS.md session 10): removed
     # OUTPUT_FROM: the forward's output computed inside the scan from this many scan programs on (fuse_output).
@@ -91,12 +94,9 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # (2, 16384, 16, 128), 128 programs at V block 32: 7,882 / 7,859; (1, 65536, 16, 128), 64: 20,683 / 20,144.
     # With 3 stages there (session 11): 6,587 / 6,802 and 15,420 / 15,681, so 0: always (the output kernel only
     # for return_intermediate_states)
-    # FEW_STAGES: num_stages with fewer programs than multiprocessors (scan_stages). H200, us per fwd+bwd at 1 / 2 /
-    # 3 stages, both scans (kda_tune.py --defaults --few-stages, 2026-11-30, RESULTS.md session 11): forward scans
-    # 1,522 / 1,100 / 865 and backward scan 1,012 / 639 / 495 at (2, 16384, 16, 128); 5,799 / 4,149 / 3,147 and
-    # 3,839 / 2,336 / 1,733 at (1, 65536, 16, 128). SEGMENT: the state scans (and the backward's) in two levels
-    # over segments of this many chunks then (triton_scan2.py); 0: off
-    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "FEW_STAGES": 3, "SEGMENT": 0},
+    # Two-level scans (segments of 8 / 16 / 32 chunks) tried, removed: (1,65536,16,128) 19,393 / 17,076 / 15,941 us
+    # against 15,681 one-level at 3 stages; (2,16384,16,128) 9,687 / 8,592 / 8,067 against 6,802 (session 11)
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -123,25 +123,14 @@ def v_block(name: str, V: int, BK: int) -> int:
 def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
     """A state scan's V block: `bv` (from v_block), halved (down to 16) while the halved block still runs fewer
     programs (seq_heads * V / bv, seq_heads = N * HV) than the GPU has multiprocessors (`sms`): each program walks
-    its sequence's chunks in order, so with few sequences the V blocks are the only parallelism, and with fewer
-    programs than multiprocessors the scans pipeline their loads (scan_stages). H200, per fwd+bwd (kda_tune.py):
-    (1, 65536, 16, 128), 32 -> 64 programs at 1 stage: forward scans 6,236 -> 5,443 us, backward scan 4,657 ->
-    3,898 (2026-11-30, session 9); 64 -> 128 programs at 3 stages: forward scans 3,135 -> 2,732, backward scan
-    1,725 -> 1,727; total 15,681 -> 15,286 (session 11). At (2, 16384, 16, 128) V block 16 would make 256
-    programs, one stage: forward scans 872 -> 1,581 us (session 11)."""
+    its sequence's chunks in order, so with few sequences the V blocks are the only parallelism. H200, per fwd+bwd
+    (kda_tune.py): (1, 65536, 16, 128), 32 -> 64 programs at 1 stage: forward scans 6,236 -> 5,443 us, backward
+    scan 4,657 -> 3,898 (2026-11-30, session 9); 64 -> 128 programs at 3 stages: forward scans 3,135 -> 2,732,
+    backward scan 1,725 -> 1,727; total 15,681 -> 15,286 (session 11). At (2, 16384, 16, 128) V block 16 would make
+    256 programs, timed at one stage: forward scans 872 -> 1,581 us (session 11)."""
     while bv > 16 and seq_heads * triton.cdiv(V, bv // 2) < sms:
         bv //= 2
     return bv
-
-
-def scan_stages(cfg: dict, BV: int, V: int, seq_heads: int, sms: int) -> dict[str, int]:
-    """num_warps / num_stages of a state scan (`cfg`: its LAUNCH entry) at V block BV: the FEW_STAGES entry when the
-    scan runs fewer programs than the GPU has multiprocessors (seq_heads * V / BV < sms), else num_stages. With more
-    than one stage the loop's loads go through shared memory (cp.async) a chunk ahead: 80 / 136 KB for the forward
-    / backward scan at V block 32 and 2 stages (sm_90a), so one program per multiprocessor still fits, where at
-    (8, 4096, 16, 128) two programs per multiprocessor no longer did (session 7: 914 -> 1,673 us per fwd+bwd)."""
-    few = 0 < seq_heads * triton.cdiv(V, BV) < sms
-    return {"num_warps": cfg["num_warps"], "num_stages": cfg["FEW_STAGES"] if few else cfg["num_stages"]}
 
 
 @triton.jit
@@ -191,13 +180,10 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
 def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 OUTPUT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, FINAL_ONLY: tl.constexpr = False,
-                 ZERO_U: tl.constexpr = False):
+                 OUTPUT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
     # registers, and neither h[c] nor v_new is stored (hbuf, vnew unused); qg = scale q exp2(Gamma) from the intra
     # kernel. Without it: h[c] and v_new are stored for `_output_kernel` (and the backward, which recomputes them).
-    # FINAL_ONLY: only the final state is stored; ZERO_U: u = 0 (u unused). Both for the two-level scan
-    # (triton_scan2.py), whose segment pass needs each segment's final state and its transition matrix
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -219,17 +205,14 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
         m_t = o_t < n_valid
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        if not OUTPUT and not FINAL_ONLY:
+        if not OUTPUT:
             tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                      b_h.to(hbuf.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        if ZERO_U:
-            b_vn = -tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-        else:
-            b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-            b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
+        b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
         if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
             b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
             b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
@@ -237,7 +220,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
             b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
             b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        elif not FINAL_ONLY:
+        else:
             tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
@@ -369,25 +352,12 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, sms)
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
-    two_level = _two_level() if LAUNCH["scan"]["SEGMENT"] else None  # opt-in, untimed
-    if two_level and two_level.use_two_level(N, HV, V, NT, BVs, sms, cu_seqlens is not None):
-        two_level.two_level_scan(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, T=T, K=K, V=V, BK=BK,
-                                 BV=v_block("scan", V, BK), BT=BT, common=common)
-        return w, u, vnew, hbuf, ht, kg, qg
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
     _scan_kernel[grid](kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
                        qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H,
                        HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
-                       **common, **scan_stages(LAUNCH["scan"], BVs, V, N * HV, sms))
+                       **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
-
-
-def _two_level():
-    """triton_scan2, the opt-in two-level scans (LAUNCH["scan"]["SEGMENT"]; imported on first use: it imports
-    this module)."""
-    from . import triton_scan2
-
-    return triton_scan2
 
 
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:

@@ -48,8 +48,7 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
-from .triton_chunk import LAUNCH as FWD_LAUNCH
-from .triton_chunk import RCP_LN2, _two_level, chunk_fwd_states, chunk_layout, device_sms, scan_stages, scan_v_block
+from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
@@ -64,9 +63,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
     # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
     # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: removed
-    # FEW_STAGES: num_stages with fewer programs than multiprocessors (triton_chunk.scan_stages; times at 1 / 2 / 3
-    # stages in triton_chunk.LAUNCH's comment)
-    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16", "FEW_STAGES": 3},
+    # 3 stages, as the forward scans (times at 1 / 2 / 3 stages in triton_chunk.LAUNCH's comment)
+    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
@@ -124,10 +122,7 @@ def _operand(x, PREC: tl.constexpr):
 @triton.jit
 def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     FINAL_ONLY: tl.constexpr = False, ZERO_DO: tl.constexpr = False):
-    # FINAL_ONLY: only dh0 is stored; ZERO_DO: do = 0 (do unused). Both for the two-level reverse scan
-    # (triton_scan2.py): per chunk dh = (Diag(e^Gamma_last) - w^T kg) dh' + (qg^T - w^T Aqk^T) do, affine in dh'
+                     BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -147,34 +142,23 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
         m_t = o_t < n_valid
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        if not FINAL_ONLY:
-            tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                     b_dh.to(dhs.dtype.element_ty), mask=m_kv)
+        tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                 b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         # dot operands in the dtype the dot takes them in (_operand: no fp32 round trip under bf16 dots)
-        if ZERO_DO:  # unused (both branches define them: Triton scopes names per branch)
-            b_A = _operand(tl.zeros([BT, BT], dtype=tl.float32), PREC)
-            b_do = _operand(tl.zeros([BT, BV], dtype=tl.float32), PREC)
-        else:
-            b_A = _operand(tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
-                                   mask=m_t[:, None], other=0.0), PREC)
-            b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
+        b_A = _operand(tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
+                               mask=m_t[:, None], other=0.0), PREC)
+        b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
         b_w = _operand(tl.load(w + p_tk, mask=m_tk, other=0.0), PREC)
         # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the recompute's w/u kernel: no exponentials
         # and no fp32 Gamma tile in this sequential loop; zero rows past the end
         b_kg = _operand(tl.load(kg + p_tk, mask=m_tk, other=0.0), PREC)
-        if ZERO_DO:
-            b_dvn = _dot(b_kg, b_dh, PREC)
-            b_dh = b_dh * tl.exp2(b_Gl)[:, None] - _dot(tl.trans(b_w), b_dvn, PREC)
-        else:
-            b_qg = _operand(tl.load(qg + p_tk, mask=m_tk, other=0.0), PREC)
-            b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
-            if not FINAL_ONLY:
-                tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-            b_dh = (b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
-                    - _dot(tl.trans(b_w), b_dvn, PREC))
+        b_qg = _operand(tl.load(qg + p_tk, mask=m_tk, other=0.0), PREC)
+        b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
+        tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
+        b_dh = b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC) - _dot(tl.trans(b_w), b_dvn, PREC)
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 
 
@@ -446,13 +430,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, sms)
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
-                **scan_stages(LAUNCH["bwd_scan"], BVs, V, N * HV, sms)}
-        two_level = _two_level() if FWD_LAUNCH["scan"]["SEGMENT"] else None  # opt-in, untimed
-        if two_level and two_level.use_two_level(N, HV, V, NT, BVs, sms, varlen):
-            two_level.two_level_bwd_scan(*scan_args[:10], T=T, K=K, V=V, BK=BK, BV=_bv("bwd_scan", V), BT=BT,
-                                         prec=scan["PREC"])
-        else:
-            _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
+                **_opts("bwd_scan")}
+        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,

@@ -43,13 +43,8 @@ shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
-        # a launch passes the defaulted constexprs as constants; ASTSource would make them runtime arguments
-        scan_kv = {**kv, "FINAL_ONLY": False, "ZERO_DO": False}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
-            compile_(B._bwd_scan_kernel, scan_kv, 4, states)
-            compile_(B._bwd_scan_kernel, scan_kv, 4, states, num_stages=3)  # FEW_STAGES (triton_chunk.scan_stages)
-        for zero_do in (False, True):  # the two-level reverse scan's segment passes (triton_scan2)
-            compile_(B._bwd_scan_kernel, {**kv, "FINAL_ONLY": True, "ZERO_DO": zero_do}, 4)
+            compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
@@ -69,14 +64,9 @@ for varlen in (False, True):
                  F.LAUNCH["intra"]["num_warps"], ("qg",))
     for output, half in itertools.product((True, False), repeat=2):  # the state scan: with the output, or storing
         scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,  # states
-                "VARLEN": varlen, "PREC": "tf32", "FINAL_ONLY": False, "ZERO_U": False}
+                "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
-        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves)
-        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, num_stages=3)  # FEW_STAGES
-    for final_only, zero_u in ((True, False), (True, True)):  # the two-level scan's segment passes (triton_scan2)
-        compile_(F._scan_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": zero_u, "STORE_HT": True,
-                                  "OUTPUT": False, "VARLEN": True, "PREC": "tf32", "FINAL_ONLY": final_only,
-                                  "ZERO_U": zero_u}, F.LAUNCH["scan"]["num_warps"], ("kg",))
+        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))

@@ -570,17 +570,6 @@ def test_scan_v_block_splits_when_few_sequences():
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
-def test_scan_stages_with_fewer_programs_than_multiprocessors():
-    """A state scan's num_stages is its FEW_STAGES entry only while it runs fewer programs than multiprocessors."""
-    from k3.kernels.kda.triton_chunk import scan_stages
-
-    cfg = {"num_warps": 4, "num_stages": 1, "FEW_STAGES": 3}
-    assert scan_stages(cfg, 32, 128, 32, 132) == {"num_warps": 4, "num_stages": 3}  # (2, T, 16, 128): 128 programs
-    assert scan_stages(cfg, 64, 128, 128, 132) == {"num_warps": 4, "num_stages": 1}  # (8, T, 16, 128): 256
-    assert scan_stages(cfg, 64, 128, 66, 132)["num_stages"] == 1  # exactly one per multiprocessor
-    assert scan_stages(cfg, 32, 128, 1, 0)["num_stages"] == 1  # no GPU (the interpreter)
-
-
 QK_NORM_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens, K3_KDA_BWD)
     (2, 70, 1, 2, 32, 64, True, None, "triton"),  # GVA, a partial chunk, the whole intra walk
     (1, 45, 1, 1, 60, 32, False, None, "triton"),  # exact diagonal path, K padded (60 -> 64)
