@@ -56,6 +56,8 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
     bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
     for mod, name in KERNELS.values():
         mod.LAUNCH[name]["num_warps"] = nw
+        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the intra kernel's K <= 64 setting: swept alike
+            mod.LAUNCH[name]["SMALL_K_WARPS"] = nw
         mod.LAUNCH[name]["num_stages"] = ns
         if "BV" in mod.LAUNCH[name]:
             mod.LAUNCH[name]["BV"] = bv
@@ -233,6 +235,8 @@ def main():
         if n in best:
             nw, ns = ((mod.LAUNCH[name]["num_warps"], mod.LAUNCH[name].get("num_stages", 1)) if best[n] == DEFAULTS
                       else best[n][:2])
+            if best[n] == DEFAULTS and name == "intra":  # its warps depend on K (intra_opts)
+                nw = fwd_mod.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if OTHER_OPS:

@@ -71,8 +71,9 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 ste
 # next_pow2(V), and at 32 when K > 128). Module-level so benchmarks/kda_tune.py can sweep them on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) bf16, 2026-11-29 (RESULTS.md)
     # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
-    # session 8's two-pass form)
-    "intra": {"num_warps": 2, "num_stages": 1},
+    # session 8's two-pass form). SMALL_K_WARPS: num_warps when K <= 64 (intra_opts): at (16, 2048, 32, 64) 545 us
+    # at 1 warp (session 11) against 710 at 2 (session 10's call 4, the same kernel; RESULTS.md)
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -104,6 +105,12 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
 def launch_opts(name: str) -> dict[str, int]:
     """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def intra_opts(BK: int) -> dict[str, int]:
+    """num_warps / num_stages of the forward intra kernel at padded key dim BK: SMALL_K_WARPS when BK <= 64."""
+    opts = launch_opts("intra")
+    return {**opts, "num_warps": LAUNCH["intra"]["SMALL_K_WARPS"]} if BK <= 64 else opts
 
 
 def v_block(name: str, V: int, BK: int) -> int:
@@ -414,7 +421,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
                                              chunk_indices, cu, float(scale), shift, T, NT, **intra,
-                                             **launch_opts("intra"))
+                                             **intra_opts(BK))
         if g_check:
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,

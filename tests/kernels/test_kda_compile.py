@@ -59,9 +59,10 @@ for varlen in (False, True):
             compile_(G._gate_fwd_kernel, flags, 4, ("z",))
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
-        compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk,
-                                       "CHECK_G": check, "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"},
-                 F.LAUNCH["intra"]["num_warps"], ("qg",))
+        intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
+                 "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
+        compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
+    compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
     for output, half in itertools.product((True, False), repeat=2):  # the state scan: with the output, or storing
         scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,  # states
                 "VARLEN": varlen, "PREC": "tf32"}
