@@ -23,7 +23,8 @@ Kernels:
 1. `_bwd_scan_kernel`, one program per (V block, sequence, value head): the reverse scan; stores dv_new, dh' per
    chunk (fp32, or bf16 for bf16 inputs with bf16 dots) and dh0.
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
-   dv, dbeta and partial dqs, dk, dGamma, plus dAqk and dAkk (fp32 [T_all, HV, BT]).
+   dv, dbeta and partial dqs, dk, dGamma (fp32; dqs and dk in the inputs' dtype with LAUNCH["bwd_inter"]
+   ["HALF_PARTIALS"]), plus dAqk and dAkk (fp32 [T_all, HV, BT]).
 3. `_bwd_intra_kernel`, one program per (chunk, 16-token sub-chunk, K block, value head): the gradient of Aqk and
    Akk w.r.t. q, k, Gamma of the sub-chunk's rows: as queries against earlier sub-chunks' keys (anchor Gamma_n,
    the sub-chunk's first row) and as keys against later sub-chunks' queries (anchor: its last row), both factors
@@ -67,7 +68,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
-    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16"},
+    # HALF_PARTIALS: its partial dq and dk (dqs, dkk [T_all, HV, K], read back by the intra kernel) stored in the
+    # inputs' bf16 / fp16 instead of fp32 (partial_dtype; untimed, so off): 268 MB less written and read back of the
+    # three fp32 partials' 805 MB at (8, 4096, 16, 128); dGamma stays fp32 (its in-chunk cumsum sums 64 rows)
+    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": False},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
@@ -100,6 +104,14 @@ def _prec(name: str, dtype: torch.dtype) -> str:
     if prec not in INTER_PRECISIONS:
         raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
     return _interpreted(prec)
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the inter kernel's partial dq / dk for inputs of `dtype`: fp32, or with LAUNCH["bwd_inter"]
+    ["HALF_PARTIALS"] the inputs' half dtype (their one use adds them to the intra kernel's fp32 terms before dq / dk
+    are rounded to that dtype anyway)."""
+    half = LAUNCH["bwd_inter"]["HALF_PARTIALS"] and dtype in (torch.bfloat16, torch.float16)
+    return dtype if half else torch.float32
 
 
 def _interpreted(prec: str) -> str:
@@ -232,8 +244,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
         b_dGc = b_dqg * b_q * b_eG + b_b[:, None] * b_kb * b_k - b_dkg * b_kg
         b_dlast = b_dlast * tl.exp2(b_Gl) + tl.sum(b_dkg * b_kg, axis=0)
         b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
-        tl.store(dqs + p_tk, b_dqg * b_eG, mask=m_tk)
-        tl.store(dkk + p_tk, b_b[:, None] * b_kb + b_dkg * b_eL, mask=m_tk)
+        tl.store(dqs + p_tk, (b_dqg * b_eG).to(dqs.dtype.element_ty), mask=m_tk)
+        tl.store(dkk + p_tk, (b_b[:, None] * b_kb + b_dkg * b_eL).to(dkk.dtype.element_ty), mask=m_tk)
         tl.store(dG + p_tk, b_dGc, mask=m_tk)
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
@@ -346,10 +358,10 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_
             b_dco += _dot(tl.trans(b_dAq_j), b_qe, OFF) + _dot(tl.trans(b_dAk_j), b_ke, OFF)
         b_dco *= tl.exp2(tl.where(m_ik, b_Ga[None, :] - b_G, float("-inf")))
     b_dc += b_dco
-    tl.store(dq_out + p_ik, ((tl.load(dqs + p_ik, mask=m_ik, other=0.0) + b_dqr) * scale)
+    tl.store(dq_out + p_ik, ((tl.load(dqs + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dqr) * scale)
              .to(dq_out.dtype.element_ty), mask=m_ik)
-    tl.store(dk_out + p_ik, (tl.load(dkk + p_ik, mask=m_ik, other=0.0) + b_dkr + b_dc).to(dk_out.dtype.element_ty),
-             mask=m_ik)
+    tl.store(dk_out + p_ik, (tl.load(dkk + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dkr + b_dc)
+             .to(dk_out.dtype.element_ty), mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
     b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
     return b_dG, p_ik, m_ik
@@ -414,7 +426,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel
     dAq = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
     dAk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
-    dqs, dkk, dG = (torch.empty(T_all, HV, K, dtype=f32, device=dev) for _ in range(3))
+    dqs, dkk = (torch.empty(T_all, HV, K, dtype=partial_dtype(dt), device=dev) for _ in range(2))
+    dG = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
