@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -48,13 +48,13 @@ kda_gpu_tests() {
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
 # at the two long shapes (or $SHAPES), kda_tune.py --defaults once per argument (each a set of extra flags; "" for as
-# shipped): the scan, w/u and output kernels and the total, us per fwd+bwd
+# shipped): the intra, w/u, scan, output and backward kernels and the total, us per fwd+bwd
 long_shapes_tune() {
   for shape in ${SHAPES:-2,16384,16,128 1,65536,16,128}; do
     for flags in "$@"; do
       timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
         > "$OUT/kda_tune_long.log" 2>&1
-      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _wu|^\| _scan|^\| _output|^\| _bwd_scan|^\| total" \
+      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _intra_sub|^\| _wu|^\| _scan|^\| _output|^\| _bwd_|^\| total" \
         "$OUT/kda_tune_long.log"
     done
   done
@@ -303,8 +303,21 @@ s11c)
   kda_table
   SHAPES="8,4096,16,128 1,65536,16,128" long_shapes_tune "--scan-warps 8"
   ;;
+s12)
+  # prepared in session 11: the KDA GPU tests (the forward intra kernel at 1 warp for K <= 64), the gradient tests
+  # with the backward's half partials on (one process: LAUNCH set before pytest starts), per kernel with and without
+  # them at the first and fourth shapes, then issue 4's whole table
+  kda_gpu_tests
+  timeout -s INT -k 10 200 python3 -c "import sys, pytest; from k3.kernels.kda import triton_chunk_bwd as B
+B.LAUNCH['bwd_inter']['HALF_PARTIALS'] = True
+sys.exit(pytest.main(['tests/kernels/test_kda_triton.py', '-k', 'gradient', '-p', 'no:cacheprovider', '-rf']))" \
+    > "$OUT/half_tests.log" 2>&1
+  echo "half-partials gradient tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/half_tests.log" | tail -8
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--half-partials"
+  kda_table
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12)" >&2; exit 2
   ;;
 esac
