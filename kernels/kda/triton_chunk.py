@@ -82,7 +82,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
-    # scan: the scans run 3 stages (their tl.range loops pipeline the loads); H200 per fwd+bwd at 1 / 3 stages
+    # scan: the scans run 3 stages (num_stages of their tl.range loops; in bf16 the PTX has no cp.async, so the gain
+    # is the loop's schedule, not a shared-memory prefetch: RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
     # (kda_tune.py --defaults --scan-stages, session 11): (8,4096,16,128) 6,214 -> 6,139 us; (16,2048,32,64)
     # 6,429 -> 6,266; (2,16384,16,128) 7,983 -> 6,802; (1,65536,16,128) 20,480 -> 15,681. Per kernel at 1 / 2 / 3
     # stages (2026-11-30, RESULTS.md session 11): forward scans 1,522 / 1,100 / 865 and backward scan 1,012 / 639 /
@@ -371,7 +372,8 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
     """Whether a forward computes its output inside the state scan (chunk_fwd_states with `o`) rather than in
     `_output_kernel`: when the scan runs at least LAUNCH["scan"]["OUTPUT_FROM"] programs (sequences x value heads
     x V blocks). The fused scan stores no states and no v_new, but each step of its sequential loop does the output's
-    two dots too; with few programs that loop is the forward's critical path."""
+    two dots too; with few programs that loop is the forward's critical path, which cost more than the stores saved at
+    1 stage, but not at 3 (OUTPUT_FROM 0: fused at every shape timed; LAUNCH's comment)."""
     BVs = scan_v_block(v_block("scan", V, max(16, triton.next_power_of_2(K))), V, N * HV, device_sms(dev))
     return N * HV * triton.cdiv(V, BVs) >= LAUNCH["scan"]["OUTPUT_FROM"]
 
