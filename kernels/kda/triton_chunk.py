@@ -82,8 +82,9 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
-    # scan: the scans run 3 stages (num_stages of their tl.range loops; in bf16 the PTX has no cp.async, so the gain
-    # is the loop's schedule, not a shared-memory prefetch: RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
+    # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
+    # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 119-221 KB per program at V block 32 / 64, against 29-82
+    # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
     # (kda_tune.py --defaults --scan-stages, session 11): (8,4096,16,128) 6,214 -> 6,139 us; (16,2048,32,64)
     # 6,429 -> 6,266; (2,16384,16,128) 7,983 -> 6,802; (1,65536,16,128) 20,480 -> 15,681. Per kernel at 1 / 2 / 3
     # stages (2026-11-30, RESULTS.md session 11): forward scans 1,522 / 1,100 / 865 and backward scan 1,012 / 639 /
