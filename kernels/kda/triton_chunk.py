@@ -83,7 +83,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 9); heads with K > 128 go in blocks of 128
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
-    # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 119-221 KB per program at V block 32 / 64, against 29-82
+    # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
     # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
     # (kda_tune.py --defaults --scan-stages, session 11): (8,4096,16,128) 6,214 -> 6,139 us; (16,2048,32,64)
     # 6,429 -> 6,266; (2,16384,16,128) 7,983 -> 6,802; (1,65536,16,128) 20,480 -> 15,681. Per kernel at 1 / 2 / 3
