@@ -60,7 +60,7 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds, device_sms
+from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds, device_sms, launch_fitting
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
@@ -357,15 +357,14 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
                              float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
                              STORE_QG=q is not None, **common, **launch_opts("wu"))
-    sms = device_sms(dev)
-    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, sms)
+    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
-    _scan_kernel[grid](kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
-                       qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H,
-                       HV=HV, K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
-                       **common, **launch_opts("scan"))
+    launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
+                   qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV,
+                   K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused, **common,
+                   **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
 
 

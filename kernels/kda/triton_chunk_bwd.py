@@ -50,7 +50,7 @@ import triton.language as tl
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
-from .triton_common import _chunk_bounds, _dot, _seq_bounds
+from .triton_common import _chunk_bounds, _dot, _seq_bounds, launch_fitting
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -439,12 +439,11 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         for t in (dq, dk, dv, dg, db):
             t.zero_()
     else:
-        sms = device_sms(dev)
-        BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, sms)
+        BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, device_sms(dev))
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
                 **_opts("bwd_scan")}
-        _bwd_scan_kernel[(triton.cdiv(V, BVs), N, HV)](*scan_args, BK=BK, **scan)
+        launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,

@@ -1,5 +1,5 @@
 """Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): the device's
-multiprocessor count for the launch heuristics, a program's chunk or sequence bounds (padded and varlen layouts, both
+multiprocessor count for the launch heuristics, a launch that falls back to 1 stage where a pipelined one does not fit, a program's chunk or sequence bounds (padded and varlen layouts, both
 directions), the diagonal 16 x 16 block of the forward's intra-chunk step, and its kernel, one program per sub-chunk
 (`_intra_sub_kernel`). Legend as in triton_chunk.py.
 """
@@ -11,6 +11,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 
 @functools.cache
@@ -22,6 +23,34 @@ def sm_count(index: int) -> int:
 def device_sms(dev: torch.device) -> int:
     """sm_count of a CUDA device; 0 elsewhere (the CPU interpreter keeps LAUNCH's V blocks)."""
     return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
+
+
+# launches whose pipelined kernel did not fit its device's shared memory, relaunched at 1 stage (launch_fitting)
+_UNFIT: set[tuple] = set()
+
+
+def _launch_key(kernel, args, kw) -> tuple:
+    """What decides a compiled kernel's shared memory: the kernel, its constexprs and launch options, its tensors'
+    dtypes, the device."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return (kernel.__name__, tuple(sorted(kw.items())), tuple(a.dtype for a in tensors), tensors[0].device)
+
+
+def launch_fitting(kernel, grid, *args, **kw) -> None:
+    """kernel[grid](*args, **kw), at 1 stage instead of kw's num_stages where the pipelined kernel's shared memory
+    does not fit the device: Triton raises OutOfResources when it loads the compiled kernel, before anything runs.
+    The state scans at 3 stages need up to 216 KB in bf16 at K = 128 (an H200 gives a block 227 KB), but 288 KB in
+    fp32 and 376 KB at K = 256 (sm_90a; RESULTS.md session 11). A refused launch is remembered, so it is tried
+    once per signature; the check costs nothing while none was refused."""
+    if _UNFIT and _launch_key(kernel, args, kw) in _UNFIT:
+        kw = {**kw, "num_stages": 1}
+    try:
+        kernel[grid](*args, **kw)
+    except OutOfResources:
+        if kw.get("num_stages", 1) == 1:
+            raise
+        _UNFIT.add(_launch_key(kernel, args, kw))
+        kernel[grid](*args, **{**kw, "num_stages": 1})
 
 
 @triton.jit

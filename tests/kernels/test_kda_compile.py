@@ -34,7 +34,11 @@ INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 def compile_(fn, consts, num_warps, half=(), num_stages=None):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
            or a in half else "*fp32") for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
+    # the cp.async path the GPU runs (without the hint they compile as at 1 stage)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=aligned)
     opts = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     assert f".entry {fn.__name__}" in ptx, fn.__name__

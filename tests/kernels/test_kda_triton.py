@@ -770,3 +770,33 @@ def test_intra_kernel_gate_bound_check():
     g[1, 66, 1, 3] = -6.0
     with pytest.raises(RuntimeError, match="g below the floor"):
         triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
+
+
+def test_launch_fitting_falls_back_to_one_stage(monkeypatch):
+    """A pipelined launch whose shared memory does not fit the device (Triton's OutOfResources, raised when it loads
+    the kernel, before anything runs) is relaunched at 1 stage, and that signature goes straight to 1 stage after;
+    another signature keeps its stages, and a launch refused at 1 stage raises."""
+    from triton.runtime.errors import OutOfResources
+
+    from k3.kernels.kda import triton_common
+
+    monkeypatch.setattr(triton_common, "_UNFIT", set())
+    launches = []
+
+    class Kernel:  # refuses more than 1 stage at K = 256, as the state scans' shared memory does on an H200
+        __name__ = "_fake_scan"
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append((kw["K"], kw["num_stages"]))
+                if kw["K"] > 256 or (kw["K"] == 256 and kw["num_stages"] > 1):
+                    raise OutOfResources(385024, 232448, "shared memory")
+            return run
+
+    x = torch.zeros(2)
+    for K in (256, 256, 128):
+        triton_common.launch_fitting(Kernel(), (1,), x, K=K, num_stages=3)
+    assert launches == [(256, 3), (256, 1), (256, 1), (128, 3)]
+    with pytest.raises(OutOfResources):  # nothing left to fall back to
+        triton_common.launch_fitting(Kernel(), (1,), x, K=512, num_stages=1)
+    assert launches[-1] == (512, 1)
