@@ -163,7 +163,7 @@ def main() -> None:
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
     # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
     intra_uses = [("safe gate (inference)", True, False, True, False),
-                  ("safe gate (training: Akk; output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
                   ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
                   ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
