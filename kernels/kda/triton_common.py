@@ -1,7 +1,8 @@
 """Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): the device's
-multiprocessor count for the launch heuristics, a launch that falls back to 1 stage where a pipelined one does not fit, a program's chunk or sequence bounds (padded and varlen layouts, both
-directions), the diagonal 16 x 16 block of the forward's intra-chunk step, and its kernel, one program per sub-chunk
-(`_intra_sub_kernel`). Legend as in triton_chunk.py.
+multiprocessor count for the launch heuristics, a launch that falls back to 1 stage where a pipelined one does not
+fit, a program's chunk or sequence bounds (padded and varlen layouts, both directions), the diagonal 16 x 16 block of
+the forward's intra-chunk step, and its kernel, one program per sub-chunk (`_intra_sub_kernel`). Legend as in
+triton_chunk.py.
 """
 
 from __future__ import annotations
