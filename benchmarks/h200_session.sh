@@ -306,7 +306,7 @@ s11c)
 s12)
   # prepared in session 11: the KDA GPU tests (the forward intra kernel at 1 warp for K <= 64), the gradient tests
   # with the backward's half partials on (one process: LAUNCH set before pytest starts), per kernel with and without
-  # them at the first and fourth shapes, then issue 4's whole table
+  # them at the first and fourth shapes, the scans' 1-stage fallback, then issue 4's whole table
   kda_gpu_tests
   timeout -s INT -k 10 200 python3 -c "import sys, pytest; from k3.kernels.kda import triton_chunk_bwd as B
 B.LAUNCH['bwd_inter']['HALF_PARTIALS'] = True
@@ -314,6 +314,16 @@ sys.exit(pytest.main(['tests/kernels/test_kda_triton.py', '-k', 'gradient', '-p'
     > "$OUT/half_tests.log" 2>&1
   echo "half-partials gradient tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/half_tests.log" | tail -8
   SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--half-partials"
+  # which 3-stage scan launches do not fit the H200's shared memory (triton_common.launch_fitting's fallback):
+  # fp32 at K = 128 and bf16 at K = 256, forward and backward
+  timeout 120 python3 -c "import torch; from k3.kernels.kda import chunk_kda, triton_common as C
+for dt, B, H, D in ((torch.float32, 8, 16, 128), (torch.bfloat16, 2, 4, 256)):
+    q, k, v = (torch.randn(B, 1024, H, D, device='cuda', dtype=dt, requires_grad=True) for _ in range(3))
+    g = (-5 * torch.rand(B, 1024, H, D, device='cuda')).requires_grad_()
+    beta = torch.rand(B, 1024, H, device='cuda', dtype=dt, requires_grad=True)
+    o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    o.float().sum().backward(); torch.cuda.synchronize()
+    print(dt, D, 'ok; fell back to 1 stage:', sorted(key[0] for key in C._UNFIT))" 2>&1 | tail -4
   kda_table
   ;;
 *)
