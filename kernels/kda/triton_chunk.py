@@ -374,8 +374,6 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
     x V blocks). The fused scan stores no states and no v_new, but each step of its sequential loop does the output's
     two dots too; with few programs that loop is the forward's critical path, which cost more than the stores saved at
     1 stage, but not at 3 (OUTPUT_FROM 0: fused at every shape timed; LAUNCH's comment)."""
-    if LAUNCH["scan"]["OUTPUT_FROM"] <= 0:  # the default: no V block to work out
-        return True
     BVs = scan_v_block(v_block("scan", V, max(16, triton.next_power_of_2(K))), V, N * HV, device_sms(dev))
     return N * HV * triton.cdiv(V, BVs) >= LAUNCH["scan"]["OUTPUT_FROM"]
 
