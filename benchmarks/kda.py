@@ -85,10 +85,12 @@ KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
 
 
 def time_chunk(fn, xs, do, fwd_only=False):
+    """fwd ms, fwd+bwd ms and the fwd+bwd's peak memory above what was allocated before it (GB: what the forward
+    keeps for the backward, plus the backward's buffers and the inputs' gradients)."""
     with torch.no_grad():
         t_fwd = bench(lambda: fn(*xs, **KW))
     if fwd_only:
-        return t_fwd, float("nan")
+        return t_fwd, float("nan"), float("nan")
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def fwd_bwd():
@@ -96,7 +98,14 @@ def time_chunk(fn, xs, do, fwd_only=False):
         o.backward(do)
 
     t_fb = bench(fwd_bwd, ms=600, grad_to_none=leaves)
-    return t_fwd, t_fb
+    for x in leaves:
+        x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return t_fwd, t_fb, (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
 def time_sdpa(xs, do, fwd_only=False):
@@ -230,9 +239,13 @@ def main():
     ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
                     "dt_bias (use_gate_in_kernel=True, the lower-bound gate: the K3 model's call) instead of "
                     "precomputed log gates")
+    ap.add_argument("--recompute", action="store_true", help="k3's backward recomputes w, u, v_new and the states "
+                    "(K3_KDA_RECOMPUTE=1: less memory, fla's policy) instead of keeping the forward's")
     ap.add_argument("--state-v-first", action="store_true", help="decode with the state pool V-first, [P, H, V, K] "
                     "(each program's state tile contiguous in memory); k3 only, so with --no-fla")
     args = ap.parse_args()
+    if args.recompute:
+        os.environ["K3_KDA_RECOMPUTE"] = "1"
     if args.state_v_first:
         if not args.no_fla:
             ap.error("--state-v-first times k3 alone (fla's by-slot step reads K-first pools): add --no-fla")
@@ -267,8 +280,8 @@ def main():
               "k3 time")
         print("| shape (B,T,H,D) | k3 bwd BK inter / intra, inter precision | rel_rms vs fla | k3 fwd | fla fwd | "
               "sdpa fwd | fla/k3 fwd | k3 fwd+bwd | fla fwd+bwd | sdpa fwd+bwd | fla/k3 fwd+bwd | frac fwd | "
-              "frac fwd+bwd |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "frac fwd+bwd | k3 / fla fwd+bwd peak GB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for B, T, H, D in [] if args.decode_only else shapes:
         torch.manual_seed(0)
         xs = chunk_inputs(B, T, H, D)
@@ -276,13 +289,13 @@ def main():
             xs[3] = torch.randn(B, T, H, D, device=DEV)
             KW.update(A_log=torch.randn(H, device=DEV), dt_bias=torch.randn(H * D, device=DEV))
         do = torch.randn(B, T, H, D, device=DEV, dtype=BF16)
-        fla_f = fla_fb = float("nan")
+        fla_f = fla_fb = fla_mem = float("nan")
         with torch.no_grad():
             o_fla = fla_chunk(*xs, **KW)[0] if fla_chunk else None
         if fla_chunk:
-            fla_f, fla_fb = time_chunk(fla_chunk, xs, do, args.fwd_only)
+            fla_f, fla_fb, fla_mem = time_chunk(fla_chunk, xs, do, args.fwd_only)
             print(f"# {datetime.datetime.now():%H:%M:%S} fla ({B},{T},{H},{D}): fwd {fla_f:.3f} ms, fwd+bwd "
-                  f"{fla_fb:.3f} ms", flush=True)
+                  f"{fla_fb:.3f} ms, peak {fla_mem:.2f} GB", flush=True)
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
@@ -291,10 +304,10 @@ def main():
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
-            k3_f, k3_fb = time_chunk(chunk_kda, xs, do, args.fwd_only)
+            k3_f, k3_fb, k3_mem = time_chunk(chunk_kda, xs, do, args.fwd_only)
             print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
-                  f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} |", flush=True)
+                  f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |", flush=True)
             del o_k3
         launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
         launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]

@@ -176,13 +176,15 @@ def main() -> None:
         ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
-        # the forward scan in each use: (name, OUTPUT, argument type overrides)
+        # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
-           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out},
+           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, "STORE_STATES": st},
            F.launch_opts("scan"), over)
-          for name, out, over in (("bf16 states", False, {"hbuf": "*bf16"}),
-                                  ("with the output: forward, no states stored", True, {}),
-                                  ("fp32 states: backward", False, {}))],
+          for name, out, st, over in (("bf16 states", False, True, {"hbuf": "*bf16"}),
+                                      ("with the output: inference forward, no states stored", True, False, {}),
+                                      ("with the output and bf16 states: training forward", True, True,
+                                       {"hbuf": "*bf16"}),
+                                      ("fp32 states: backward", False, True, {}))],
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
          {**bwd, "BV": B._bv("bwd_scan", V), "PREC": B._prec("bwd_scan", torch.bfloat16)},

@@ -155,8 +155,8 @@ def main():
     ap.add_argument("--scan-stages", type=int, default=None, help="num_stages of both state scans (LAUNCH['scan'] "
                     "and ['bwd_scan'] num_stages)")
     ap.add_argument("--scan-warps", type=int, default=None, help="num_warps of both state scans")
-    ap.add_argument("--half-partials", action="store_true", help="the backward inter kernel's partial dq / dk in "
-                    "bf16 (triton_chunk_bwd.LAUNCH['bwd_inter']['HALF_PARTIALS'])")
+    ap.add_argument("--fp32-partials", action="store_true", help="the backward inter kernel's partial dq / dk in "
+                    "fp32 (triton_chunk_bwd.LAUNCH['bwd_inter']['HALF_PARTIALS'] off; bf16 by default)")
     ap.add_argument("--bwd-scan-bv", type=int, default=None, help="V block of the backward's reverse state scan "
                     "(triton_chunk_bwd.LAUNCH['bwd_scan']['BV'])")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
@@ -184,8 +184,8 @@ def main():
         fwd_mod.LAUNCH["scan"]["num_stages"] = bwd_mod.LAUNCH["bwd_scan"]["num_stages"] = args.scan_stages
     if args.scan_warps:
         fwd_mod.LAUNCH["scan"]["num_warps"] = bwd_mod.LAUNCH["bwd_scan"]["num_warps"] = args.scan_warps
-    if args.half_partials:
-        bwd_mod.LAUNCH["bwd_inter"]["HALF_PARTIALS"] = True
+    if args.fp32_partials:
+        bwd_mod.LAUNCH["bwd_inter"]["HALF_PARTIALS"] = False
     if args.bwd_scan_bv:
         bwd_mod.LAUNCH["bwd_scan"]["BV"] = args.bwd_scan_bv
     if args.output_from is not None:

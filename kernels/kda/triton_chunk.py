@@ -32,13 +32,14 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) has the intra kernel store Akk = k k^T with decay (no beta, fp32) in place
-of L (STORE_AKK; the solve scales its rows by beta as it loads them) and keeps Gamma, Aqk, Akk and M; the backward
-recomputes only steps 3 and 4 (`chunk_fwd_states`: w, u, kg, qg, v_new and the states, stored in fp32, or bf16 for
-bf16 inputs) and runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
+of L (STORE_AKK; the solve scales its rows by beta as it loads them) and keeps Gamma, Aqk, Akk and M, and by default
+(keep_states) also w, u, kg, qg, and v_new and the states, which its fused scan then stores too; with
+K3_KDA_RECOMPUTE=1 the backward recomputes those (steps 3 and 4, `chunk_fwd_states`). It then runs the reverse state
+scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
-Aqk and Akk and recomputes w, u and h in its backward). A forward without gradients (inference) stores no Akk and
-keeps nothing.
+Aqk and Akk and recomputes w, u and h in its backward), plus by default the states' 1,792 bytes at K = V = 128
+(keep_states). A forward without gradients (inference) stores no Akk and keeps nothing.
 K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the
 interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,
@@ -50,9 +51,7 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
 
 import torch
 import triton
@@ -60,7 +59,7 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .triton_common import _chunk_bounds, _intra_sub_kernel, _seq_bounds, device_sms, launch_fitting
+from .triton_common import _chunk_bounds, _intra_sub_kernel, _layout_args, _seq_bounds, device_sms, launch_fitting
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
@@ -189,10 +188,11 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
 def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 OUTPUT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
-    # registers, and neither h[c] nor v_new is stored (hbuf, vnew unused); qg = scale q exp2(Gamma) from the intra
-    # kernel. Without it: h[c] and v_new are stored for `_output_kernel` (and the backward, which recomputes them).
+    # registers; qg = scale q exp2(Gamma) from the intra kernel. STORE_STATES: h[c] and v_new are stored (hbuf,
+    # vnew; else unused), for `_output_kernel` (without OUTPUT) or for the backward (a training forward that keeps
+    # them: keep_states).
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -214,7 +214,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
         m_t = o_t < n_valid
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        if not OUTPUT:
+        if STORE_STATES:
             tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
                      b_h.to(hbuf.dtype.element_ty), mask=m_kv)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
@@ -229,7 +229,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
             b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
             b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        else:
+        if STORE_STATES:
             tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
@@ -265,58 +265,8 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
     tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-_LAYOUT_CACHE: list = []  # [(weakref to cu_seqlens, its _version, chunk_size, device, layout)], the latest few
-
-
-def chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host=None):
-    """Chunk bookkeeping shared by forward and backward: (N, NT, NT_all, chunk_indices [NT_all, 2] int32,
-    chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen.
-
-    The varlen layout needs the sequence lengths on the host: `cu_host` (the offsets as host ints, from callers that
-    have them) or else one read of cu_seqlens, which waits for the GPU queue. The two index tables then go to the
-    device in one copy that does not wait. A model calls this with the same cu_seqlens tensor in every layer, forward
-    and backward, so the result is reused while that very tensor object is alive and unmodified (identity +
-    _version)."""
-    if cu_seqlens is None:
-        NT = triton.cdiv(T, chunk_size)
-        return B, NT, B * NT, None, None, None
-    for ref, version, bt, dev, layout in _LAYOUT_CACHE:
-        if ref() is cu_seqlens and version == cu_seqlens._version and bt == chunk_size and dev == str(device):
-            return layout
-    layout = _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host)
-    _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, chunk_size, str(device), layout))
-    del _LAYOUT_CACHE[4:]
-    return layout
-
-
-def _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host=None):
-    lens = [b - a for a, b in itertools.pairwise(cu_host if cu_host is not None else cu_seqlens.tolist())]
-    per = [triton.cdiv(n, chunk_size) for n in lens]
-    NT_all = sum(per)
-    # one int32 host buffer [chunk_indices (2 * NT_all), padding to 16 bytes | chunk_offsets (N + 1)]: a
-    # `torch.tensor(list, device="cuda")` is a blocking copy (it waits for the queue), pinned + non_blocking is not
-    pad = -2 * NT_all % 4  # chunk_offsets stays 16-byte aligned, like a tensor of its own (Triton pointer hints)
-    host = torch.tensor([v for n, m in enumerate(per) for c in range(m) for v in (n, c)] + [0] * pad
-                        + [0, *itertools.accumulate(per)], dtype=torch.int32)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    dev_t = host.to(device, non_blocking=True)
-    chunk_indices, chunk_offsets = dev_t[:2 * NT_all].view(NT_all, 2), dev_t[2 * NT_all + pad:]
-    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
-    return len(lens), 0, NT_all, chunk_indices, chunk_offsets, cu
-
-
-def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
-    """chunk_layout with the varlen index tensors replaced by `placeholder` when there is no varlen (the kernels
-    take them as arguments and ignore them under VARLEN=False)."""
-    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host)
-    if cu_seqlens is None:
-        chunk_indices = chunk_offsets = cu = placeholder
-    return N, NT, NT_all, chunk_indices, chunk_offsets, cu
-
-
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -329,7 +279,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states: vnew and hbuf are returned as None."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -339,9 +289,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, k)
     T_all = B * T
     fused = o is not None
+    states = not fused or store_states
     w, u = torch.empty(T_all, HV, K, dtype=dt, device=dev), torch.empty(T_all, HV, V, dtype=dt, device=dev)
     vnew = hbuf = None
-    if not fused:
+    if states:
         vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
         hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
@@ -361,10 +312,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
-    launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if not fused else w, hbuf if not fused else w, h0c, ht,
+    launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if states else w, hbuf if states else w, h0c, ht,
                    qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV,
-                   K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused, **common,
-                   **launch_opts("scan"))
+                   K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
+                   STORE_STATES=states, **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
 
 
@@ -379,7 +330,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None):
+                       cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -390,7 +341,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     g_check: (floor, message) or None: the intra kernel also stores each sub-chunk's minimum of g (gmin, fp32
     [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
     the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
-    at (8, 4096, 16, 128) on the H200)."""
+    at (8, 4096, 16, 128) on the H200).
+    keep_states (a training forward for the Triton backward): "states" = (w, u, vnew, hbuf, kg, qg), what the backward
+    would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
+    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -416,6 +370,12 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
     qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused else None
+    if keep_states and fused:
+        from .triton_chunk_bwd import recompute_dtypes  # here: that module imports this one
+
+        keep_states = recompute_dtypes(dt) == (dt, dt)  # hbuf (and kg, qg) stored in dt by the fused forward
+    else:
+        keep_states = False
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
@@ -428,9 +388,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
-    r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], _, _ = chunk_fwd_states(
+    r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
+    r["states"] = (r["w"], r["u"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None
     if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
@@ -451,11 +412,13 @@ class _ChunkKDATriton(torch.autograd.Function):
     Kept for the backward (ctx.bwd):
       None (inference): nothing, and the intra kernel stores no Akk.
       "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
-        Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. The backward recomputes only w, u, v_new
-        and the states (chunk_fwd_states). Per token and value head that is Gam 4K bytes + Aqk 2 BT + Akk 4 BT
-        + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no intra or solve kernel in the
-        backward. The same policy as fla-core 0.6.0's `ChunkKDAFunction` (fla.ops.kda.chunk), which saves the gate
-        cumsum, Aqk and Akk from its forward and recomputes w, u and h in its backward.
+        Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. Per token and value head that is Gam 4K
+        bytes + Aqk 2 BT + Akk 4 BT + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no
+        intra or solve kernel in the backward. By default (keep_states()) also the forward's w, u, v_new, the states
+        entering each chunk, kg and qg (chunk_fwd_pipeline's "states"; bf16 for bf16 inputs: 2 (3K + 2V + KV / BT)
+        bytes, 1,792 at K = V = 128, BT = 64), so the backward recomputes nothing; with K3_KDA_RECOMPUTE=1 the
+        backward recomputes those (chunk_fwd_states), the policy of fla-core 0.6.0's `ChunkKDAFunction`
+        (fla.ops.kda.chunk), which saves the gate cumsum, Aqk and Akk and recomputes w, u and h.
       "torch": q, k, v, g, beta, h0 (the PyTorch backward recomputes everything from them)."""
 
     @staticmethod
@@ -467,9 +430,10 @@ class _ChunkKDATriton(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
-                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"])
+                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
+                               keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
-            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"])
+            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *(r["states"] or ()))
             ctx.g_dtype = g.dtype
         elif ctx.bwd == "torch":
             ctx.save_for_backward(q, k, v, g, beta, h0)
@@ -487,10 +451,10 @@ class _ChunkKDATriton(torch.autograd.Function):
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
-            q, k, v, beta, h0, Gam, Aqk, Akk, Mm = ctx.saved_tensors
+            q, k, v, beta, h0, Gam, Aqk, Akk, Mm, *states = ctx.saved_tensors
             grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
                                      safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
-                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"])
+                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], states=states or None)
             dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
             out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
             return (*out, None)
@@ -519,6 +483,20 @@ def backward_impl() -> str:
     if name not in ("triton", "torch"):
         raise ValueError(f"K3_KDA_BWD must be 'triton' or 'torch', got {name!r}; unset it for the default backward")
     return name
+
+
+def keep_states() -> bool:
+    """Whether a training forward keeps w, u, v_new, the states, kg and qg for the Triton backward (the default), or
+    the backward recomputes them from Gamma and M (K3_KDA_RECOMPUTE=1: 1,792 bytes less per token and value head at
+    K = V = 128 in bf16, 1.7 GB per layer at (1, 65536, 16, 128), for one w/u kernel and one state scan more per
+    backward). Read by the forward, like K3_KDA_BWD."""
+    raw = os.environ.get("K3_KDA_RECOMPUTE", "0").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return True
+    if raw in ("1", "true", "yes", "on"):
+        return False
+    raise ValueError(f"K3_KDA_RECOMPUTE must be 0 (keep the forward's states for the backward, the default) or 1 "
+                     f"(recompute them in the backward, less memory), got {raw!r}")
 
 
 def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -49,8 +49,8 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
-from .triton_chunk import RCP_LN2, chunk_fwd_states, chunk_layout, device_sms, scan_v_block
-from .triton_common import _chunk_bounds, _dot, _seq_bounds, launch_fitting
+from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
+from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, launch_fitting
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -69,9 +69,12 @@ LAUNCH: dict[str, dict[str, int]] = {
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     # HALF_PARTIALS: its partial dq and dk (dqs, dkk [T_all, HV, K], read back by the intra kernel) stored in the
-    # inputs' bf16 / fp16 instead of fp32 (partial_dtype; untimed, so off): 268 MB less written and read back of the
-    # three fp32 partials' 805 MB at (8, 4096, 16, 128); dGamma stays fp32 (its in-chunk cumsum sums 64 rows)
-    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": False},
+    # inputs' bf16 / fp16 instead of fp32 (partial_dtype): 268 MB less written and read back of the three fp32
+    # partials' 805 MB at (8, 4096, 16, 128); dGamma stays fp32 (its in-chunk cumsum sums 64 rows). H200, us per
+    # fwd+bwd, inter + intra kernel, fp32 / bf16 partials (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
+    # 12): (8, 4096, 16, 128) 1,716 + 1,494 / 1,654 + 1,468, total 6,139 / 6,053; (16, 2048, 32, 64) 1,933 + 1,542 /
+    # 1,825 + 1,506, total 6,104 / 5,957; the GPU's bf16 gradient tests pass with them
+    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
@@ -383,13 +386,25 @@ def _bwd_dg_kernel(dG, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, K: tl
     tl.store(dG + p, tl.sum(b, axis=0)[None, :] - tl.cumsum(b, axis=0) + b, mask=m_tk)
 
 
+def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(hbuf, kg / qg) dtypes the backward reads for inputs of `dtype`. The states entering each chunk: bf16 for bf16
+    inputs with bf16 inter dots (which round them to bf16 anyway; the scans carry them in fp32), else fp32. kg = k
+    e^(Gamma_last - Gamma) and qg = scale q e^Gamma for the reverse scan: the input dtype when the scan's dots round
+    them to it anyway (bf16 dots, or fp32 inputs), else fp32. A training forward keeps its own w, u, v_new, states,
+    kg and qg for the backward only when they have these dtypes (triton_chunk.chunk_fwd_pipeline's keep_states)."""
+    half_states = dtype == torch.bfloat16 and _prec("bwd_inter", dtype) == "bf16"
+    kq = dtype if dtype == torch.float32 or _prec("bwd_scan", dtype) in ("bf16", "bf16_emulated") else torch.float32
+    return (dtype if half_states else torch.float32), kq
+
+
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
-                     cu_host=None):
+                     cu_host=None, states=None):
     """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
-    fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. Only w, u, v_new and
-    the states are recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
+    fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. states: the forward's
+    (w, u, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
+    recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -399,15 +414,15 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     BK = max(16, triton.next_power_of_2(K))
     prec = "ieee" if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)  # the intra kernel's diagonal dots
     # bf16 inputs with bf16 inter dots: the states entering each chunk (hbuf) and the state gradients (dhs) are
-    # stored in bf16, as the inter kernel rounds them to bf16 for its dots anyway (the scans carry them in fp32);
-    # half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps h and dh in bf16 too)
-    half_states = dt == torch.bfloat16 and _prec("bwd_inter", dt) == "bf16"
-    # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma for the reverse scan come from the recompute's w/u kernel:
-    # in the input dtype when the scan's dots round them to it anyway (bf16 dots, or fp32 inputs), else fp32
-    kq_dtype = dt if dt == torch.float32 or _prec("bwd_scan", dt) in ("bf16", "bf16_emulated") else torch.float32
-    w, u, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
-                                                   h_fp32=not half_states, cu_host=cu_host, q=q, scale=scale,
-                                                   kq_dtype=kq_dtype)
+    # stored in bf16 (recompute_dtypes); half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps
+    # h and dh in bf16 too)
+    h_dtype, kq_dtype = recompute_dtypes(dt)
+    if states is None:
+        w, u, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
+                                                       h_fp32=h_dtype == torch.float32, cu_host=cu_host, q=q,
+                                                       scale=scale, kq_dtype=kq_dtype)
+    else:
+        w, u, vnew, hbuf, kg, qg = states
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
@@ -420,7 +435,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dht = torch.zeros(N, HV, K, V, dtype=f32, device=dev) if dht is None else dht.float().contiguous()
     # dv_new (scan -> inter kernel, where its one use is a dot operand rounded to bf16 under bf16 dots): stored in
     # bf16 with the states, the same values at half the bytes
-    dvn = torch.empty(T_all, HV, V, dtype=dt if half_states else f32, device=dev)
+    dvn = torch.empty(T_all, HV, V, dtype=h_dtype, device=dev)
     dhs = torch.empty(NT_all, HV, K, V, dtype=hbuf.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
     dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel

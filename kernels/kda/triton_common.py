@@ -8,6 +8,8 @@ triton_chunk.py.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
 import triton
@@ -232,3 +234,53 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     zero = tl.zeros([BC, BC], dtype=Aqk.dtype.element_ty)
     for jz in range(i_i + 1, NC):  # Aqk's columns of later sub-chunks: zeros
         tl.store(Aqk + p_rows + (jz * BC + o_c)[None, :], zero, mask=m_i[:, None])
+
+
+_LAYOUT_CACHE: list = []  # [(weakref to cu_seqlens, its _version, chunk_size, device, layout)], the latest few
+
+
+def chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host=None):
+    """Chunk bookkeeping shared by forward and backward: (N, NT, NT_all, chunk_indices [NT_all, 2] int32,
+    chunk_offsets [N + 1] int32, cu_seqlens int32); the index tensors are None without varlen.
+
+    The varlen layout needs the sequence lengths on the host: `cu_host` (the offsets as host ints, from callers that
+    have them) or else one read of cu_seqlens, which waits for the GPU queue. The two index tables then go to the
+    device in one copy that does not wait. A model calls this with the same cu_seqlens tensor in every layer, forward
+    and backward, so the result is reused while that very tensor object is alive and unmodified (identity +
+    _version)."""
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, chunk_size)
+        return B, NT, B * NT, None, None, None
+    for ref, version, bt, dev, layout in _LAYOUT_CACHE:
+        if ref() is cu_seqlens and version == cu_seqlens._version and bt == chunk_size and dev == str(device):
+            return layout
+    layout = _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host)
+    _LAYOUT_CACHE.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, chunk_size, str(device), layout))
+    del _LAYOUT_CACHE[4:]
+    return layout
+
+
+def _chunk_layout_varlen(chunk_size, cu_seqlens, device, cu_host=None):
+    lens = [b - a for a, b in itertools.pairwise(cu_host if cu_host is not None else cu_seqlens.tolist())]
+    per = [triton.cdiv(n, chunk_size) for n in lens]
+    NT_all = sum(per)
+    # one int32 host buffer [chunk_indices (2 * NT_all), padding to 16 bytes | chunk_offsets (N + 1)]: a
+    # `torch.tensor(list, device="cuda")` is a blocking copy (it waits for the queue), pinned + non_blocking is not
+    pad = -2 * NT_all % 4  # chunk_offsets stays 16-byte aligned, like a tensor of its own (Triton pointer hints)
+    host = torch.tensor([v for n, m in enumerate(per) for c in range(m) for v in (n, c)] + [0] * pad
+                        + [0, *itertools.accumulate(per)], dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev_t = host.to(device, non_blocking=True)
+    chunk_indices, chunk_offsets = dev_t[:2 * NT_all].view(NT_all, 2), dev_t[2 * NT_all + pad:]
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    return len(lens), 0, NT_all, chunk_indices, chunk_offsets, cu
+
+
+def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
+    """chunk_layout with the varlen index tensors replaced by `placeholder` when there is no varlen (the kernels
+    take them as arguments and ignore them under VARLEN=False)."""
+    N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, chunk_size, cu_seqlens, device, cu_host)
+    if cu_seqlens is None:
+        chunk_indices = chunk_offsets = cu = placeholder
+    return N, NT, NT_all, chunk_indices, chunk_offsets, cu

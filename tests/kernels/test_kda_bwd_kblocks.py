@@ -56,18 +56,26 @@ def test_bwd_inter_k_blocks_equal_one_pass(monkeypatch, D, bk, BT, safe, cu):
 def test_half_partials(monkeypatch):
     """LAUNCH["bwd_inter"]["HALF_PARTIALS"]: the inter kernel's partial dq / dk stored in the inputs' half dtype. To
     run the half buffers with fp32 inputs (the interpreter cannot run bf16 ones), partial_dtype is patched to bf16:
-    dv, dg, dbeta and dh0 never read the partials, so they stay bit-identical; dq and dk carry one bf16 rounding of
-    their inter-chunk part, so they differ, but by less than bf16's unit roundoff relative to their size."""
-    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.float32  # off by default (untimed)
+    dv, dg, dbeta and dh0 never read the partials, so they stay bit-identical under the interpreter (on a GPU the
+    inter kernel with a bf16 store is another compilation, whose fp32 products may round in another order: the
+    H200 gave a dg that differed, so there within 1e-6 relative); dq and dk carry one bf16 rounding of their
+    inter-chunk part, so they differ, but by less than bf16's unit roundoff relative to their size."""
+    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.bfloat16  # on by default (RESULTS.md session 12)
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "HALF_PARTIALS", False)
+    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.float32
+    full = _grads(monkeypatch, 64, T=70, HV=2, D=32, BT=64, safe=True)
     monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "HALF_PARTIALS", True)
     assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.bfloat16
     assert triton_chunk_bwd.partial_dtype(torch.float16) == torch.float16
     assert triton_chunk_bwd.partial_dtype(torch.float32) == torch.float32
-    full = _grads(monkeypatch, 64, T=70, HV=2, D=32, BT=64, safe=True)
     monkeypatch.setattr(triton_chunk_bwd, "partial_dtype", lambda dt: torch.bfloat16)
     half = _grads(monkeypatch, 64, T=70, HV=2, D=32, BT=64, safe=True)
     for name, a, b in zip(("dv", "dg", "dbeta", "dh0"), full[2:], half[2:], strict=True):
-        assert torch.equal(a, b), f"{name} changed with half partials"
+        if DEV == "cpu":
+            assert torch.equal(a, b), f"{name} changed with half partials"
+        else:
+            err = ((a - b).norm() / a.norm()).item()
+            assert err < 1e-6, f"{name}: relative change {err:.2e} with half partials (expected fp32 reordering)"
     for name, a, b in zip(("dq", "dk"), full[:2], half[:2], strict=True):
         err = ((a - b).norm() / a.norm()).item()
         assert 0 < err < 2 ** -8, f"{name}: relative change {err:.2e} with bf16 partials (expected one rounding)"

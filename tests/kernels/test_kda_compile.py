@@ -67,9 +67,11 @@ for varlen in (False, True):
                  "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
-    for output, half in itertools.product((True, False), repeat=2):  # the state scan: with the output, or storing
-        scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,  # states
-                "VARLEN": varlen, "PREC": "tf32"}
+    for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
+        if not (output or store):  # storing the states, or both (a training forward that keeps them)
+            continue
+        scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,
+                "STORE_STATES": store, "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
         compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
     for beta_rows in (True, False):  # from Akk (a training forward) or from L

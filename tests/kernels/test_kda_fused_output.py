@@ -144,12 +144,16 @@ def test_fuse_output_threshold(monkeypatch):
     assert fwd.fuse_output(1, 1, 16, 16, cpu)
 
 
-def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy):
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
+def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy, recompute):
     """With fewer scan programs than multiprocessors the scans halve their V block down to 16 (scan_v_block). The
-    interpreter has no multiprocessor count, so one is patched in: the forward scan (with the output), the backward's
-    recompute and its reverse scan then run 16-wide V blocks, and the output, final state and every gradient equal
-    the one-block launch's (V blocks are independent columns of the state) and match the float64 recurrence."""
+    interpreter has no multiprocessor count, so one is patched in: the forward scan (with the output, storing the
+    states the backward keeps by default), the backward's recompute (K3_KDA_RECOMPUTE=1) and its reverse scan then
+    run 16-wide V blocks, and the output, final state and every gradient equal the one-block launch's (V blocks are
+    independent columns of the state) and match the float64 recurrence."""
     from k3.kernels.kda import triton_chunk_bwd as bwd
+
+    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
 
     T, H, HV, K, V, BT = 70, 1, 2, 32, 64, 64
     xs = _inputs(T, H, HV, K, V, 1)
@@ -158,7 +162,8 @@ def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy):
         monkeypatch.setattr(mod, "device_sms", lambda dev: 132)  # an H200's count: 1 x 2 x 64 / 16 = 8 programs
     scans, bwd_scans = launch_spy(fwd, "_scan_kernel"), launch_spy(bwd, "_bwd_scan_kernel")
     o_4, s_4, _, g_4 = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=True, h0=True, cu=None, grad=True)
-    assert scans == [(4, 1, HV), (4, 1, HV)] and bwd_scans == [(4, 1, HV)]  # forward, recompute; V / 16 blocks
+    # forward (and the recompute); V / 16 blocks
+    assert scans == [(4, 1, HV)] * (1 + int(recompute)) and bwd_scans == [(4, 1, HV)]
     assert_close("o (V block 16)", o_1, o_4, 1e-6)
     assert_close("ht (V block 16)", s_1, s_4, 1e-6)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_1, g_4, strict=True):

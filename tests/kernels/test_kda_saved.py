@@ -1,7 +1,8 @@
 """What the Triton KDA chunk forward keeps for its backward (triton_chunk._ChunkKDATriton, issue 4).
 
-A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M; the backward then
-launches no intra or solve kernel, only w/u and the state scan (chunk_fwd_states) before its three gradient kernels.
+A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M, and by default also
+w, u, v_new, the states, kg and qg: the backward then launches only its gradient kernels; with K3_KDA_RECOMPUTE=1 it
+reruns w/u and the state scan (chunk_fwd_states) first.
 An inference forward (no_grad, or no input requiring grad) stores no Akk and saves nothing. Kernel launches are
 counted by wrapping the module-level kernels (the launch code looks them up at call time); what is saved is read
 from the autograd node and from a spy on save_for_backward. Gradients: bitwise equal to the previous full-recompute
@@ -109,14 +110,20 @@ def _kda_node(o):
     raise AssertionError("no _ChunkKDATriton node in the graph of o")
 
 
-def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_solve(launches, saves):
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
+def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_solve(monkeypatch, launches, saves,
+                                                                                   recompute):
+    """K3_KDA_RECOMPUTE=0 (the default): the forward also keeps w, u, v_new, the states entering each chunk, kg and
+    qg, and the backward launches only its four gradient kernels; =1: the backward reruns w/u and the scan first."""
+    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
     T, HV, D, BT = 40, 2, 32, 32
     xs = [x.requires_grad_() for x in _inputs(T, HV, D)]
     o, s = _run(xs, BT=BT)
     assert launches == _forward_launches(True)
-    assert len(saves) == 1 and len(saves[0]) == 9
+    keep = recompute == "0" and triton_chunk.fuse_output(1, HV, D, D, torch.device(DEV))
+    assert len(saves) == 1 and len(saves[0]) == (15 if keep else 9)
     saved = _kda_node(o).saved_tensors
-    q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved
+    q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved[:9]
     assert [x.shape for x in (q, k, v, beta, h0)] == [xs[i].shape for i in (0, 1, 2, 4, 5)]
     assert Gam.shape == (T, HV, D) and Gam.dtype == torch.float32
     assert Aqk.shape == Akk.shape == Mm.shape == (T, HV, BT)
@@ -125,10 +132,25 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     lower = torch.arange(BT)[None, :] // SUB_CHUNK <= torch.arange(T)[:, None] % BT // SUB_CHUNK  # blocks j <= i
     assert torch.isfinite(Akk[lower[:, None, :].expand(-1, HV, -1).to(Akk.device)]).all(), \
         "Akk not written by the forward's intra kernel (NaN-poisoned empty)"
+    if keep:
+        w, u, vnew, hbuf, kg, qg = saved[9:]
+        NT = -(-T // BT)
+        assert [x.shape for x in (w, u, vnew, kg, qg)] == [(T, HV, D)] * 5 and hbuf.shape == (NT, HV, D, D)
+        for name, x in zip(("w", "u", "vnew", "hbuf", "kg", "qg"), saved[9:], strict=True):
+            assert x.dtype == q.dtype and torch.isfinite(x).all(), f"{name} not written by the forward"
+        assert torch.equal(hbuf[0], h0[0]), "the state entering the first chunk is h0"
     launches.clear()
     torch.autograd.grad((o.sum() + s.sum()), xs)
-    assert launches == [("_wu_kernel", None), ("_scan_kernel", None), ("_bwd_scan_kernel", None),
-                        ("_bwd_inter_kernel", None), ("_bwd_intra_kernel", None), ("_bwd_dg_kernel", None)]
+    recomputed = [] if keep else [("_wu_kernel", None), ("_scan_kernel", None)]
+    assert launches == [*recomputed, ("_bwd_scan_kernel", None), ("_bwd_inter_kernel", None),
+                        ("_bwd_intra_kernel", None), ("_bwd_dg_kernel", None)]
+
+
+def test_recompute_setting_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("K3_KDA_RECOMPUTE", "sometimes")
+    xs = [x.requires_grad_() for x in _inputs()]
+    with pytest.raises(ValueError, match="K3_KDA_RECOMPUTE must be 0 .* or 1"):
+        _run(xs)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "no_input_requires_grad"])
@@ -173,9 +195,11 @@ def _old_full_recompute(xs, do, dht, *, BT, safe, cu):
                                              scale=K**-0.5, safe_shift=shift, chunk_size=BT, cu_seqlens=cu_t)
 
 
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
 @pytest.mark.parametrize("safe,cu", [(True, None), (False, None), (True, [0, 9, 9, 40])],
                          ids=["safe", "exact", "varlen"])
-def test_gradients_equal_the_full_recompute_backward(safe, cu):
+def test_gradients_equal_the_full_recompute_backward(monkeypatch, safe, cu, recompute):
+    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
     xs = [x.requires_grad_() for x in _inputs(N=1 if cu is None else len(cu) - 1)]
     o, s = _run(xs, safe=safe, cu=cu)
     do, dht = torch.randn_like(o), torch.randn_like(s)

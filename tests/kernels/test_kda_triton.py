@@ -476,7 +476,7 @@ def test_backend_selection(monkeypatch):
 def test_varlen_chunk_layout_is_reused_only_for_the_same_unmodified_tensor():
     """chunk_layout reads cu_seqlens on the host once per tensor object (every layer of a step passes the same
     one); an in-place change or another tensor with other values recomputes it."""
-    from k3.kernels.kda.triton_chunk import chunk_layout
+    from k3.kernels.kda.triton_common import chunk_layout
 
     cu = torch.tensor([0, 5, 70, 70, 130])
     first = chunk_layout(1, 130, 64, cu, "cpu")
@@ -609,13 +609,15 @@ def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
         assert_close(name, r, x, ratio)
 
 
-def test_chunk_gradients_with_split_scans(monkeypatch):
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
+def test_chunk_gradients_with_split_scans(monkeypatch, recompute):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
-    gradients as the recurrence's."""
+    gradients as the recurrence's, with the forward's states kept (default) or recomputed by the backward."""
     from k3.kernels.kda import triton_chunk as fwd
     from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 
     monkeypatch.setenv("K3_KDA_BWD", "triton")
+    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
     monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
     monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "BV", 64)
     seen = []
@@ -629,8 +631,8 @@ def test_chunk_gradients_with_split_scans(monkeypatch):
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 64, torch.float32)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     # the forward's choice of where its output is computed (fuse_output), the forward scan, the backward's
-    # recompute and the backward scan
-    assert len(seen) == 4
+    # recompute (K3_KDA_RECOMPUTE=1) and the backward scan
+    assert len(seen) == 3 + int(recompute)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
         assert_close(name, r, x, ratio)
 
