@@ -335,9 +335,13 @@ s12b)
   # the half partials on by default, then issue 4's whole table in what is left of the call (fla's autotuning
   # results carried in .triton-cache-parts/ from s12; what it finishes comes back in fla-autotune.tgz)
   KDA_TEST_LIMIT=200 kda_gpu_tests
-  timeout $((570 - SECONDS)) python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  timeout $((540 - SECONDS)) python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$? at ${SECONDS}s"; grep -v "^$" "$OUT/kda.log"
   save_autotune
+  # k3 with the backward recomputing (K3_KDA_RECOMPUTE=1) at the first shape: the memory / time trade
+  timeout $((585 - SECONDS)) python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --no-fla --recompute \
+    > "$OUT/kda_recompute.log" 2>&1
+  echo "kda --recompute rc=$?"; grep "^|" "$OUT/kda_recompute.log"
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
