@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s12c
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -43,8 +43,8 @@ for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_C
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
-    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_qk_norm.py -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf \
+    -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
 # at the two long shapes (or $SHAPES), kda_tune.py --defaults once per argument (each a set of extra flags; "" for as
@@ -343,15 +343,8 @@ s12b)
     > "$OUT/kda_recompute.log" 2>&1
   echo "kda --recompute rc=$?"; grep "^|" "$OUT/kda_recompute.log"
   ;;
-s12c)
-  # the KDA GPU tests (the inference forward's q/k norm inside the kernels among them), then issue 4's whole table
-  # (fla's autotuning results for all four shapes carried in .triton-cache-parts/ from s12b)
-  KDA_TEST_LIMIT=200 kda_gpu_tests
-  timeout $((560 - SECONDS)) python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
-  echo "kda rc=$? at ${SECONDS}s"; grep -v "^$" "$OUT/kda.log"
-  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s12c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b)" >&2; exit 2
   ;;
 esac

@@ -162,23 +162,18 @@ def main() -> None:
     bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
     # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
-    intra_uses = [("safe gate (inference, q/k normalized in the kernel)", True, False, True, True, True),
-                  ("safe gate (inference, intermediate states)", True, False, True, False, False),
-                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False,
-                   False),
-                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True, False),
-                  ("exact gate (training)", False, True, False, False, False)]
+    intra_uses = [("safe gate (inference)", True, False, True, False),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
+                  ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "QK_NORM": norm}, F.intra_opts(intra["BK"]),
-           {"beta": "*fp32"})
-          for name, safe, akk, check, qg, norm in intra_uses],
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
+          for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
-        ("w, u (inference, k normalized in the kernel)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False, "QK_NORM": True}, F.launch_opts("wu"), {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)

@@ -59,15 +59,7 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .triton_common import (
-    _chunk_bounds,
-    _intra_sub_kernel,
-    _layout_args,
-    _rstd,
-    _seq_bounds,
-    device_sms,
-    launch_fitting,
-)
+from .triton_common import _chunk_bounds, _intra_sub_kernel, _layout_args, _seq_bounds, device_sms, launch_fitting
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
@@ -152,9 +144,7 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
 @triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-               QK_NORM: tl.constexpr = False):
-    # QK_NORM: k arrives raw and is L2-normalized here (the inference forward's fused q/k norm; K <= BK, one block)
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -171,8 +161,6 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_k = b_k.to(tl.float32)
-        if QK_NORM:
-            b_k *= _rstd(b_k)[:, None]
         b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
@@ -278,7 +266,7 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False, qk_norm=False):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -291,8 +279,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`. qk_norm: k is
-    raw, and the w/u kernel L2-normalizes it (K <= its K block; chunk_fwd_pipeline's)."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -320,7 +307,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
                              float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
-                             STORE_QG=q is not None, QK_NORM=qk_norm, **common, **launch_opts("wu"))
+                             STORE_QG=q is not None, **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
@@ -343,7 +330,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False, qk_norm=False):
+                       cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -357,11 +344,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     at (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, u, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
-    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
-    qk_norm (an inference forward with use_qk_l2norm_in_kernel): q and k are raw, and the intra and w/u kernels
-    L2-normalize them as they load them when they are the only readers of q and k (the output fused into the scan,
-    K <= the w/u kernel's K block); otherwise one l2norm_triton pass each first. H200, (8, 4096, 16, 128): the two
-    passes took 126 us of a 1.54 ms forward (RESULTS.md session 11)."""
+    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -383,8 +366,6 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
     fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
-    if qk_norm and not (fused and BK <= LAUNCH["wu"]["BK"]):
-        q, k, qk_norm = l2norm_triton(q), l2norm_triton(k), False
     # qg = scale q exp2(Gamma) for the fused output, stored by the intra kernel, which holds q and Gamma anyway:
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
@@ -398,8 +379,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None,
-                 "QK_NORM": qk_norm, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
                                              chunk_indices, cu, float(scale), shift, T, NT, **intra,
@@ -410,8 +390,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states,
-        qk_norm=qk_norm)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
     r["states"] = (r["w"], r["u"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None
     if launch and not fused:
         BVo = v_block("output", V, BK)
@@ -452,7 +431,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               keep_states=ctx.bwd == "triton" and keep_states(), qk_norm=cfg["qk_norm"])
+                               keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
             ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *(r["states"] or ()))
             ctx.g_dtype = g.dtype
@@ -542,12 +521,8 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     B, _T, _, K = q.shape
     HV = v.shape[2]
     # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
-    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32.
-    # Without gradients the core's kernels normalize q and k themselves (chunk_fwd_pipeline's qk_norm)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                           for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-    qk_norm = use_qk_l2norm_in_kernel and not grad
-    if use_qk_l2norm_in_kernel and not qk_norm:
+    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
+    if use_qk_l2norm_in_kernel:
         q, k = l2norm_triton(q), l2norm_triton(k)
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
@@ -571,7 +546,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "g_check": g_check, "qk_norm": qk_norm,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None

@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .gate import L2NORM_EPS
-
 
 @functools.cache
 def sm_count(index: int) -> int:
@@ -145,21 +143,11 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexp
     return b_Ad, b_Ld
 
 
-L2NORM_EPS_C = tl.constexpr(L2NORM_EPS)
-
-
-@triton.jit
-def _rstd(b_x):
-    """(sum_d x_d^2 + eps)^(-1/2) per row of b_x [R, BK] fp32 (kda.gate.l2norm; masked columns read as 0)."""
-    return tl.rsqrt(tl.sum(b_x * b_x, axis=1) + L2NORM_EPS_C)
-
-
 @triton.jit
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                      QK_NORM: tl.constexpr = False):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -176,10 +164,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
     the safe gate's bound check, which then costs no pass of its own over g.
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
-    and Gamma this program holds anyway.
-    QK_NORM (an inference forward with use_qk_l2norm_in_kernel; the whole K in one block): q and k arrive raw and are
-    L2-normalized here, in fp32 (kda.gate.l2norm's formula): its own rows' q and k directly, an earlier sub-chunk's
-    keys by scaling their columns of the [BC, BC] dot products, so no pass of their own stores normalized copies."""
+    and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -203,12 +188,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
     b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row [BK]
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
-    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if QK_NORM:
-        b_q *= _rstd(b_q)[:, None]
-        b_k *= _rstd(b_k)[:, None]
-    b_q *= scale
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     e_q = tl.exp2(tl.where(m_ik, b_G, float("-inf")))  # Gamma_i - Gamma_n <= 0
     b_qf = (b_q * e_q).to(k.dtype.element_ty)
@@ -227,19 +208,11 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
         b_tj = tl.sum(b_gj, axis=0)
         b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
         b_cj += b_tj
-        b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :],
-                       other=0.0).to(tl.float32)
-        if QK_NORM:
-            r_c = _rstd(b_kc)  # [BC], applied to the products' columns below
-        else:  # (defined on both paths for the compiler; unused)
-            r_c = tl.zeros([BC], dtype=tl.float32)
-        b_kc = (b_kc * tl.exp2(tl.where(m_k[None, :], -b_Gj, float("-inf"))))  # Gamma_n - Gamma_c
+        b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], -b_Gj, float("-inf"))))  # Gamma_n - Gamma_c
         b_kc = b_kc.to(k.dtype.element_ty)
         b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
-        if QK_NORM:
-            b_A *= r_c[None, :]
-            b_L *= r_c[None, :]
         p_b = p_rows + r_j[None, :]
         tl.store(Aqk + p_b, b_A.to(Aqk.dtype.element_ty), mask=m_i[:, None])
         if STORE_AKK:

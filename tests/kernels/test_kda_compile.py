@@ -54,9 +54,9 @@ for varlen in (False, True):
             compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                           "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
-    for store_qg, qk_norm in ((False, False), (True, False), (False, True)):  # w / u, kg (and the backward
-        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,  # qg;
-                                "PREC": "tf32", "QK_NORM": qk_norm}, 4, ("kg", "qg"))  # or k normalized in kernel
+    for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
+        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
+                                "PREC": "tf32"}, 4, ("kg", "qg"))
     if not varlen:  # the gate, both directions, every flag
         for has_a, has_bias, lower in itertools.product((True, False), repeat=3):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
@@ -66,8 +66,6 @@ for varlen in (False, True):
         intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
                  "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
-        if qg and not store_akk:  # an inference forward: q and k normalized in the kernel (QK_NORM)
-            compile_(F._intra_sub_kernel, {**intra, "QK_NORM": True}, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
         if not (output or store):  # storing the states, or both (a training forward that keeps them)
