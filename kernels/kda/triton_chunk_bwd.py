@@ -79,7 +79,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
     # One program per (chunk, K block, head) walking the sub-chunks and storing dg directly (no dg pass) took 1,820
-    # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed
+    # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed.
+    # K block 64 (session 12, kda_tune.py --defaults): 2,861 us against 1,511 at (16, 2048, 32, 64), 2,514 against
+    # 1,468 at (8, 4096, 16, 128)
     "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32"},
 }
 
