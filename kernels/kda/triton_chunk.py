@@ -488,7 +488,7 @@ def backward_impl() -> str:
 def keep_states() -> bool:
     """Whether a training forward keeps w, u, v_new, the states, kg and qg for the Triton backward (the default), or
     the backward recomputes them from Gamma and M (K3_KDA_RECOMPUTE=1: 1,792 bytes less per token and value head at
-    K = V = 128 in bf16, 1.7 GB per layer at (1, 65536, 16, 128), for one w/u kernel and one state scan more per
+    K = V = 128 in bf16, 1.9 GB per layer at (1, 65536, 16, 128), for one w/u kernel and one state scan more per
     backward). Read by the forward, like K3_KDA_BWD."""
     raw = os.environ.get("K3_KDA_RECOMPUTE", "0").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
