@@ -115,15 +115,20 @@ def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN:
 
 
 @triton.jit
-def _diag_block(b_q, b_k, b_Gs, b_Gn, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+def _diag_block(b_q, b_k, b_Gs, b_Gn, b_en, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
-    b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units) and the anchor row b_Gn [BK]. With SAFE the fixed anchor
+    b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units), the anchor row b_Gn [BK] and b_en = exp2(b_Gs - b_Gn) (the
+    caller's query factor; 0 is fine in rows and columns where b_q and b_k are 0). With SAFE the fixed anchor
     C = Gamma_n - shift keeps exp2(Gamma_i - C) and exp2(C - Gamma_j) finite in fp32 (kda.md 3.3); otherwise exact
     pairwise exponents, one key column j at a time (any g, including -1000)."""
     o_c = tl.arange(0, BC)
     if SAFE:
         b_C = b_Gn - shift
-        e_r = tl.exp2(b_Gs - b_C[None, :])
+        # exp2(Gamma_i - C) = exp2(Gamma_i - Gamma_n) exp2(shift): one multiply in place of a tile of exponentials.
+        # With the anchor row's g loaded rather than reduced out of the tile: 129 against 160 ex2 in the PTX (sm_90a,
+        # 2 warps), the intra kernel 698 -> 676 us at (8, 4096, 16, 128), 548 (unchanged) at (16, 2048, 32, 64)
+        # (H200, kda_tune.py --defaults, 2026-11-30, RESULTS.md session 12)
+        e_r = b_en * tl.exp2(tl.full([], shift, tl.float32))
         b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
         b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
         b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
@@ -186,7 +191,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
         tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
     # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there), so the anchor's own Gamma
     # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
-    b_gn = tl.sum(tl.where(o_c[:, None] == 0, b_gi, 0.0), axis=0)  # g of the anchor row [BK]
+    # g of the anchor row [BK], loaded again (a cache hit) rather than picked out of b_gi by a reduction over rows
+    b_gn = tl.load(g + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
@@ -222,9 +228,9 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     # absolute Gamma = carry + cumsum, the carry into sub-chunk i being b_cj now
     b_Ga = b_G + ((b_cj + b_gn) * log2e)[None, :]
     tl.store(Gam + p_ik, b_Ga, mask=m_ik)
-    if STORE_QG:
+    if STORE_QG:  # computed as the w/u kernel's recompute does (the backward may read either), bit for bit
         tl.store(qg + p_ik, (b_q * tl.exp2(b_Ga)).to(qg.dtype.element_ty), mask=m_ik)
-    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, tl.zeros([BK], dtype=tl.float32), shift, BC, SAFE, PREC)  # anchor: 0
+    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, tl.zeros([BK], dtype=tl.float32), e_q, shift, BC, SAFE, PREC)  # anchor 0
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])
     if STORE_AKK:
