@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -38,7 +38,11 @@ export TRITON_CACHE_DIR="$PWD/.triton-cache"
 mkdir -p "$TRITON_CACHE_DIR"
 # fla's autotuning results from an earlier call ($OUT/fla-autotune.tgz, carried back in .triton-cache-parts/): with
 # them fla skips its ~5-minute first autotuning on a fresh machine (FLA_CACHE_RESULTS, fla's default)
-for f in .triton-cache-parts/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"; done
+# benchmarks/fla_autotune_h200.tgz: fla-core 0.6.0's results for benchmarks/kda.py's four shapes on the H200 (triton
+# 3.6.0, torch 2.11; session 12). Their keys hash fla's kernel source and Triton's version: another version ignores them
+for f in benchmarks/fla_autotune_h200.tgz .triton-cache-parts/*.tgz; do
+  [ -f "$f" ] && tar xzf "$f" -C "$TRITON_CACHE_DIR"
+done
 # the KDA GPU tests (gradients at every dot precision, K blocks, saved intermediates, the gate), 8 processes
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
@@ -343,8 +347,16 @@ s12b)
     > "$OUT/kda_recompute.log" 2>&1
   echo "kda --recompute rc=$?"; grep "^|" "$OUT/kda_recompute.log"
   ;;
+s13)
+  # prepared in session 12: the KDA GPU tests on the backward intra kernel's untimed cut (ad75bf6), issue 4's whole
+  # table with the gate row, then per kernel at the first and fourth shapes (_bwd_intra_kernel before the cut:
+  # 1,468 and 1,506 us, RESULTS.md session 12, call 1 with bf16 partials)
+  kda_gpu_tests
+  kda_table
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune ""
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13)" >&2; exit 2
   ;;
 esac
