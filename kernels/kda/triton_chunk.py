@@ -26,7 +26,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
-   intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back.
+   intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
+   training forward keeps them for its backward: keep_states).
 Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
 in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
 
@@ -322,7 +323,8 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
     """Whether a forward computes its output inside the state scan (chunk_fwd_states with `o`) rather than in
     `_output_kernel`: when the scan runs at least LAUNCH["scan"]["OUTPUT_FROM"] programs (sequences x value heads
-    x V blocks). The fused scan stores no states and no v_new, but each step of its sequential loop does the output's
+    x V blocks). The fused scan stores no states and no v_new (at inference; a training forward that keeps them for
+    its backward stores both, chunk_fwd_pipeline's keep_states), but each step of its sequential loop does the output's
     two dots too; with few programs that loop is the forward's critical path, which cost more than the stores saved at
     1 stage, but not at 3 (OUTPUT_FROM 0: fused at every shape timed; LAUNCH's comment)."""
     BVs = scan_v_block(v_block("scan", V, max(16, triton.next_power_of_2(K))), V, N * HV, device_sms(dev))
