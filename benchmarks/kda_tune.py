@@ -7,8 +7,9 @@ Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
-table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run twice per
-fwd+bwd: the forward and the backward's recompute). "torch ops" sums every non-Triton kernel (L2 norm, casts,
+table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run once, in the
+forward, which keeps its states; twice with K3_KDA_RECOMPUTE=1 in the environment, the second time in the backward's
+recompute; before commit 74d573c always twice). "torch ops" sums every non-Triton kernel (L2 norm, casts,
 reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accumulation into .grad (before commit
 7c07d6a it did: 0.47 ms at the default shape). The best configuration per kernel is starred, and its registers /
 spilled bytes per thread are printed, so the defaults in LAUNCH can be set from one run. `--defaults` profiles once
