@@ -354,6 +354,9 @@ s13)
   kda_gpu_tests
   kda_table
   SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune ""
+  # the inter kernel's K loop in two blocks of 32 at K = 64 (one pass of 64 now; at 255 registers and 8 warps one
+  # program fills a multiprocessor's register file), never timed at that shape
+  SHAPES="16,2048,32,64" long_shapes_tune "--bwd-inter-bk 32"
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
