@@ -124,10 +124,7 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, b_en, shift, BC: tl.constexpr, SAFE: tl.co
     o_c = tl.arange(0, BC)
     if SAFE:
         b_C = b_Gn - shift
-        # exp2(Gamma_i - C) = exp2(Gamma_i - Gamma_n) exp2(shift): one multiply in place of a tile of exponentials.
-        # With the anchor row's g loaded rather than reduced out of the tile: 129 against 160 ex2 in the PTX (sm_90a,
-        # 2 warps), the intra kernel 698 -> 676 us at (8, 4096, 16, 128), 548 (unchanged) at (16, 2048, 32, 64)
-        # (H200, kda_tune.py --defaults, 2026-11-30, RESULTS.md session 12)
+        # exp2(Gamma_i - C) = exp2(Gamma_i - Gamma_n) exp2(shift): one multiply in place of a tile of exponentials
         e_r = b_en * tl.exp2(tl.full([], shift, tl.float32))
         b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
         b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
@@ -191,7 +188,10 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
         tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
     # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there), so the anchor's own Gamma
     # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
-    # g of the anchor row [BK], loaded again (a cache hit) rather than picked out of b_gi by a reduction over rows
+    # g of the anchor row [BK], loaded again (a cache hit) rather than picked out of b_gi by a reduction over rows.
+    # With _diag_block's row factor taken from e_q: 129 against 160 ex2 in the PTX (sm_90a, 2 warps), this kernel
+    # 698 -> 676 us at (8, 4096, 16, 128), 548 (unchanged) at (16, 2048, 32, 64) (H200, kda_tune.py --defaults,
+    # 2026-11-30, RESULTS.md session 12)
     b_gn = tl.load(g + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
