@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -58,7 +58,7 @@ long_shapes_tune() {
     for flags in "$@"; do
       timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $flags \
         > "$OUT/kda_tune_long.log" 2>&1
-      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _intra_sub|^\| _wu|^\| _scan|^\| _output|^\| _bwd_|^\| total" \
+      echo "kda_tune $shape $flags rc=$?"; grep -E "^\| _intra_sub|^\| _solve|^\| _wu|^\| _scan|^\| _output|^\| _bwd_|^\| torch|^\| total" \
         "$OUT/kda_tune_long.log"
     done
   done
@@ -358,8 +358,18 @@ s13)
   # program fills a multiprocessor's register file), never timed at that shape
   SHAPES="16,2048,32,64" long_shapes_tune "--bwd-inter-bk 32"
   ;;
+s13b)
+  # session 13, call 2: launch settings never timed at these shapes (`kda_tune.py --set`), and the inference
+  # forward's kernels (`--fwd-only`, what kda.py's fwd column times) at the shapes whose fwd goal is near
+  SHAPES="2,16384,16,128 16,2048,32,64" long_shapes_tune "--fwd-only"
+  SHAPES="2,16384,16,128" long_shapes_tune "--fwd-only --scan-warps 8" "--scan-warps 8"
+  SHAPES="16,2048,32,64" long_shapes_tune "--set bwd_inter.BV=32" \
+    "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2" "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
+  SHAPES="8,4096,16,128" long_shapes_tune "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2" \
+    "--set bwd_intra.BK=128 --set bwd_intra.num_warps=4" "--set bwd_inter.BV=32"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b)" >&2; exit 2
   ;;
 esac

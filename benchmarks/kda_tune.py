@@ -3,7 +3,7 @@
 Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 8,4096,16,128] [--warps 4,8]
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
 [--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--scan-stages 2] [--scan-warps 8]
-[--defaults] [--fla]`.
+[--set bwd_intra.num_warps=2 ...] [--fwd-only] [--defaults] [--fla]`.
 Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
 (triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
 (bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
@@ -15,6 +15,9 @@ reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accu
 spilled bytes per thread are printed, so the defaults in LAUNCH can be set from one run. `--defaults` profiles once
 with every kernel at its own LAUNCH entry instead of a sweep. `--fla` then profiles fla-core's chunk_kda on the same
 inputs, in the same process: its kernels and their time, the stage-by-stage side by side.
+`--set NAME.KEY=VALUE` (repeatable) sets one LAUNCH entry of one kernel (NAME a key of triton_chunk.LAUNCH or
+triton_chunk_bwd.LAUNCH, e.g. bwd_inter.BV=32), after the sweep flags. `--fwd-only` profiles the inference forward
+(no gradients: what benchmarks/kda.py's fwd column times) instead of a fwd+bwd.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import datetime
 import itertools
 import math
 import os
+import re
 
 os.environ["K3_KERNELS"] = "triton"
 os.environ["K3_KDA_BWD"] = "triton"
@@ -64,6 +68,19 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
             mod.LAUNCH[name]["BV"] = bv
 
 
+def set_launch(ap: argparse.ArgumentParser, item: str) -> None:
+    """Apply one `--set NAME.KEY=VALUE`: an int, True / False, or a string (a dot precision)."""
+    m = re.fullmatch(r"(\w+)\.(\w+)=(\S+)", item)
+    mods = [mod for mod in (fwd_mod, bwd_mod) if m and m[1] in mod.LAUNCH]
+    if not mods or m[2] not in mods[0].LAUNCH[m[1]]:
+        known = sorted(f"{n}.{k}" for mod in (fwd_mod, bwd_mod) for n, e in mod.LAUNCH.items() for k in e)
+        ap.error(f"--set {item!r}: expected NAME.KEY=VALUE with NAME.KEY one of {known}")
+    raw = m[3]
+    value = {"True": True, "False": False}.get(raw, int(raw) if raw.lstrip("-").isdigit() else raw)
+    mods[0].LAUNCH[m[1]][m[2]] = value
+    print(f"# LAUNCH[{m[1]!r}][{m[2]!r}] = {value!r}")
+
+
 def label(cfg) -> str:
     if cfg == DEFAULTS:
         return "defaults"
@@ -79,10 +96,14 @@ def device_us(evt) -> float:
 OTHER_OPS: list[collections.Counter] = []  # per profiled configuration: the "torch ops" by kernel name
 
 
-def profile_once(xs, do, iters: int) -> dict[str, float]:
+def profile_once(xs, do, iters: int, fwd_only: bool = False) -> dict[str, float]:
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def step():
+        if fwd_only:  # the inference forward: no Akk, no kept states
+            with torch.no_grad():
+                chunk_kda(*xs, **KW)
+            return
         for x in leaves:  # the gradients themselves, not their accumulation into .grad (an elementwise add each)
             x.grad = None
         chunk_kda(*leaves, **KW)[0].backward(do)
@@ -174,6 +195,9 @@ def main():
                     f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
     ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
                     "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one kernel's LAUNCH entry "
+                    "(e.g. bwd_intra.num_warps=2, bwd_inter.BV=32; repeatable), applied after the other flags")
+    ap.add_argument("--fwd-only", action="store_true", help="profile the inference forward (no gradients)")
     args = ap.parse_args()
     precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
     for p in precs + intra_precs:
@@ -197,6 +221,8 @@ def main():
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
         bwd_mod.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
+    for item in args.set:
+        set_launch(ap, item)
     B, T, H, D = ints(args.shape)
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -218,7 +244,7 @@ def main():
         if cfg != DEFAULTS:
             apply(*cfg)
         try:
-            results[cfg] = profile_once(xs, do, args.iters)
+            results[cfg] = profile_once(xs, do, args.iters, args.fwd_only)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is reported, not fatal
             print(f"# config {label(cfg)} failed: {type(e).__name__}: {e}")
             continue
