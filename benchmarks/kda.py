@@ -252,7 +252,9 @@ def main():
         global STATE_V_FIRST
         STATE_V_FIRST = True
     launch = triton_chunk_bwd.LAUNCH
-    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
+    # the intra kernel's K block: None = the library's choice per K (triton_chunk_bwd.intra_launch)
+    default_bks = (launch["bwd_inter"]["BK"], None, launch["bwd_inter"]["PREC"])
+    intra_defaults = launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"]
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
                                  args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
@@ -299,17 +301,20 @@ def main():
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
-            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk[:2]
+            launch["bwd_inter"]["BK"] = bk[0]
+            launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"] = (bk[1], bk[1]) if bk[1] else intra_defaults
             launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
+            bk_intra = triton_chunk_bwd.intra_launch(max(16, triton.next_power_of_2(D)))[0]
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb, k3_mem = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk[1]}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
+            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk_intra}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
                   f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
                   f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |", flush=True)
             del o_k3
-        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
+        launch["bwd_inter"]["BK"] = default_bks[0]
+        launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"] = intra_defaults
         launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
         del xs, do, o_fla
         torch.cuda.empty_cache()

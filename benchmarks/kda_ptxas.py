@@ -33,8 +33,8 @@ from k3.kernels.kda import triton_chunk_bwd as B
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
-SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "g_floor": "fp32", "q_eps": "fp32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 
 def signature(fn, consts: dict, override: dict) -> dict[str, str]:
@@ -159,17 +159,20 @@ def main() -> None:
     kv = {**heads, "K": K, "V": V, "BK": BK, "BT": BT, "VARLEN": False, "PREC": "tf32"}
     bwd = {**kv, "PREC": B.HALF_INPUT_PRECISION}  # the intra kernel; scan and inter take LAUNCH["PREC"] below
     bv = {name: F.v_block(name, V, BK) for name in ("wu", "scan", "output")}
-    bki = max(16, min(BK, args.intra_bk or B.LAUNCH["bwd_intra"]["BK"]))
+    bki, intra_bwd_opts = B.intra_launch(BK)
+    bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
-    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
-    intra_uses = [("safe gate (inference)", True, False, True, False),
-                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
-                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
-                  ("exact gate (training)", False, True, False, False)]
+    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG, NORM_Q)
+    intra_uses = [("safe gate (inference: qg for the fused output, q normalised here)", True, False, True, True, True),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False,
+                   False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True, False),
+                  ("exact gate (training)", False, True, False, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
-          for name, safe, akk, check, qg in intra_uses],
+                                                   "STORE_QG": qg, "NORM_Q": nq}, F.intra_opts(intra["BK"]),
+           {"beta": "*fp32"})
+          for name, safe, akk, check, qg, nq in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
@@ -195,7 +198,7 @@ def main() -> None:
         (f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)})", B._bwd_intra_kernel,
          {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
           "OFF": B._prec("bwd_intra", torch.bfloat16)},
-         B._opts("bwd_intra"), {}),
+         intra_bwd_opts, {}),
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

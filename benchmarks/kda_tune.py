@@ -45,7 +45,7 @@ from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 KERNELS = {"_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
            "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
-           "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_intra")}
+           "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_dg")}
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
 
 
@@ -61,9 +61,12 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
     bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
     for mod, name in KERNELS.values():
         mod.LAUNCH[name]["num_warps"] = nw
-        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the intra kernel's K <= 64 setting: swept alike
+        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the intra kernels' K <= 64 settings: swept alike
             mod.LAUNCH[name]["SMALL_K_WARPS"] = nw
-        mod.LAUNCH[name]["num_stages"] = ns
+        if "SMALL_K_STAGES" in mod.LAUNCH[name]:
+            mod.LAUNCH[name]["SMALL_K_STAGES"] = ns
+        if "num_stages" in mod.LAUNCH[name]:
+            mod.LAUNCH[name]["num_stages"] = ns
         if "BV" in mod.LAUNCH[name]:
             mod.LAUNCH[name]["BV"] = bv
 
@@ -220,7 +223,7 @@ def main():
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
-        bwd_mod.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
+        bwd_mod.LAUNCH["bwd_intra"]["BK"] = bwd_mod.LAUNCH["bwd_intra"]["SMALL_K_BK"] = args.bwd_intra_bk
     for item in args.set:
         set_launch(ap, item)
     B, T, H, D = ints(args.shape)
@@ -232,7 +235,8 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra {bwd_mod.LAUNCH['bwd_intra']['BK']}; "
+          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra "
+          f"{bwd_mod.intra_launch(max(16, triton.next_power_of_2(D)))[0]}; "
           "configurations w(arps) s(tages) bv p(scan / inter dot precision) ip(intra off-diagonal dot precision)")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv), precs, intra_precs))
     if args.defaults:
@@ -268,6 +272,9 @@ def main():
                       else best[n][:2])
             if best[n] == DEFAULTS and name == "intra":  # its warps depend on K (intra_opts)
                 nw = fwd_mod.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
+            if best[n] == DEFAULTS and name == "bwd_intra":  # and so do these (intra_launch)
+                opts = bwd_mod.intra_launch(max(16, triton.next_power_of_2(D)))[1]
+                nw, ns = opts["num_warps"], opts["num_stages"]
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if OTHER_OPS:

@@ -82,12 +82,29 @@ LAUNCH: dict[str, dict[str, int]] = {
     # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed.
     # K block 64 (session 12, kda_tune.py --defaults): 2,861 us against 1,511 at (16, 2048, 32, 64), 2,514 against
     # 1,468 at (8, 4096, 16, 128)
-    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32"},
+    # SMALL_K_*: the launch at K <= 64 (next_pow2(K)), as the forward intra kernel's SMALL_K_WARPS: at (16, 2048, 32,
+    # 64) K block 64 at 2 warps / 2 stages took 1,460 us against 1,495 at the K <= 128 launch (1 stage: 1,617); at
+    # (8, 4096, 16, 128) K block 64 at 2 warps / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200,
+    # kda_tune.py --set, 2026-11-30, RESULTS.md session 13)
+    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32",
+                  "SMALL_K_BK": 64, "SMALL_K_WARPS": 2, "SMALL_K_STAGES": 2},
+    # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
+    # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
+    "bwd_dg": {"num_warps": 4, "BK": 64},
 }
 
 
 def _opts(name: str) -> dict[str, int]:
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
+    """(K block, num_warps / num_stages) of the backward intra kernel at padded key dim BK: LAUNCH["bwd_intra"], or
+    its SMALL_K_* entries when BK <= 64."""
+    e = LAUNCH["bwd_intra"]
+    if BK <= 64:
+        return max(16, min(BK, e["SMALL_K_BK"])), {"num_warps": e["SMALL_K_WARPS"], "num_stages": e["SMALL_K_STAGES"]}
+    return max(16, min(BK, e["BK"])), _opts("bwd_intra")
 
 
 def _bv(name: str, V: int) -> int:
@@ -476,14 +493,14 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                                         BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, VARLEN=varlen,
                                         PREC=_prec("bwd_inter", dt), **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
-        BKi = max(16, min(BK, LAUNCH["bwd_intra"]["BK"]))  # the intra kernel's K block: one program per block
-        NKB = triton.cdiv(K, BKi)
+        BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
-                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
-                 **_opts("bwd_intra")}
+                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt), **opts}
         args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu, float(scale), shift, T, NT)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * NKB, HV)](*args, **intra)
-        _bwd_dg_kernel[(NT_all * NKB, HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKi, BT=BT, VARLEN=varlen)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
+        BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
+        _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
+                                                           VARLEN=varlen, **_opts("bwd_dg"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:

@@ -28,8 +28,8 @@ from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "g_floor": "fp32", "q_eps": "fp32", "T_all": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
@@ -51,9 +51,11 @@ for varlen in (False, True):
             compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
-            compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
-                          "OFF": prec}, B.LAUNCH["bwd_intra"]["num_warps"])
-    compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, 4)
+            for bk in (16, 32):  # the launch at K <= 64 (intra_launch: more warps, stages) and the other one
+                intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
+                             "OFF": prec}
+                compile_(B._bwd_intra_kernel, intra_bwd, **(B.intra_launch(32)[1] if bk == 32 else B._opts("bwd_intra")))
+    compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, B.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
                                 "PREC": "tf32"}, 4, ("kg", "qg"))
@@ -64,7 +66,7 @@ for varlen in (False, True):
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
         intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
-                 "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
+                 "STORE_QG": qg, "NORM_Q": qg and not store_akk, "VARLEN": varlen, "PREC": "tf32"}  # NORM_Q: inference
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
