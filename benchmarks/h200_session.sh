@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -47,8 +47,7 @@ done
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
-    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_qnorm_inference.py -p no:cacheprovider -rf \
+    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -370,15 +369,20 @@ s13b)
     "--set bwd_intra.BK=128 --set bwd_intra.num_warps=4" "--set bwd_inter.BV=32"
   ;;
 s13c)
-  # session 13, call 3: the KDA GPU tests (with the inference forward's in-kernel q norm), the whole table, then per
-  # kernel at the first and fourth shapes: the bound check's flag, the backward intra kernel's K <= 64 launch and
-  # the dg pass's K block 64 (predictions in RESULTS.md session 13)
+  # session 13, call 3 (ran on f0ab9d2, whose in-kernel q norm and bound-check flag were then reverted): the KDA GPU
+  # tests, the whole table, then per kernel at the first and fourth shapes (RESULTS.md session 13)
+  kda_gpu_tests
+  kda_table
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--fwd-only"
+  ;;
+s13d)
+  # session 13, call 4: the same on the solve that applies beta to its row sums (training forward)
   kda_gpu_tests
   kda_table
   SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--fwd-only"
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d)" >&2; exit 2
   ;;
 esac

@@ -33,8 +33,8 @@ from k3.kernels.kda import triton_chunk_bwd as B
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
-SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "g_floor": "fp32", "q_eps": "fp32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 
 def signature(fn, consts: dict, override: dict) -> dict[str, str]:
@@ -162,17 +162,15 @@ def main() -> None:
     bki, intra_bwd_opts = B.intra_launch(BK)
     bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
-    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG, NORM_Q)
-    intra_uses = [("safe gate (inference: qg for the fused output, q normalised here)", True, False, True, True, True),
-                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False,
-                   False),
-                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True, False),
-                  ("exact gate (training)", False, True, False, False, False)]
+    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
+    intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
+                  ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "NORM_Q": nq}, F.intra_opts(intra["BK"]),
-           {"beta": "*fp32"})
-          for name, safe, akk, check, qg, nq in intra_uses],
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
+          for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),

@@ -60,7 +60,6 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .gate import L2NORM_EPS
 from .triton_common import _chunk_bounds, _intra_sub_kernel, _layout_args, _seq_bounds, device_sms, launch_fitting
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
@@ -333,7 +332,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False, q_eps=None):
+                       cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -341,12 +340,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     [T_all, HV, BT], and Lkk None (the solve applies beta to Akk's rows itself); without, Lkk = diag(beta) Akk and
     Akk None. Of either, only the blocks j <= i of each chunk are written. cu_host: cu_seqlens as host ints, or
     None (chunk_layout).
-    g_check: (floor, message) or None: the intra kernel clears a flag (g_ok, int32 [1], returned: 1 when every g >=
-    floor) and torch._assert_async fails with `message` unless every g >= floor (on a GPU at the next
-    synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us at
-    (8, 4096, 16, 128) on the H200).
-    q_eps: q is raw and the intra kernel L2-normalises it with this eps (NORM_Q), when the scan computes the output
-    (then the intra kernel is q's only reader); otherwise q goes through the norm pass here first.
+    g_check: (floor, message) or None: the intra kernel also stores each sub-chunk's minimum of g (gmin, fp32
+    [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
+    the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
+    at (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, u, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
     (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
@@ -371,8 +368,6 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
     fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
-    if q_eps is not None and not fused:  # the output kernel reads q too: normalised once, by the pass
-        q, q_eps = l2norm_triton(q, q_eps).contiguous(), None
     # qg = scale q exp2(Gamma) for the fused output, stored by the intra kernel, which holds q and Gamma anyway:
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
@@ -386,15 +381,13 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None,
-                 "NORM_Q": q_eps is not None, **common}
-        g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg if qg is not None else Lkk,
-                                             chunk_indices, cu, float(scale), shift,
-                                             float(g_check[0]) if g_check else 0.0, float(q_eps or 0.0), T, NT,
-                                             **intra, **intra_opts(BK))
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
+        gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
+                                             chunk_indices, cu, float(scale), shift, T, NT, **intra,
+                                             **intra_opts(BK))
         if g_check:
-            torch._assert_async(g_ok, g_check[1])
+            torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
@@ -433,8 +426,6 @@ class _ChunkKDATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
-        if ctx.bwd and cfg["q_eps"] is not None:  # chunk_kda_triton normalises q in the kernel only without gradients
-            raise RuntimeError("_ChunkKDATriton: q_eps (q normalised inside the intra kernel) has no backward")
         ctx.cfg = cfg
         # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
         # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on the H200 (Nsight Compute, 2026-11-30)
@@ -442,7 +433,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               keep_states=ctx.bwd == "triton" and keep_states(), q_eps=cfg["q_eps"])
+                               keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
             ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *(r["states"] or ()))
             ctx.g_dtype = g.dtype
@@ -533,13 +524,8 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     HV = v.shape[2]
     # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
     # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
-    # Without gradients (inference) q's norm runs inside the intra kernel instead (NORM_Q: the fused forward reads q
-    # nowhere else), which saves the pass's read and write of q: H200, fwd ms (kda.py), RESULTS.md session 13
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-    q_eps = L2NORM_EPS if use_qk_l2norm_in_kernel and not needs_grad and not return_intermediate_states else None
     if use_qk_l2norm_in_kernel:
-        q, k = q if q_eps is not None else l2norm_triton(q), l2norm_triton(k)
+        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
@@ -562,7 +548,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "g_check": g_check, "q_eps": q_eps,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None

@@ -146,11 +146,10 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, b_en, shift, BC: tl.constexpr, SAFE: tl.co
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, q_eps,
-                      T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, NORM_Q: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -164,16 +163,16 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     diagonal block by `_diag_block`. Each program reads every earlier sub-chunk's g once: 716 us per fwd+bwd at
     (8, 4096, 16, 128) on the H200 against 844 for the former form, which first summed the earlier sub-chunks' g
     into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
-    CHECK_G: the safe gate's bound check, with no pass of its own over g: a program whose rows hold some g below
-    g_floor (or a NaN) stores 0 into g_ok [1] int32 (the caller sets it to 1 and asserts it afterwards).
-    NORM_Q: q is raw; its rows are L2-normalised here by the q/k norm pass's formula (x / sqrt(sum x^2 + q_eps) in
-    fp32, rounded to q's dtype), for an inference forward whose only reader of q is this kernel (triton_chunk.py).
+    CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
+    the safe gate's bound check, which then costs no pass of its own over g.
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # past the end of a partial chunk: no rows
+        if CHECK_G:
+            tl.store(gmin + tl.program_id(0) * HV + i_hv, 0.0)
         return
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
@@ -185,9 +184,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
     b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-    if CHECK_G:  # masked entries read 0, above any lower bound; not (g >= floor) also catches a NaN
-        # (in place of each sub-chunk's minimum stored for a torch amin, which cost 15 us at (8, 4096, 16, 128))
-        tl.store(g_ok, 0, mask=tl.max(tl.max(tl.where(b_gi >= g_floor, 0, 1), axis=1), axis=0) > 0)
+    if CHECK_G:  # masked entries read 0, above any lower bound
+        tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
     # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there), so the anchor's own Gamma
     # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
     # g of the anchor row [BK], loaded again (a cache hit) rather than picked out of b_gi by a reduction over rows.
@@ -196,11 +194,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     # 2026-11-30, RESULTS.md session 12)
     b_gn = tl.load(g + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
-    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if NORM_Q:  # triton_l2norm's formula: fp32 inside, rounded to q's dtype (the row sum's order may differ)
-        b_r = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + tl.full([], q_eps, tl.float32))
-        b_q = (b_q * b_r[:, None]).to(q.dtype.element_ty).to(tl.float32)
-    b_q = b_q * scale
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     # Gamma_i - Gamma_n <= 0. Not masked: rows past the end read g = 0 (finite Gamma there) and q = k = 0, so every

@@ -12,15 +12,20 @@ from .triton_common import _chunk_bounds
 
 
 @triton.jit
-def _inv_unit_lower(b_L, NC: tl.constexpr, BC: tl.constexpr):
+def _inv_unit_lower(b_L, beta, start, n_valid, i_hv, HV: tl.constexpr, NC: tl.constexpr, BC: tl.constexpr,
+                    BETA: tl.constexpr):
     """(I + L_b)^-1 of NC strictly lower-triangular [BC, BC] blocks at once (b_L [NC, BC, BC]) by fp32 forward
-    substitution, row by row: all NC blocks in one walk of BC - 1 row steps."""
+    substitution, row by row: all NC blocks in one walk of BC - 1 row steps. With BETA, b_L holds Akk and L = diag(beta)
+    Akk: each row step's sum is scaled by that row's beta (loaded per step, [NC])."""
     o_r = tl.arange(0, BC)[None, :, None]
     o_c = tl.arange(0, BC)[None, None, :]
+    o_b = tl.arange(0, NC) * BC
     b_M = tl.where(o_r == o_c, 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
     for i in tl.static_range(1, BC):
         b_l = tl.sum(tl.where(o_r == i, b_L, 0.0), axis=1)  # row i of each L [NC, BC] (zero from column i on)
         b_row = tl.sum(b_l[:, :, None] * b_M, axis=1)  # sum_{j < i} L_ij M_j [NC, BC]
+        if BETA:
+            b_row *= tl.load(beta + (start + o_b + i) * HV + i_hv, mask=o_b + i < n_valid, other=0.0)[:, None]
         b_M = tl.where(o_r == i, b_M - b_row[:, None, :], b_M)
     return b_M
 
@@ -32,17 +37,26 @@ def _pick(b_X, b: tl.constexpr, NC: tl.constexpr):
 
 
 @triton.jit
-def _load_block(Lkk, beta, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
-                BT: tl.constexpr, BC: tl.constexpr, BETA: tl.constexpr):
-    """Block (r, c) [BC, BC] of the chunk's L (from Akk, its rows times beta, with BETA); rows past the sequence
-    end read as 0."""
+def _times_beta(x, beta, start, n_valid, i_hv, r: tl.constexpr, HV: tl.constexpr, BC: tl.constexpr,
+                BETA: tl.constexpr):
+    """x [BC, BC], a sum over block row r's Akk blocks, times that row's beta (L = diag(beta) Akk) with BETA; rows
+    past the sequence end get 0. Applied to the sums (in the dots' output layout) rather than to the loaded blocks:
+    a product between the load and the dot made Triton convert each block's layout (ptxas, sm_90a, 1 warp: 3,861
+    PTX instructions, 914 shuffles, 128 registers against 2,541, 396 and 102 without beta)."""
+    if BETA:
+        rows = r * BC + tl.arange(0, BC)
+        x = x * tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)[:, None]
+    return x
+
+
+@triton.jit
+def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """Block (r, c) [BC, BC] of the chunk's L (or Akk); rows past the sequence end read as 0."""
     o_c = tl.arange(0, BC)
     m_r = (r * BC + o_c) < n_valid
     p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    b_L = tl.load(Lkk + p, mask=m_r[:, None], other=0.0)
-    if BETA:
-        b_L *= tl.load(beta + (start + r * BC + o_c) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)[:, None]
-    return b_L
+    return tl.load(Lkk + p, mask=m_r[:, None], other=0.0)
 
 
 @triton.jit
@@ -62,39 +76,44 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.cons
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
     inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30). Lkk: L itself, or with BETA
     Akk = k k^T with decay (a training forward's intra kernel writes that one buffer), whose rows the solve scales
-    by beta [T_all, HV] as it loads them. Only the blocks j <= i are read."""
+    by beta [T_all, HV]: the row sums of the substitution and the merges (_times_beta). Only the blocks j <= i are
+    read."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
     rows = o_b * BC + tl.arange(0, BC)[None, :, None]
     p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
     b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0)
-    if BETA:
-        b_Ld *= tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)
-    b_Md = _inv_unit_lower(b_Ld, NC, BC)
+    b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)
-    if NC > 1:
-        L10 = _load_block(Lkk, beta, start, n_valid, i_hv, 1, 0, HV, BT, BC, BETA)
+    if NC > 1:  # M_ij = -M_ii (beta_i * sum_m Akk_im M_mj) with BETA, else -M_ii sum_m L_im M_mj
+        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
         M11 = _pick(b_Md, 1, NC)
-        M10 = -tl.dot(M11, tl.dot(L10, M00, input_precision=PREC), input_precision=PREC)
+        S10 = _times_beta(tl.dot(L10, M00, input_precision=PREC), beta, start, n_valid, i_hv, 1, HV, BC, BETA)
+        M10 = -tl.dot(M11, S10, input_precision=PREC)
         _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
-        L20 = _load_block(Lkk, beta, start, n_valid, i_hv, 2, 0, HV, BT, BC, BETA)
-        L21 = _load_block(Lkk, beta, start, n_valid, i_hv, 2, 1, HV, BT, BC, BETA)
-        L30 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 0, HV, BT, BC, BETA)
-        L31 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 1, HV, BT, BC, BETA)
-        L32 = _load_block(Lkk, beta, start, n_valid, i_hv, 3, 2, HV, BT, BC, BETA)
+        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
+        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
+        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
+        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
+        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
         M22 = _pick(b_Md, 2, NC)
         M33 = _pick(b_Md, 3, NC)
-        M21 = -tl.dot(M22, tl.dot(L21, M11, input_precision=PREC), input_precision=PREC)
-        M20 = -tl.dot(M22, tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC),
-                      input_precision=PREC)
-        M32 = -tl.dot(M33, tl.dot(L32, M22, input_precision=PREC), input_precision=PREC)
-        M31 = -tl.dot(M33, tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC),
-                      input_precision=PREC)
-        M30 = -tl.dot(M33, tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
-                      + tl.dot(L32, M20, input_precision=PREC), input_precision=PREC)
+        S21 = _times_beta(tl.dot(L21, M11, input_precision=PREC), beta, start, n_valid, i_hv, 2, HV, BC, BETA)
+        M21 = -tl.dot(M22, S21, input_precision=PREC)
+        S20 = _times_beta(tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC), beta,
+                          start, n_valid, i_hv, 2, HV, BC, BETA)
+        M20 = -tl.dot(M22, S20, input_precision=PREC)
+        S32 = _times_beta(tl.dot(L32, M22, input_precision=PREC), beta, start, n_valid, i_hv, 3, HV, BC, BETA)
+        M32 = -tl.dot(M33, S32, input_precision=PREC)
+        S31 = _times_beta(tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC), beta,
+                          start, n_valid, i_hv, 3, HV, BC, BETA)
+        M31 = -tl.dot(M33, S31, input_precision=PREC)
+        S30 = _times_beta(tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
+                          + tl.dot(L32, M20, input_precision=PREC), beta, start, n_valid, i_hv, 3, HV, BC, BETA)
+        M30 = -tl.dot(M33, S30, input_precision=PREC)
         _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
         _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
         _store_block(Mout, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)

@@ -28,8 +28,8 @@ from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "g_floor": "fp32", "q_eps": "fp32", "T_all": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
@@ -66,7 +66,7 @@ for varlen in (False, True):
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
         intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
-                 "STORE_QG": qg, "NORM_Q": qg and not store_akk, "VARLEN": varlen, "PREC": "tf32"}  # NORM_Q: inference
+                 "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,

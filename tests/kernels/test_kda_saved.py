@@ -165,8 +165,11 @@ def test_inference_forward_stores_no_akk_and_saves_nothing(launches, saves, mode
     assert o.grad_fn is None
     assert launches == _forward_launches(False)
     assert saves == []
-    o_train, s_train = _run([x.detach().requires_grad_() for x in xs])  # storing Akk changes no output
-    assert torch.equal(o, o_train.detach()) and torch.equal(s, s_train.detach())
+    # storing Akk changes no output beyond rounding: the training solve applies beta to its row sums, the inference
+    # intra kernel to L's entries (triton_solve._times_beta), the same products in another order
+    o_train, s_train = _run([x.detach().requires_grad_() for x in xs])
+    torch.testing.assert_close(o, o_train.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s, s_train.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launches, saves):
