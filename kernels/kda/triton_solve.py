@@ -25,7 +25,8 @@ def _inv_unit_lower(b_L, beta, start, n_valid, i_hv, HV: tl.constexpr, NC: tl.co
         b_l = tl.sum(tl.where(o_r == i, b_L, 0.0), axis=1)  # row i of each L [NC, BC] (zero from column i on)
         b_row = tl.sum(b_l[:, :, None] * b_M, axis=1)  # sum_{j < i} L_ij M_j [NC, BC]
         if BETA:
-            b_row *= tl.load(beta + (start + o_b + i) * HV + i_hv, mask=o_b + i < n_valid, other=0.0)[:, None]
+            b_beta = tl.load(beta + (start + o_b + i) * HV + i_hv, mask=o_b + i < n_valid, other=0.0)
+            b_row *= b_beta.to(tl.float32)[:, None]
         b_M = tl.where(o_r == i, b_M - b_row[:, None, :], b_M)
     return b_M
 
@@ -42,7 +43,9 @@ def _times_beta(x, beta, start, n_valid, i_hv, r: tl.constexpr, HV: tl.constexpr
     """x [BC, BC], a sum over block row r's Akk blocks, times that row's beta (L = diag(beta) Akk) with BETA; rows
     past the sequence end get 0. Applied to the sums (in the dots' output layout) rather than to the loaded blocks:
     a product between the load and the dot made Triton convert each block's layout (ptxas, sm_90a, 1 warp: 3,861
-    PTX instructions, 914 shuffles, 128 registers against 2,541, 396 and 102 without beta)."""
+    PTX instructions, 914 shuffles, 128 registers against 2,541, 396 and 102 without beta; 2,949, 396 and 133 in
+    this form). H200, training solve: 95 -> 80 us at (8, 4096, 16, 128), 183 -> 151 at (16, 2048, 32, 64)
+    (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 13)."""
     if BETA:
         rows = r * BC + tl.arange(0, BC)
         x = x * tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)[:, None]
