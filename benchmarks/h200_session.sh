@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -381,8 +381,32 @@ s13d)
   kda_table
   SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--fwd-only"
   ;;
+s13e)
+  # session 13, call 5: the widest heads (K = V = 256) on the GPU, fp32 and bf16, against the float64 recurrence
+  # (test_chunk_gradients_wide_heads), then which pipelined scan launches fall back to 1 stage (launch_fitting) at
+  # fp32 K = 128 and bf16 K = 256, with their fwd and fwd+bwd times (each configuration compiles first: 300 s)
+  timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py -k "wide_heads" -p no:cacheprovider \
+    -rf > "$OUT/wide_tests.log" 2>&1
+  echo "wide-head tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/wide_tests.log" | tail -6
+  timeout 300 python3 -c "import torch, triton.testing as tt; from k3.kernels.kda import chunk_kda, triton_common as C
+for dt, B, T, H, D in ((torch.float32, 8, 4096, 16, 128), (torch.bfloat16, 4, 4096, 8, 256)):
+    C._UNFIT.clear()
+    xs = [torch.randn(B, T, H, D, device='cuda', dtype=dt) for _ in range(3)]
+    xs.append(-5 * torch.rand(B, T, H, D, device='cuda'))
+    xs.append(torch.rand(B, T, H, device='cuda', dtype=dt))
+    kw = dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    def fb():
+        chunk_kda(*leaves, **kw)[0].float().sum().backward()
+    fb(); torch.cuda.synchronize()
+    with torch.no_grad():
+        t_f = tt.do_bench(lambda: chunk_kda(*xs, **kw), return_mode='median')
+    t_fb = tt.do_bench(fb, grad_to_none=leaves, return_mode='median')
+    print(dt, (B, T, H, D), f'fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms; at 1 stage:', sorted(k[0] for k in C._UNFIT),
+          flush=True)" 2>&1 | tail -6
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e)" >&2; exit 2
   ;;
 esac
