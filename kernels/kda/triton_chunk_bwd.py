@@ -21,7 +21,8 @@ h' = Diag(e^Gamma_last) h + (k e^(Gamma_last - Gamma))^T v_new.  The backward is
 
 Kernels:
 1. `_bwd_scan_kernel`, one program per (V block, sequence, value head): the reverse scan; stores dv_new, dh' per
-   chunk (fp32, or bf16 for bf16 inputs with bf16 dots) and dh0.
+   chunk (fp32, or bf16 for bf16 inputs with bf16 dots) and dh0. For K > 128 it holds the state gradient in two K
+   halves (SPLIT).
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
    dv, dbeta and partial dqs, dk, dGamma (fp32; dqs and dk in the inputs' dtype with LAUNCH["bwd_inter"]
    ["HALF_PARTIALS"]), plus dAqk and dAkk (fp32 [T_all, HV, BT]).
@@ -156,17 +157,24 @@ def _operand(x, PREC: tl.constexpr):
 @triton.jit
 def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                     BV: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, VARLEN: tl.constexpr,
+                     PREC: tl.constexpr):
+    """SPLIT (heads with K > 128: BK = next_pow2(K) / 2 then): the state gradient held as two [BK, BV] K halves,
+    each with its own key-side tiles and dots, so that no [BT, 2 BK] operand is staged in shared memory whole. In one
+    piece an fp32 reverse scan at K = 256 asked for 233,472 bytes of shared memory at 1 stage, above the H200's
+    232,448 (2026-11-30, RESULTS.md session 13)."""
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
-    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    b_dh = tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)  # gradient of the state leaving the chunk
+    # gradient of the state leaving the chunk, first K half (the whole K without SPLIT) and second half
+    b_dh = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :], o_k, m_v, K)
+    b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
+    if SPLIT:
+        b_dh2 = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + BK + o_k[:, None]) * V + o_v[None, :], BK + o_k, m_v,
+                                K)
     # reverse over the sequence's chunks; tl.range, not while, so a GPU compile software-pipelines the loads (as in
     # the forward scan, triton_chunk._scan_kernel)
     for i_c in tl.range(0, n_chunks):
@@ -174,26 +182,56 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
         start = bos + c * BT
         n_valid = tl.minimum(eos - start, BT).to(tl.int32)
         m_t = o_t < n_valid
-        m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        tl.store(dhs + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                 b_dh.to(dhs.dtype.element_ty), mask=m_kv)
-        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_hs = (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(dhs + p_hs, b_dh.to(dhs.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :])
+        if SPLIT:
+            tl.store(dhs + p_hs + BK * V, b_dh2.to(dhs.dtype.element_ty), mask=(BK + o_k < K)[:, None] & m_v[None, :])
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         # dot operands in the dtype the dot takes them in (_operand: no fp32 round trip under bf16 dots)
         b_A = _operand(tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
                                mask=m_t[:, None], other=0.0), PREC)
         b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
-        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_w = _operand(tl.load(w + p_tk, mask=m_tk, other=0.0), PREC)
-        # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the recompute's w/u kernel: no exponentials
-        # and no fp32 Gamma tile in this sequential loop; zero rows past the end
-        b_kg = _operand(tl.load(kg + p_tk, mask=m_tk, other=0.0), PREC)
-        b_qg = _operand(tl.load(qg + p_tk, mask=m_tk, other=0.0), PREC)
-        b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(b_kg, b_dh, PREC)
+        # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the w/u kernel: no exponentials and no fp32
+        # Gamma tile in this sequential loop; zero rows past the end
+        b_dvn = _dot(tl.trans(b_A), b_do, PREC) + _dot(_bwd_scan_keys(kg, start, m_t, i_hv, o_k, HV, K, BT, PREC),
+                                                       b_dh, PREC)
+        if SPLIT:
+            b_dvn += _dot(_bwd_scan_keys(kg, start, m_t, i_hv, BK + o_k, HV, K, BT, PREC), b_dh2, PREC)
         tl.store(dvn + p_tv, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-        b_dh = b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC) - _dot(tl.trans(b_w), b_dvn, PREC)
-    tl.store(dh0 + p_state, b_dh, mask=m_kv)
+        b_dh = _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k, HV, K, BT, PREC)
+        if SPLIT:
+            b_dh2 = _bwd_scan_step(b_dh2, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, BK + o_k, HV, K, BT,
+                                   PREC)
+    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    tl.store(dh0 + p_state, b_dh, mask=(o_k < K)[:, None] & m_v[None, :])
+    if SPLIT:
+        tl.store(dh0 + p_state + BK * V, b_dh2, mask=(BK + o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _bwd_scan_state(dht, p_state, o_k, m_v, K: tl.constexpr):
+    """Rows o_k of the final state's gradient [BK, BV] fp32 (rows past K: 0)."""
+    return tl.load(dht + p_state, mask=(o_k < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bwd_scan_keys(x, start, m_t, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Columns o_k of one chunk's [BT, K] tile of x (kg, qg or w) as a dot operand [BT, BK]; zero past the end."""
+    o_t = tl.arange(0, BT)
+    p = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    return _operand(tl.load(x + p, mask=m_t[:, None] & (o_k < K)[None, :], other=0.0), PREC)
+
+
+@triton.jit
+def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr,
+                   BT: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of the state gradient one chunk back: dh Diag(e^Gamma_last) + qg^T do - w^T dv_new."""
+    b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
+    b_qg = _bwd_scan_keys(qg, start, m_t, i_hv, o_k, HV, K, BT, PREC)
+    b_w = _bwd_scan_keys(w, start, m_t, i_hv, o_k, HV, K, BT, PREC)
+    return b_dh * tl.exp2(b_Gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC) - _dot(tl.trans(b_w), b_dvn, PREC)
 
 
 @triton.jit
@@ -483,9 +521,10 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     else:
         BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, device_sms(dev))
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
-        scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "VARLEN": varlen, "PREC": _prec("bwd_scan", dt),
-                **_opts("bwd_scan")}
-        launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK, **scan)
+        split = BK > 128  # the state gradient in two K halves (the kernel's SPLIT)
+        scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "SPLIT": split, "VARLEN": varlen,
+                "PREC": _prec("bwd_scan", dt), **_opts("bwd_scan")}
+        launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
         BVi = _bv("bwd_inter", V)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,

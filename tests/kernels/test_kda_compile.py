@@ -48,7 +48,9 @@ for varlen in (False, True):
     for prec in B.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
-            compile_(B._bwd_scan_kernel, kv, 4, states, num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
+            for split in (False, True):  # the state gradient whole or in two K halves (K > 128)
+                compile_(B._bwd_scan_kernel, {**kv, "BK": 16 if split else 32, "SPLIT": split}, 4, states,
+                         num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 4, states)
         for safe in (True, False):
             for bk in (16, 32):  # the launch at K <= 64 (intra_launch: more warps, stages) and the other one

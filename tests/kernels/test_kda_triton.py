@@ -282,7 +282,7 @@ def test_chunk_gradients_wide_heads(dtype):
     """K = V = 256 (the widest head the kernels take): the w/u kernel in two K blocks, the scans at V block 32 (and on
     an H200 possibly at 1 stage: triton_common.launch_fitting), the backward inter kernel in four K blocks; outputs
     and every gradient against the float64 recurrence."""
-    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 1, 256, 256, dtype)
+    q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 256, 256, dtype)  # two chunks: the halves carried across
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
         assert_close(name, r, x, ratio_for(dtype, ratio))
