@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e | s14
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -405,8 +405,39 @@ for dt, B, T, H, D in ((torch.float32, 8, 4096, 16, 128), (torch.bfloat16, 4, 40
     print(dt, (B, T, H, D), f'fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms; at 1 stage:', sorted(k[0] for k in C._UNFIT),
           flush=True)" 2>&1 | tail -6
   ;;
+s14)
+  # prepared in session 13: the KDA GPU tests (the reverse scan in K halves for K > 128 is untimed and untested on
+  # a GPU: test_chunk_gradients_wide_heads failed at fp32 before it), the fp32 tests and times per K3_KDA_FP32_DOTS,
+  # the whole table, then the wide-head tests and the fallback probe (s13e)
+  kda_gpu_tests
+  # the fp32 cases again with tensor-core dots (K3_KDA_FP32_DOTS, untimed and untested on a GPU so far)
+  K3_KDA_FP32_DOTS=tf32x3 timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py \
+    tests/kernels/test_kda_saved.py -k "float32 or fp32" -p no:cacheprovider -rf -n 8 > "$OUT/tf32x3_tests.log" 2>&1
+  echo "fp32 tests at tf32x3 rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tf32x3_tests.log" | tail -8
+  # fp32 fwd / fwd+bwd per K3_KDA_FP32_DOTS setting, and each output's rel_rms against the IEEE one
+  timeout 240 python3 -c "import os, torch, triton.testing as tt; from k3.kernels.kda import chunk_kda
+xs = [torch.randn(8, 4096, 16, 128, device='cuda') for _ in range(3)]
+xs.append(-5 * torch.rand(8, 4096, 16, 128, device='cuda')); xs.append(torch.rand(8, 4096, 16, device='cuda'))
+kw = dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+ref = None
+for p in ('ieee', 'tf32x3', 'tf32'):
+    os.environ['K3_KDA_FP32_DOTS'] = p
+    leaves = [x.clone().requires_grad_() for x in xs]
+    def fb():
+        chunk_kda(*leaves, **kw)[0].sum().backward()
+    with torch.no_grad():
+        o = chunk_kda(*xs, **kw)[0]
+        t_f = tt.do_bench(lambda: chunk_kda(*xs, **kw), return_mode='median')
+    ref = o if ref is None else ref
+    t_fb = tt.do_bench(fb, grad_to_none=leaves, return_mode='median')
+    err = ((o - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    print(f'fp32 (8,4096,16,128) {p}: fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms, rel_rms vs ieee {err:.2e}', flush=True)
+" 2>&1 | tail -4
+  kda_table
+  bash "$0" s13e 2>&1 | grep -v "^NVIDIA"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14)" >&2; exit 2
   ;;
 esac

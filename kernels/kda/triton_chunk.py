@@ -60,7 +60,15 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .triton_common import _chunk_bounds, _intra_sub_kernel, _layout_args, _seq_bounds, device_sms, launch_fitting
+from .triton_common import (
+    _chunk_bounds,
+    _intra_sub_kernel,
+    _layout_args,
+    _seq_bounds,
+    device_sms,
+    fp32_dot_precision,
+    launch_fitting,
+)
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
@@ -303,7 +311,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return w, u, vnew, hbuf, ht, kg, qg
-    common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
+    common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
@@ -363,7 +371,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
     launch = NT_all > 0 and HV > 0
-    common = {"VARLEN": cu_seqlens is not None, "PREC": "ieee" if dt == torch.float32 else "tf32"}
+    common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
     Gam, Aqk, Lkk, Mm = r["Gam"], r["Aqk"], r["Lkk"], r["Mm"]
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)

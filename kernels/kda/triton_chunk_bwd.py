@@ -36,7 +36,8 @@ only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recom
 (triton_chunk.chunk_fwd_states), so the backward runs no intra-chunk or solve kernel. Per token and value head the
 saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16) replace g's 4K: fla-core 0.6.0's policy too
 (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
-All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE). For bf16/fp16 inputs the intra kernel's
+All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE; K3_KDA_FP32_DOTS=tf32x3 or tf32 picks
+tensor-core dots instead, triton_common.fp32_dot_precision). For bf16/fp16 inputs the intra kernel's
 diagonal (anchored) blocks run 'bf16x3' (three bf16 MMAs, near-fp32 accuracy), as kda.md 3.3 prescribes for the
 safe-path backward (HALF_INPUT_PRECISION); every other dot, whose factors are all <= 1, takes LAUNCH[...]["PREC"]:
 bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal blocks (fla-core 0.6.0's choices).
@@ -51,7 +52,7 @@ import triton.language as tl
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
-from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, launch_fitting
+from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -119,10 +120,11 @@ INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
 
 
 def _prec(name: str, dtype: torch.dtype) -> str:
-    """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): IEEE for fp32 inputs; for
-    bf16/fp16, LAUNCH[name]["PREC"]."""
+    """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): for fp32 inputs
+    triton_common.fp32_dot_precision() (IEEE unless K3_KDA_FP32_DOTS says otherwise); for bf16/fp16,
+    LAUNCH[name]["PREC"]."""
     if dtype == torch.float32:
-        return "ieee"
+        return fp32_dot_precision()
     prec = LAUNCH[name]["PREC"]
     if prec not in INTER_PRECISIONS:
         raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
@@ -477,7 +479,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dev, dt = q.device, q.dtype
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
-    prec = "ieee" if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)  # the intra kernel's diagonal dots
+    # the intra kernel's diagonal dots
+    prec = fp32_dot_precision() if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)
     # bf16 inputs with bf16 inter dots: the states entering each chunk (hbuf) and the state gradients (dhs) are
     # stored in bf16 (recompute_dtypes); half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps
     # h and dh in bf16 too)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import weakref
 
 import torch
@@ -30,6 +31,21 @@ def device_sms(dev: torch.device) -> int:
 
 # launches whose pipelined kernel did not fit its device's shared memory, relaunched at 1 stage (launch_fitting)
 _UNFIT: set[tuple] = set()
+
+# the dot precisions K3_KDA_FP32_DOTS may pick for fp32 inputs: "ieee" (the default: fp32 FMA, no tensor cores),
+# "tf32x3" (three tf32 MMAs per product, hi * hi + hi * lo + lo * hi: near fp32, on the tensor cores) or "tf32" (one
+# MMA, 10-bit mantissas: Triton's own default for fp32 dots, which fla-core 0.6.0's kernels take)
+FP32_DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+def fp32_dot_precision() -> str:
+    """The precision of every chunk-kernel dot (forward and backward) for fp32 inputs, from K3_KDA_FP32_DOTS (read at
+    each call). IEEE by default: on an H200 it made an fp32 fwd+bwd at (8, 4096, 16, 128) 262 ms against 5.4 ms in
+    bf16 (2026-11-30, RESULTS.md session 13); "tf32x3" keeps near-fp32 dots on the tensor cores (untimed)."""
+    raw = os.environ.get("K3_KDA_FP32_DOTS", "ieee").strip().lower() or "ieee"
+    if raw not in FP32_DOT_PRECISIONS:
+        raise ValueError(f"K3_KDA_FP32_DOTS must be one of {FP32_DOT_PRECISIONS}, got {raw!r}; unset it for 'ieee'")
+    return raw
 
 
 def _launch_key(kernel, args, kw) -> tuple:

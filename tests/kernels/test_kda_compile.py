@@ -31,9 +31,9 @@ HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
-def compile_(fn, consts, num_warps, half=(), num_stages=None):
-    sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if a in HALF
-           or a in half else "*fp32") for a in fn.arg_names}
+def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
+    sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
+           and (a in HALF or a in half) else "*fp32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
     # the cp.async path the GPU runs (without the hint they compile as at 1 stage)
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
@@ -81,6 +81,20 @@ for varlen in (False, True):
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
+for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every pointer fp32, every dot at prec
+    kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
+    compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False}, 4, num_stages=B.LAUNCH["bwd_scan"]["num_stages"],
+             all_fp32=True)
+    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 8, all_fp32=True)
+    compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
+                                   "OFF": prec}, 1, all_fp32=True)
+    compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
+    compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
+             num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
+    compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
+                                   "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
+    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec}, 1,
+             all_fp32=True)
 print("compiled")
 """
 

@@ -534,6 +534,7 @@ def test_backward_dot_precision_setting(monkeypatch):
     clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
     from k3.kernels.kda import triton_chunk_bwd as bwd
 
+    monkeypatch.delenv("K3_KDA_FP32_DOTS", raising=False)
     assert bwd._prec("bwd_inter", torch.float32) == "ieee"
     assert bwd._prec("bwd_intra", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_intra"]["PREC"])
     monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "bf16")
@@ -545,6 +546,46 @@ def test_backward_dot_precision_setting(monkeypatch):
     monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "fp8")
     with pytest.raises(ValueError, match=r"LAUNCH\['bwd_scan'\]\['PREC'\] = 'fp8'; use one of"):
         bwd._prec("bwd_scan", torch.bfloat16)
+
+
+@pytest.mark.parametrize("setting", ["tf32x3", "tf32", "ieee", ""])
+def test_fp32_dot_precision_setting(setting, monkeypatch):
+    """K3_KDA_FP32_DOTS picks the dot precision every chunk kernel gets for fp32 inputs, forward and backward (unset or
+    empty: ieee); the outputs and gradients stay within the fp32 ratios (on the CPU the interpreter multiplies in fp32
+    whatever the setting: there this checks what reaches the kernels). bf16 inputs are unaffected."""
+    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
+
+    monkeypatch.setenv("K3_KDA_FP32_DOTS", setting)
+    want = setting or "ieee"
+    seen = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (
+            seen.append((name, kw.get("PREC"), kw.get("OFF"))), real[grid](*a, **kw))[1]})())
+
+    for module, name in ((triton_chunk, "_intra_sub_kernel"), (triton_chunk, "_solve_kernel"),
+                         (triton_chunk, "_wu_kernel"), (triton_chunk_bwd, "_bwd_inter_kernel"),
+                         (triton_chunk_bwd, "_bwd_intra_kernel")):
+        spy(module, name)
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 32, torch.float32)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0)
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio)
+    assert {n for n, *_ in seen} == {"_intra_sub_kernel", "_solve_kernel", "_wu_kernel", "_bwd_inter_kernel",
+                                     "_bwd_intra_kernel"}
+    for name, prec, off in seen:  # the backward intra kernel: PREC its diagonal dots, OFF the others
+        assert prec == want and off in (None, want), (name, prec, off)
+    assert triton_chunk_bwd._prec("bwd_scan", torch.float32) == want
+    assert triton_chunk_bwd._prec("bwd_scan", torch.bfloat16) == triton_chunk_bwd._interpreted(
+        triton_chunk_bwd.LAUNCH["bwd_scan"]["PREC"])  # bf16 inputs: LAUNCH's, whatever the setting
+
+
+def test_fp32_dot_precision_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("K3_KDA_FP32_DOTS", "fp8")
+    q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"K3_KDA_FP32_DOTS must be one of \('ieee', 'tf32x3', 'tf32'\), got 'fp8'"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0)
 
 
 def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
