@@ -3,7 +3,7 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e | s14
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e | s14 | s14b
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -47,7 +47,8 @@ done
 kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
-    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py -p no:cacheprovider -rf \
+    tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_scan_wu.py \
+    -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -70,6 +71,26 @@ kda_table() {
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
   timeout 80 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --gate-in-kernel > "$OUT/kda_gate.log" 2>&1
   echo "kda gate rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda_gate.log"
+}
+# which pipelined scan launches fall back to 1 stage (launch_fitting) at fp32 K = 128 and bf16 K = 256, with their fwd
+# and fwd+bwd times (each configuration compiles first: 300 s)
+fallback_probe() {
+  timeout 300 python3 -c "import torch, triton.testing as tt; from k3.kernels.kda import chunk_kda, triton_common as C
+for dt, B, T, H, D in ((torch.float32, 8, 4096, 16, 128), (torch.bfloat16, 4, 4096, 8, 256)):
+    C._UNFIT.clear()
+    xs = [torch.randn(B, T, H, D, device='cuda', dtype=dt) for _ in range(3)]
+    xs.append(-5 * torch.rand(B, T, H, D, device='cuda'))
+    xs.append(torch.rand(B, T, H, device='cuda', dtype=dt))
+    kw = dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    def fb():
+        chunk_kda(*leaves, **kw)[0].float().sum().backward()
+    fb(); torch.cuda.synchronize()
+    with torch.no_grad():
+        t_f = tt.do_bench(lambda: chunk_kda(*xs, **kw), return_mode='median')
+    t_fb = tt.do_bench(fb, grad_to_none=leaves, return_mode='median')
+    print(dt, (B, T, H, D), f'fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms; at 1 stage:', sorted(k[0] for k in C._UNFIT),
+          flush=True)" 2>&1 | tail -6
 }
 save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/fla-autotune.tgz" -T -); }
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -388,29 +409,13 @@ s13e)
   timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py -k "wide_heads" -p no:cacheprovider \
     -rf > "$OUT/wide_tests.log" 2>&1
   echo "wide-head tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/wide_tests.log" | tail -6
-  timeout 300 python3 -c "import torch, triton.testing as tt; from k3.kernels.kda import chunk_kda, triton_common as C
-for dt, B, T, H, D in ((torch.float32, 8, 4096, 16, 128), (torch.bfloat16, 4, 4096, 8, 256)):
-    C._UNFIT.clear()
-    xs = [torch.randn(B, T, H, D, device='cuda', dtype=dt) for _ in range(3)]
-    xs.append(-5 * torch.rand(B, T, H, D, device='cuda'))
-    xs.append(torch.rand(B, T, H, device='cuda', dtype=dt))
-    kw = dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
-    leaves = [x.clone().requires_grad_() for x in xs]
-    def fb():
-        chunk_kda(*leaves, **kw)[0].float().sum().backward()
-    fb(); torch.cuda.synchronize()
-    with torch.no_grad():
-        t_f = tt.do_bench(lambda: chunk_kda(*xs, **kw), return_mode='median')
-    t_fb = tt.do_bench(fb, grad_to_none=leaves, return_mode='median')
-    print(dt, (B, T, H, D), f'fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms; at 1 stage:', sorted(k[0] for k in C._UNFIT),
-          flush=True)" 2>&1 | tail -6
+  fallback_probe
   ;;
 s14)
-  # prepared in session 13: the KDA GPU tests (the reverse scan in K halves for K > 128 is untimed and untested on
-  # a GPU: test_chunk_gradients_wide_heads failed at fp32 before it), the fp32 tests and times per K3_KDA_FP32_DOTS,
-  # the whole table, then the wide-head tests and the fallback probe (s13e)
+  # prepared in session 13, first of two calls: the KDA GPU tests (their wide-head case failed at fp32 before the
+  # reverse scan's K halves; the fused w/u scan's tests), the fp32 tests at tf32x3 and fp32 times per
+  # K3_KDA_FP32_DOTS setting, then which scans fall back to 1 stage (s13e's probe)
   kda_gpu_tests
-  # the fp32 cases again with tensor-core dots (K3_KDA_FP32_DOTS, untimed and untested on a GPU so far)
   K3_KDA_FP32_DOTS=tf32x3 timeout -s INT -k 10 200 python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_saved.py -k "float32 or fp32" -p no:cacheprovider -rf -n 8 > "$OUT/tf32x3_tests.log" 2>&1
   echo "fp32 tests at tf32x3 rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tf32x3_tests.log" | tail -8
@@ -433,11 +438,19 @@ for p in ('ieee', 'tf32x3', 'tf32'):
     err = ((o - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
     print(f'fp32 (8,4096,16,128) {p}: fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms, rel_rms vs ieee {err:.2e}', flush=True)
 " 2>&1 | tail -4
+  fallback_probe
+  ;;
+s14b)
+  # prepared in session 13, second call: the forward's w/u step fused into the scan (triton_scan_wu.py, off by
+  # default, untimed): the inference forward per kernel at the three fwd-goal shapes, a fwd+bwd with it in the
+  # kept-states forward too at the fourth shape, then issue 4's whole table
+  SHAPES="8,4096,16,128 2,16384,16,128 16,2048,32,64" long_shapes_tune "--fwd-only" "--fwd-only --set scan.FUSE_WU=True" \
+    "--fwd-only --set scan.FUSE_WU=True --set scan.FUSE_WU_BV=64"
+  SHAPES="16,2048,32,64" long_shapes_tune "--set scan.FUSE_WU_KEEP=True"
   kda_table
-  bash "$0" s13e 2>&1 | grep -v "^NVIDIA"
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b)" >&2; exit 2
   ;;
 esac
