@@ -24,6 +24,7 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
+   (Experimental, off: steps 3 and 4 as one kernel, triton_scan_wu.py, LAUNCH["scan"]["FUSE_WU"] / fuse_wu.)
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
    intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
