@@ -272,7 +272,8 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`.
+    With the w/u step fused into the scan (fuse_wu) and no `store_states`, w, u and kg are returned as None."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
