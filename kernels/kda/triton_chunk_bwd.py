@@ -65,7 +65,8 @@ from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_
 LAUNCH: dict[str, dict[str, int]] = {
     # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
     # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
-    # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: removed
+    # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: not at K <= 128. Above 128 the kernel holds
+    # two halves of next_pow2(K) / 2 (SPLIT: one piece did not fit the H200's shared memory in fp32, session 13)
     # 3 stages, as the forward scans (times at 1 / 2 / 3 stages in triton_chunk.LAUNCH's comment)
     "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16"},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
