@@ -446,6 +446,10 @@ s14b)
   SHAPES="8,4096,16,128 2,16384,16,128 16,2048,32,64" long_shapes_tune "--fwd-only" "--fwd-only --set scan.FUSE_WU=True" \
     "--fwd-only --set scan.FUSE_WU=True --set scan.FUSE_WU_BV=64"
   SHAPES="16,2048,32,64" long_shapes_tune "--set scan.FUSE_WU_KEEP=True"
+  # the fwd column with it, k3 against fla in one process
+  timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 16,2048,32,64 --no-decode --fwd-only \
+    --set scan.FUSE_WU=True > "$OUT/kda_fuse_wu.log" 2>&1
+  echo "kda fwd with the fused w/u scan rc=$?"; grep "^|\|^# LAUNCH" "$OUT/kda_fuse_wu.log"
   kda_table
   ;;
 *)

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
 [--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64]
-[--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]`.
+[--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel] [--set NAME.KEY=VALUE ...]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
 per dot precision of the backward scan and inter kernels, in the same process, one table row per combination;
@@ -243,7 +243,14 @@ def main():
                     "(K3_KDA_RECOMPUTE=1: less memory, fla's policy) instead of keeping the forward's")
     ap.add_argument("--state-v-first", action="store_true", help="decode with the state pool V-first, [P, H, V, K] "
                     "(each program's state tile contiguous in memory); k3 only, so with --no-fla")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one k3 kernel's LAUNCH "
+                    "entry for the whole run (as kda_tune.py --set, e.g. scan.FUSE_WU=True; repeatable)")
     args = ap.parse_args()
+    if args.set:
+        from kda_tune import set_launch  # benchmarks/ is the script's directory, so on sys.path
+
+        for item in args.set:
+            set_launch(ap, item)
     if args.recompute:
         os.environ["K3_KDA_RECOMPUTE"] = "1"
     if args.state_v_first:
