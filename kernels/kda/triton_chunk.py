@@ -284,21 +284,26 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     T_all = B * T
     fused = o is not None
     states = not fused or store_states
-    w, u = torch.empty(T_all, HV, K, dtype=dt, device=dev), torch.empty(T_all, HV, V, dtype=dt, device=dev)
+    fwu = fuse_wu(q is not None, store_states, BK)  # steps 3 and 4 in one kernel (triton_scan_wu.py)
+    # w, u and kg [T_all, HV, *], unless the fused kernel computes them for no one to read: then one-token placeholders
+    # of their dtypes (the kernel rounds its products to those), returned as None
+    kept = not fwu or store_states
+    TW = T_all if kept else 1
+    w, u = torch.empty(TW, HV, K, dtype=dt, device=dev), torch.empty(TW, HV, V, dtype=dt, device=dev)
     vnew = hbuf = None
     if states:
         vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
         hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     # k e^(Gamma_last - Gamma) (and scale q e^Gamma), from the w/u kernel to the scans
-    kg = torch.empty(T_all, HV, K, dtype=kq_dtype or dt, device=dev)
+    kg = torch.empty(TW, HV, K, dtype=kq_dtype or dt, device=dev)
     qg = qg if q is None else torch.empty_like(kg)
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return w, u, vnew, hbuf, ht, kg, qg
+        return (w, u, vnew, hbuf, ht, kg, qg) if kept else (None, None, vnew, hbuf, ht, None, qg)
     common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
     h0c = h0.contiguous() if h0 is not None else ht
-    if fuse_wu(q is not None, store_states, BK):  # steps 3 and 4 in one kernel (triton_scan_wu.py)
+    if fwu:
         e = LAUNCH["scan"]
         BVf = scan_v_block(min(v_block("scan", V, BK), e["FUSE_WU_BV"]), V, N * HV, device_sms(dev))
         launch_fitting(_scan_wu_kernel, (triton.cdiv(V, BVf), N, HV), k, v, beta, Gam, Mm, w, u, kg,
@@ -306,8 +311,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
                        o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVf, BT=BT,
                        HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused, STORE_STATES=states, STORE_WU=store_states,
                        **common, num_warps=e["FUSE_WU_WARPS"], num_stages=e["FUSE_WU_STAGES"])
-        # w, u and kg exist only where a kept-states forward stored them
-        return (w, u, vnew, hbuf, ht, kg, qg) if store_states else (None, None, vnew, hbuf, ht, None, qg)
+        return (w, u, vnew, hbuf, ht, kg, qg) if kept else (None, None, vnew, hbuf, ht, None, qg)
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     grid = (triton.cdiv(V, BVs), N, HV)
     BVu = v_block("wu", V, BK)
