@@ -30,7 +30,6 @@ from triton.compiler import ASTSource
 
 from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
-from k3.kernels.kda import triton_scan_wu as S
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
@@ -187,14 +186,6 @@ def main() -> None:
                                       ("with the output and bf16 states: training forward", True, True,
                                        {"hbuf": "*bf16"}),
                                       ("fp32 states: backward", False, True, {}))],
-        # the scan with the w/u step fused in (LAUNCH["scan"]["FUSE_WU"], experimental): inference, and storing w, u,
-        # kg and the states for a backward (FUSE_WU_KEEP)
-        *[(f"state scan with w/u ({name})", S._scan_wu_kernel,
-           {**kv, "BV": min(bv["scan"], F.LAUNCH["scan"]["FUSE_WU_BV"]), "HAS_H0": True, "STORE_HT": True,
-            "OUTPUT": True, "STORE_STATES": keep, "STORE_WU": keep},
-           {"num_warps": F.LAUNCH["scan"]["FUSE_WU_WARPS"], "num_stages": F.LAUNCH["scan"]["FUSE_WU_STAGES"]},
-           {"hbuf": "*bf16", "Mm": "*bf16"})
-          for name, keep in (("inference forward", False), ("training forward keeping its states", True))],
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
          {**bwd, "BK": BK // 2 if BK > 128 else BK, "BV": B._bv("bwd_scan", V), "SPLIT": BK > 128,

@@ -43,7 +43,7 @@ from k3.kernels.kda import triton_chunk as fwd_mod
 from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 
 KERNELS = {"_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
-           "_scan_kernel": (fwd_mod, "scan"), "_scan_wu_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
+           "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
            "_bwd_scan_kernel": (bwd_mod, "bwd_scan"), "_bwd_inter_kernel": (bwd_mod, "bwd_inter"),
            "_bwd_intra_kernel": (bwd_mod, "bwd_intra"), "_bwd_dg_kernel": (bwd_mod, "bwd_dg")}
 KW = {"use_qk_l2norm_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}
@@ -272,8 +272,6 @@ def main():
                       else best[n][:2])
             if best[n] == DEFAULTS and name == "intra":  # its warps depend on K (intra_opts)
                 nw = fwd_mod.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
-            if best[n] == DEFAULTS and n == "_scan_wu_kernel":  # the fused scan's own launch entries
-                nw, ns = fwd_mod.LAUNCH["scan"]["FUSE_WU_WARPS"], fwd_mod.LAUNCH["scan"]["FUSE_WU_STAGES"]
             if best[n] == DEFAULTS and name == "bwd_intra":  # and so do these (intra_launch)
                 opts = bwd_mod.intra_launch(max(16, triton.next_power_of_2(D)))[1]
                 nw, ns = opts["num_warps"], opts["num_stages"]

@@ -24,7 +24,6 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
-   (Experimental, off: steps 3 and 4 as one kernel, triton_scan_wu.py, LAUNCH["scan"]["FUSE_WU"] / fuse_wu.)
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
    intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
@@ -65,16 +64,13 @@ from .triton_common import (
     _chunk_bounds,
     _intra_sub_kernel,
     _layout_args,
-    _scan_chunk,
-    _scan_init,
-    _scan_out,
+    _seq_bounds,
     device_sms,
     fp32_dot_precision,
     launch_fitting,
 )
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_triton
-from .triton_scan_wu import _scan_wu_kernel
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -111,11 +107,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # for return_intermediate_states)
     # Two-level scans (segments of 8 / 16 / 32 chunks) tried, removed: (1,65536,16,128) 19,393 / 17,076 / 15,941 us
     # against 15,681 one-level at 3 stages; (2,16384,16,128) 9,687 / 8,592 / 8,067 against 6,802 (session 11)
-    # FUSE_WU (a forward keeping no states) / FUSE_WU_KEEP (one keeping them): steps 3 and 4 in one kernel
-    # (triton_scan_wu.py: the scan computes w, u, kg itself; fuse_wu), launched at FUSE_WU_WARPS / FUSE_WU_STAGES with
-    # its V block capped at FUSE_WU_BV. Experimental, off: untimed on a GPU (RESULTS.md session 13)
-    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "FUSE_WU": False, "FUSE_WU_KEEP": False,
-             "FUSE_WU_WARPS": 8, "FUSE_WU_STAGES": 2, "FUSE_WU_BV": 32},
+    # Steps 3 and 4 as one kernel (the scan computing each chunk's w, u and kg itself) tried, removed: 1,300 us at 4
+    # warps against 311 + 437 for the two kernels at (2,16384,16,128) on the H200, and wrong at 8 warps with 64-token
+    # chunks (RESULTS.md session 14)
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -210,25 +205,49 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
     # registers; qg = scale q exp2(Gamma) from the intra kernel. STORE_STATES: h[c] and v_new are stored (hbuf,
     # vnew; else unused), for `_output_kernel` (without OUTPUT) or for the backward (a training forward that keeps
     # them: keep_states).
-    i_hv = tl.program_id(2)
-    bos, eos, c0, n_chunks, o_k, o_v, b_h, p_state = _scan_init(h0, cu_seqlens, chunk_offsets, T, NT, HV, K, V, BK,
-                                                                 BV, BT, HAS_H0, VARLEN)
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
+    o_k = tl.arange(0, BK)
     m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
     # tl.range, not while: a GPU compile software-pipelines the loop's loads (chunk c + 1's w, u, Gamma, k while chunk
     # c computes) with the launch's num_stages; a while loop never does. (The interpreter needs the numpy >= 2.4 fix
     # of tests/kernels/conftest.py for a range over a runtime scalar.)
     for c in tl.range(0, n_chunks):
-        start, n_valid, m_t, m_tk, m_tv, p_tk, p_tv = _scan_chunk(c, bos, eos, c0, b_h, hbuf, i_hv, o_k, o_v, HV, K,
-                                                                  V, BT, STORE_STATES)
+        start = bos + c * BT
+        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
+        m_t = o_t < n_valid
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        if STORE_STATES:
+            tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
+                     b_h.to(hbuf.dtype.element_ty), mask=m_kv)
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_vn = _scan_out(b_h, b_w, b_u, qg, Aqk, o, vnew, start, m_t, i_hv, p_tk, p_tv, m_tk, m_tv, HV, BT, OUTPUT,
-                         STORE_STATES, PREC)
+        b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
+        if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
+            b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
+            b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
+                          other=0.0)
+            b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
+            b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        if STORE_STATES:
+            tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
         b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_k[:, None] & (o_v < V)[None, :])
+        tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
@@ -272,8 +291,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`.
-    With the w/u step fused into the scan (fuse_wu) and no `store_states`, w, u and kg are returned as None."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -284,56 +302,33 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     T_all = B * T
     fused = o is not None
     states = not fused or store_states
-    fwu = fuse_wu(q is not None, store_states, BK)  # steps 3 and 4 in one kernel (triton_scan_wu.py)
-    # w, u and kg [T_all, HV, *], unless the fused kernel computes them for no one to read: then one-token placeholders
-    # of their dtypes (the kernel rounds its products to those), returned as None
-    kept = not fwu or store_states
-    TW = T_all if kept else 1
-    w, u = torch.empty(TW, HV, K, dtype=dt, device=dev), torch.empty(TW, HV, V, dtype=dt, device=dev)
+    w, u = torch.empty(T_all, HV, K, dtype=dt, device=dev), torch.empty(T_all, HV, V, dtype=dt, device=dev)
     vnew = hbuf = None
     if states:
         vnew = torch.empty(T_all, HV, V, dtype=dt, device=dev)
         hbuf = torch.empty(NT_all, HV, K, V, dtype=torch.float32 if h_fp32 else dt, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     # k e^(Gamma_last - Gamma) (and scale q e^Gamma), from the w/u kernel to the scans
-    kg = torch.empty(TW, HV, K, dtype=kq_dtype or dt, device=dev)
+    kg = torch.empty(T_all, HV, K, dtype=kq_dtype or dt, device=dev)
     qg = qg if q is None else torch.empty_like(kg)
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return (w, u, vnew, hbuf, ht, kg, qg) if kept else (None, None, vnew, hbuf, ht, None, qg)
+        return w, u, vnew, hbuf, ht, kg, qg
     common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
-    h0c = h0.contiguous() if h0 is not None else ht
-    if fwu:
-        e = LAUNCH["scan"]
-        BVf = scan_v_block(min(v_block("scan", V, BK), e["FUSE_WU_BV"]), V, N * HV, device_sms(dev))
-        launch_fitting(_scan_wu_kernel, (triton.cdiv(V, BVf), N, HV), k, v, beta, Gam, Mm, w, u, kg,
-                       vnew if states else w, hbuf if states else w, h0c, ht, qg if fused else w, Aqk if fused else w,
-                       o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVf, BT=BT,
-                       HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused, STORE_STATES=states, STORE_WU=store_states,
-                       **common, num_warps=e["FUSE_WU_WARPS"], num_stages=e["FUSE_WU_STAGES"])
-        return (w, u, vnew, hbuf, ht, kg, qg) if kept else (None, None, vnew, hbuf, ht, None, qg)
-    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
-    grid = (triton.cdiv(V, BVs), N, HV)
     BVu = v_block("wu", V, BK)
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
     _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
                              float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
                              STORE_QG=q is not None, **common, **launch_opts("wu"))
+    BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
+    h0c = h0.contiguous() if h0 is not None else ht
+    grid = (triton.cdiv(V, BVs), N, HV)
     # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
     launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if states else w, hbuf if states else w, h0c, ht,
                    qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV,
                    K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
                    STORE_STATES=states, **common, **launch_opts("scan"))
     return w, u, vnew, hbuf, ht, kg, qg
-
-
-def fuse_wu(backward: bool, keep: bool, BK: int) -> bool:
-    """Whether chunk_fwd_states runs steps 3 and 4 as one kernel (triton_scan_wu.py): LAUNCH["scan"]["FUSE_WU"] for a
-    forward that keeps no states, FUSE_WU_KEEP for one that stores w, u and kg for its backward (ptxas, sm_90a, 8 warps
-    at K = 128: no spills at V block 32 without the stores, 280 bytes with them); never in the backward's recompute
-    (which stores qg as well) nor for K > 128."""
-    e = LAUNCH["scan"]
-    return not backward and BK <= 128 and bool(e["FUSE_WU_KEEP"] if keep else e["FUSE_WU"])
 
 
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:

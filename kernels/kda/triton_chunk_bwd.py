@@ -36,8 +36,8 @@ only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recom
 (triton_chunk.chunk_fwd_states), so the backward runs no intra-chunk or solve kernel. Per token and value head the
 saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16) replace g's 4K: fla-core 0.6.0's policy too
 (`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
-All backward arithmetic is fp32, and so are the dots of fp32 inputs (IEEE; K3_KDA_FP32_DOTS=tf32x3 or tf32 picks
-tensor-core dots instead, triton_common.fp32_dot_precision). For bf16/fp16 inputs the intra kernel's
+All backward arithmetic is fp32; the dots of fp32 inputs run tf32x3 (near fp32 on the tensor cores;
+K3_KDA_FP32_DOTS=ieee or tf32 picks another, triton_common.fp32_dot_precision). For bf16/fp16 inputs the intra kernel's
 diagonal (anchored) blocks run 'bf16x3' (three bf16 MMAs, near-fp32 accuracy), as kda.md 3.3 prescribes for the
 safe-path backward (HALF_INPUT_PRECISION); every other dot, whose factors are all <= 1, takes LAUNCH[...]["PREC"]:
 bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal blocks (fla-core 0.6.0's choices).
@@ -122,7 +122,7 @@ INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
 
 def _prec(name: str, dtype: torch.dtype) -> str:
     """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): for fp32 inputs
-    triton_common.fp32_dot_precision() (IEEE unless K3_KDA_FP32_DOTS says otherwise); for bf16/fp16,
+    triton_common.fp32_dot_precision() (tf32x3 unless K3_KDA_FP32_DOTS says otherwise); for bf16/fp16,
     LAUNCH[name]["PREC"]."""
     if dtype == torch.float32:
         return fp32_dot_precision()

@@ -32,19 +32,21 @@ def device_sms(dev: torch.device) -> int:
 # launches whose pipelined kernel did not fit its device's shared memory, relaunched at 1 stage (launch_fitting)
 _UNFIT: set[tuple] = set()
 
-# the dot precisions K3_KDA_FP32_DOTS may pick for fp32 inputs: "ieee" (the default: fp32 FMA, no tensor cores),
-# "tf32x3" (three tf32 MMAs per product, hi * hi + hi * lo + lo * hi: near fp32, on the tensor cores) or "tf32" (one
-# MMA, 10-bit mantissas: Triton's own default for fp32 dots, which fla-core 0.6.0's kernels take)
+# the dot precisions K3_KDA_FP32_DOTS may pick for fp32 inputs: "tf32x3" (the default: three tf32 MMAs per product,
+# hi * hi + hi * lo + lo * hi, near fp32 on the tensor cores), "ieee" (fp32 FMA, no tensor cores) or "tf32" (one MMA,
+# 10-bit mantissas: Triton's own default for fp32 dots, which fla-core 0.6.0's kernels take)
 FP32_DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 def fp32_dot_precision() -> str:
     """The precision of every chunk-kernel dot (forward and backward) for fp32 inputs, from K3_KDA_FP32_DOTS (read at
-    each call). IEEE by default: on an H200 it made an fp32 fwd+bwd at (8, 4096, 16, 128) 262 ms against 5.4 ms in
-    bf16 (2026-11-30, RESULTS.md session 13); "tf32x3" keeps near-fp32 dots on the tensor cores (untimed)."""
-    raw = os.environ.get("K3_KDA_FP32_DOTS", "ieee").strip().lower() or "ieee"
+    each call). tf32x3 by default. H200, fp32 at (8, 4096, 16, 128), fwd / fwd+bwd ms (2026-11-30, RESULTS.md session
+    14): ieee 91.1 / 241.1; tf32x3 4.58 / 21.2, its output within 4.8e-7 relative RMS of ieee's, and the fp32 GPU
+    tests pass with it; tf32 2.56 / 9.26, 1.8e-3 off."""
+    raw = os.environ.get("K3_KDA_FP32_DOTS", "tf32x3").strip().lower() or "tf32x3"
     if raw not in FP32_DOT_PRECISIONS:
-        raise ValueError(f"K3_KDA_FP32_DOTS must be one of {FP32_DOT_PRECISIONS}, got {raw!r}; unset it for 'ieee'")
+        raise ValueError(f"K3_KDA_FP32_DOTS must be one of {FP32_DOT_PRECISIONS}, got {raw!r}; unset it for "
+                         "'tf32x3'")
     return raw
 
 
@@ -128,62 +130,6 @@ def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN:
         c0 = i_n.to(tl.int64) * NT
         n_chunks = NT
     return bos, eos, c0, n_chunks
-
-
-@triton.jit
-def _scan_init(h0, cu_seqlens, chunk_offsets, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr):
-    """A forward state scan's start, for program (V block, sequence, value head): (bos, eos, c0, n_chunks as
-    _seq_bounds; key and value offsets o_k [BK], o_v [BV]; the state [BK, BV] fp32 from h0 or zeros; its offsets in
-    [N, HV, K, V])."""
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h = tl.load(h0 + p_state, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-    return bos, eos, c0, n_chunks, o_k, o_v, b_h, p_state
-
-
-@triton.jit
-def _scan_chunk(c, bos, eos, c0, b_h, hbuf, i_hv, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, STORE_STATES: tl.constexpr):
-    """Chunk c of a forward state scan: (start, n_valid, row mask m_t [BT], masks m_tk, m_tv, offsets p_tk [BT, BK]
-    into [T_all, HV, K] and p_tv [BT, BV] into [T_all, HV, V]); with STORE_STATES the state entering it, b_h, is
-    stored into hbuf [NT_all, HV, K, V] first."""
-    o_t = tl.arange(0, BT)
-    start = bos + c * BT
-    n_valid = tl.minimum(eos - start, BT).to(tl.int32)
-    m_t = o_t < n_valid
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-    if STORE_STATES:
-        tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                 b_h.to(hbuf.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
-    p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-    return start, n_valid, m_t, m_tk, m_tv, p_tk, p_tv
-
-
-@triton.jit
-def _scan_out(b_h, b_w, b_u, qg, Aqk, o, vnew, start, m_t, i_hv, p_tk, p_tv, m_tk, m_tv, HV: tl.constexpr,
-              BT: tl.constexpr, OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of a forward state scan, before its state update: v_new = u - w h (b_u fp32 [BT, BV], b_w [BT, BK]
-    in the input dtype), with OUTPUT o = qg h + Aqk v_new stored, with STORE_STATES v_new stored. Returns v_new fp32.
-    h and v_new enter the output's dots rounded to the input dtype, as `_output_kernel`'s loads of them are."""
-    o_t = tl.arange(0, BT)
-    b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-    if OUTPUT:
-        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
-        b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
-        b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
-        b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
-        tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-    if STORE_STATES:
-        tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
-    return b_vn
 
 
 @triton.jit

@@ -26,7 +26,6 @@ from triton.compiler import ASTSource
 from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
-from k3.kernels.kda import triton_scan_wu as S
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
@@ -79,12 +78,6 @@ for varlen in (False, True):
                 "STORE_STATES": store, "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
         compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
-    for output, store, wu in itertools.product((True, False), repeat=3):  # the scan with the w/u step fused in
-        if output or store:
-            fused = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,
-                     "STORE_STATES": store, "STORE_WU": wu, "VARLEN": varlen, "PREC": "tf32"}
-            compile_(S._scan_wu_kernel, fused, F.LAUNCH["scan"]["FUSE_WU_WARPS"], ("kg", "qg", "o", "Mm"),
-                     F.LAUNCH["scan"]["FUSE_WU_STAGES"])
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))

@@ -539,13 +539,13 @@ def test_chunk_gradients_reduced_precision_dots(prec, B, T, H, HV, D, BT, safe, 
 
 
 def test_backward_dot_precision_setting(monkeypatch):
-    """fp32 inputs always run IEEE dots; bf16/fp16 take LAUNCH[...]["PREC"] for the scan and inter kernels and
+    """fp32 inputs run tf32x3 dots unless K3_KDA_FP32_DOTS says otherwise; bf16/fp16 take LAUNCH[...]["PREC"] for the scan and inter kernels and
     the intra kernel's off-diagonal dots (its diagonal keeps bf16x3, kda.md 3.3); an unknown precision is a
     clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
     from k3.kernels.kda import triton_chunk_bwd as bwd
 
     monkeypatch.delenv("K3_KDA_FP32_DOTS", raising=False)
-    assert bwd._prec("bwd_inter", torch.float32) == "ieee"
+    assert bwd._prec("bwd_inter", torch.float32) == "tf32x3"
     assert bwd._prec("bwd_intra", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_intra"]["PREC"])
     monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "bf16")
     assert bwd._prec("bwd_scan", torch.bfloat16) == ("bf16_emulated" if triton_interpreter() else "bf16")
@@ -561,12 +561,12 @@ def test_backward_dot_precision_setting(monkeypatch):
 @pytest.mark.parametrize("setting", ["tf32x3", "tf32", "ieee", ""])
 def test_fp32_dot_precision_setting(setting, monkeypatch):
     """K3_KDA_FP32_DOTS picks the dot precision every chunk kernel gets for fp32 inputs, forward and backward (unset or
-    empty: ieee); the outputs and gradients stay within the fp32 ratios (on the CPU the interpreter multiplies in fp32
+    empty: tf32x3); the outputs and gradients stay within the fp32 ratios (on the CPU the interpreter multiplies in fp32
     whatever the setting: there this checks what reaches the kernels). bf16 inputs are unaffected."""
     from k3.kernels.kda import triton_chunk, triton_chunk_bwd
 
     monkeypatch.setenv("K3_KDA_FP32_DOTS", setting)
-    want = setting or "ieee"
+    want = setting or "tf32x3"
     seen = []
 
     def spy(module, name):
