@@ -48,7 +48,6 @@ kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
     tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_qk_norm_inference.py \
     -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
@@ -446,19 +445,8 @@ s14b)
   kda_gpu_tests
   kda_table
   ;;
-s14c)
-  # session 14: the inference forward scaling raw q / k rows in its intra and w/u kernels (LAUNCH["intra"]["QK_RSTD"])
-  # instead of a norm pass writing normalised copies: the KDA GPU tests, then per kernel with it on and off at the
-  # three fwd-goal shapes, then the fwd column against fla
-  kda_gpu_tests
-  SHAPES="8,4096,16,128 2,16384,16,128 16,2048,32,64" long_shapes_tune "--fwd-only" \
-    "--fwd-only --set intra.QK_RSTD=False"
-  timeout 150 python3 benchmarks/kda.py --only 8,4096,16,128 2,16384,16,128 16,2048,32,64 --no-decode --fwd-only \
-    > "$OUT/kda_fwd.log" 2>&1
-  echo "kda fwd rc=$?"; grep "^|\|^# LAUNCH" "$OUT/kda_fwd.log"
-  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b)" >&2; exit 2
   ;;
 esac

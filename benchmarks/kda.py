@@ -244,7 +244,7 @@ def main():
     ap.add_argument("--state-v-first", action="store_true", help="decode with the state pool V-first, [P, H, V, K] "
                     "(each program's state tile contiguous in memory); k3 only, so with --no-fla")
     ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one k3 kernel's LAUNCH "
-                    "entry for the whole run (as kda_tune.py --set, e.g. intra.QK_RSTD=False; repeatable)")
+                    "entry for the whole run (as kda_tune.py --set, e.g. scan.FUSE_WU=True; repeatable)")
     args = ap.parse_args()
     if args.set:
         from kda_tune import set_launch  # benchmarks/ is the script's directory, so on sys.path

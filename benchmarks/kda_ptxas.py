@@ -162,27 +162,21 @@ def main() -> None:
     bki, intra_bwd_opts = B.intra_launch(BK)
     bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
-    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG, RSTD)
-    intra_uses = [("safe gate (inference: qg for the output fused in the scan; q, k unnormalised)", True, False, True,
-                   True, True),
-                  ("safe gate (inference, q, k normalised before)", True, False, True, True, False),
-                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False, False),
-                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True, False),
-                  ("exact gate (training)", False, True, False, False, False)]
+    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
+    intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
+                  ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "RSTD": rstd}, F.intra_opts(intra["BK"]),
-           {"beta": "*fp32"})
-          for name, safe, akk, check, qg, rstd in intra_uses],
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
+          for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False, "RSTD": False},
+        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
-        ("w, u (inference: k unnormalised)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False, "RSTD": True}, F.launch_opts("wu"), {}),
-        ("w, u (backward recompute: qg too)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True, "RSTD": False}, F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
            {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, "STORE_STATES": st},

@@ -70,7 +70,7 @@ from .triton_common import (
     launch_fitting,
 )
 from .triton_gate import kda_gate_triton
-from .triton_l2norm import l2norm_rstd, l2norm_triton
+from .triton_l2norm import l2norm_triton
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -81,9 +81,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
     # session 8's two-pass form). SMALL_K_WARPS: num_warps when K <= 64 (intra_opts): at (16, 2048, 32, 64) 545 us
     # at 1 warp (session 11) against 710 at 2 (session 10's call 4, the same kernel; RESULTS.md)
-    # QK_RSTD: an inference forward with the q/k L2 norm in kernel scales q's and k's rows in this kernel and the w/u
-    # kernel from their inverse norms, instead of a norm pass writing normalised copies (chunk_kda_triton)
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "QK_RSTD": True},
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -156,11 +154,9 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
 
 
 @triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rk, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, RSTD: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
-    # RSTD: k unnormalised, with its rows' inverse L2 norms rk [T_all * H] fp32 (chunk_fwd_pipeline's `rstd`)
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -170,8 +166,6 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rk, chunk_indices, cu_seqle
     b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
                   mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    if RSTD:
-        b_rk = tl.load(rk + (start + o_t) * H + i_h, mask=m_t, other=0.0)
     # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
     # one block at K <= 128 with the default BK)
     for i_k in range(0, K, BK):
@@ -179,8 +173,6 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rk, chunk_indices, cu_seqle
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_k = b_k.to(tl.float32)
-        if RSTD:
-            b_k *= b_rk[:, None]
         b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
@@ -286,7 +278,7 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False, rk=None):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -299,8 +291,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`.
-    rk: None, or k's rows' inverse L2 norms [B * T * H] fp32 with k unnormalised (chunk_fwd_pipeline's `rstd`)."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -326,10 +317,9 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg,
-                             rk if rk is not None else beta, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K,
-                             V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT, STORE_QG=q is not None,
-                             RSTD=rk is not None, **common, **launch_opts("wu"))
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
+                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
+                             STORE_QG=q is not None, **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
@@ -353,7 +343,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False, rstd=None):
+                       cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -367,10 +357,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     at (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, u, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
-    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
-    rstd: None, or (rq, rk), the inverse L2 norms of q's and k's rows [B * T * H] fp32 (triton_l2norm.l2norm_rstd),
-    q and k then unnormalised: the intra and w/u kernels scale the rows they load (an inference forward, whose
-    normalised q and k nothing keeps; chunk_kda_triton), so no normalised copy is written."""
+    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -392,9 +379,6 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     r["Akk"], r["Lkk"] = (Lkk, None) if store_akk else (None, Lkk)
     # the output fused into the scan, unless the caller wants the states (h_fp32: return_intermediate_states)
     fused = launch and not h_fp32 and fuse_output(N, HV, V, K, dev)
-    if rstd is not None and not fused:  # the output kernel reads q: normalise here (l2norm_triton's values)
-        q, k = ((x.float() * r.view(B, T, H, 1)).to(dt) for x, r in zip((q, k), rstd, strict=True))
-        rstd = None
     # qg = scale q exp2(Gamma) for the fused output, stored by the intra kernel, which holds q and Gamma anyway:
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
@@ -408,11 +392,9 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None,
-                 "RSTD": rstd is not None, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
-        rq, rk = rstd if rstd is not None else (beta, beta)  # placeholder pointers without RSTD
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk, rq, rk,
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
                                              chunk_indices, cu, float(scale), shift, T, NT, **intra,
                                              **intra_opts(BK))
         if g_check:
@@ -421,8 +403,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states,
-        rk=None if rstd is None else rstd[1])
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
     r["states"] = (r["w"], r["u"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None
     if launch and not fused:
         BVo = v_block("output", V, BK)
@@ -456,7 +437,6 @@ class _ChunkKDATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
-        assert ctx.bwd is None or cfg["rstd"] is None, "unnormalised q, k (rstd) are for inference forwards only"
         ctx.cfg = cfg
         # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
         # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on the H200 (Nsight Compute, 2026-11-30)
@@ -464,7 +444,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               keep_states=ctx.bwd == "triton" and keep_states(), rstd=cfg["rstd"])
+                               keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
             ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *(r["states"] or ()))
             ctx.g_dtype = g.dtype
@@ -554,17 +534,9 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     B, _T, _, K = q.shape
     HV = v.shape[2]
     # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
-    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32.
-    # An inference forward (no gradient, no intermediate states) computes only the norms' inverses; its intra and w/u
-    # kernels scale the rows they load, and no normalised copy is written (chunk_fwd_pipeline's rstd)
-    rstd = None
+    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
     if use_qk_l2norm_in_kernel:
-        wants_grad = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-        if wants_grad or return_intermediate_states or not LAUNCH["intra"]["QK_RSTD"]:
-            q, k = l2norm_triton(q), l2norm_triton(k)
-        else:
-            rstd = (l2norm_rstd(q), l2norm_rstd(k))
+        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
@@ -587,7 +559,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "g_check": g_check, "rstd": rstd,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None

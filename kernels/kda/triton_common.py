@@ -164,11 +164,10 @@ def _diag_block(b_q, b_k, b_Gs, b_Gn, b_en, shift, BC: tl.constexpr, SAFE: tl.co
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, RSTD: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -185,10 +184,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, chunk_indi
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
     the safe gate's bound check, which then costs no pass of its own over g.
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
-    and Gamma this program holds anyway.
-    RSTD: q and k arrive unnormalised with their rows' inverse L2 norms rq, rk [T_all * H] fp32 (an inference
-    forward, chunk_fwd_pipeline's `rstd`): own rows are scaled as loaded, and each off-diagonal block's columns by
-    rk after its dots ([BC, BC] products, not [BC, BK] ones)."""
+    and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -218,10 +214,6 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, chunk_indi
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if RSTD:
-        p_ir = (start + r_i) * H + i_h
-        b_q *= tl.load(rq + p_ir, mask=m_i, other=0.0)[:, None]
-        b_k *= tl.load(rk + p_ir, mask=m_i, other=0.0)[:, None]
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     # Gamma_i - Gamma_n <= 0. Not masked: rows past the end read g = 0 (finite Gamma there) and q = k = 0, so every
     # product with e_q is 0 there as with a masked factor (bit-identical; 32 selects fewer per thread in the PTX)
@@ -247,10 +239,6 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, chunk_indi
         b_kc = b_kc.to(k.dtype.element_ty)
         b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
-        if RSTD:  # column c of both blocks is key c's: its norm as a column factor
-            b_rj = tl.load(rk + (start + r_j) * H + i_h)[None, :]
-            b_A *= b_rj
-            b_L *= b_rj
         p_b = p_rows + r_j[None, :]
         tl.store(Aqk + p_b, b_A.to(Aqk.dtype.element_ty), mask=m_i[:, None])
         if STORE_AKK:

@@ -22,17 +22,14 @@ from .gate import L2NORM_EPS
 
 
 @triton.jit
-def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                       STORE_Y: tl.constexpr):
-    # STORE_Y off: only r (l2norm_rstd, for kernels that scale the rows themselves)
+def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < R)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + tl.full([], eps, tl.float32))  # [BR]; eps is fp64 when inductor launches us
-    if STORE_Y:
-        tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < R)
 
 
@@ -64,7 +61,7 @@ class _L2NormTriton(torch.autograd.Function):
         rstd = torch.empty(R, dtype=torch.float32, device=x.device)
         BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
         if R:
-            _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y, rstd, R, float(eps), D=D, BD=BD, BR=BR, STORE_Y=True)
+            _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y, rstd, R, float(eps), D=D, BD=BD, BR=BR)
         ctx.save_for_backward(x2, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -87,17 +84,3 @@ def l2norm_triton(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
     Same values as `l2norm(x.float()).to(x.dtype)` (gate.py) up to fp32 summation order."""
     return _L2NormTriton.apply(x, eps)
-
-
-def l2norm_rstd(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """The inverse norms alone: r = (sum(x^2, -1) + eps)^(-1/2) in fp32, one per row. x: [..., D] -> r [prod(...)]
-    (rows in x's order). No gradient: for an inference forward whose kernels scale the rows themselves
-    (triton_chunk.chunk_fwd_pipeline's `rstd`), which saves writing the normalised copy (2 D bytes per row in bf16)."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    R = x2.shape[0]
-    rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-    BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
-    if R:
-        _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, x2, rstd, R, float(eps), D=D, BD=BD, BR=BR, STORE_Y=False)
-    return rstd
