@@ -445,8 +445,19 @@ s14b)
   kda_gpu_tests
   kda_table
   ;;
+s14d)
+  # session 14, call 5: the fp32 K-block test of the backward inter kernel hit an illegal address at the tf32x3
+  # default in call 4 (taking its pytest worker down): that file per K3_KDA_FP32_DOTS (launches synchronous, so the
+  # traceback names the kernel), then the KDA GPU tests
+  for p in ieee tf32x3 tf32; do
+    CUDA_LAUNCH_BLOCKING=1 K3_KDA_FP32_DOTS=$p timeout 150 python3 -m pytest tests/kernels/test_kda_bwd_kblocks.py \
+      -p no:cacheprovider -rf -n 3 > "$OUT/kblocks_$p.log" 2>&1
+    echo "kblocks $p rc=$?"; grep -E "^FAILED|^ERROR|passed|failed|^kernels/.*Error|_kernel\[" "$OUT/kblocks_$p.log" | tail -8
+  done
+  kda_gpu_tests
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d)" >&2; exit 2
   ;;
 esac
