@@ -456,8 +456,14 @@ s14d)
   done
   kda_gpu_tests
   ;;
+s14e)
+  # session 14, the last call: the KDA GPU tests at the session's last code commit, then issue 4's table (no gate row)
+  kda_gpu_tests
+  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e)" >&2; exit 2
   ;;
 esac

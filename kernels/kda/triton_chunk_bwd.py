@@ -120,6 +120,14 @@ HALF_INPUT_PRECISION = "bf16x3"  # the intra kernel's diagonal (anchored) dots f
 INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
 
 
+def inter_k_block(BK: int, prec: str) -> int:
+    """The inter kernel's K block: LAUNCH["bwd_inter"]["BK"], at most BK (next_pow2(K)), and at least 32 with tf32x3
+    dots (fp32 inputs): at K block 16 (K = 32, 64-token chunks) that launch read an illegal address on the H200
+    (Triton 3.6, 2026-11-30, RESULTS.md session 14), where ieee and tf32 passed."""
+    bkb = min(BK, LAUNCH["bwd_inter"]["BK"])
+    return min(BK, max(bkb, 32)) if prec == "tf32x3" else bkb
+
+
 def _prec(name: str, dtype: torch.dtype) -> str:
     """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): for fp32 inputs
     triton_common.fp32_dot_precision() (tf32x3 unless K3_KDA_FP32_DOTS says otherwise); for bf16/fp16,
@@ -530,11 +538,11 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                 "PREC": _prec("bwd_scan", dt), **_opts("bwd_scan")}
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
-        BVi = _bv("bwd_inter", V)
+        BVi, prec = _bv("bwd_inter", V), _prec("bwd_inter", dt)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
                                         dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
-                                        BKB=min(BK, LAUNCH["bwd_inter"]["BK"]), BV=BVi, BT=BT, VARLEN=varlen,
-                                        PREC=_prec("bwd_inter", dt), **_opts("bwd_inter"))
+                                        BKB=inter_k_block(BK, prec), BV=BVi, BT=BT, VARLEN=varlen, PREC=prec,
+                                        **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,

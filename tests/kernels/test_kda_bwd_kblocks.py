@@ -44,6 +44,8 @@ def _grads(monkeypatch, bk, *, T, HV, D, BT, safe, cu=None):
     (32, 16, 64, True, [0, 23, 23, 70]),  # varlen with an empty sequence
 ], ids=["D32-bk16", "D60-bk16-exact", "varlen"])
 def test_bwd_inter_k_blocks_equal_one_pass(monkeypatch, D, bk, BT, safe, cu):
+    # IEEE dots: tf32x3 (the fp32 default) keeps K blocks >= 32 (triton_chunk_bwd.inter_k_block)
+    monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
     T = 70 if cu is not None else 45
     one = _grads(monkeypatch, 256, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
     split = _grads(monkeypatch, bk, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
@@ -79,3 +81,12 @@ def test_half_partials(monkeypatch):
     for name, a, b in zip(("dq", "dk"), full[:2], half[:2], strict=True):
         err = ((a - b).norm() / a.norm()).item()
         assert 0 < err < 2 ** -8, f"{name}: relative change {err:.2e} with bf16 partials (expected one rounding)"
+
+
+def test_inter_k_block_floor_for_tf32x3(monkeypatch):
+    """tf32x3 dots take K blocks of at least 32 (an illegal address at 16 on the H200), within the padded K."""
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", 16)
+    assert [triton_chunk_bwd.inter_k_block(bk, "tf32x3") for bk in (16, 32, 128)] == [16, 32, 32]
+    assert [triton_chunk_bwd.inter_k_block(bk, p) for bk in (32, 128) for p in ("ieee", "tf32", "bf16")] == [16] * 6
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", 64)
+    assert [triton_chunk_bwd.inter_k_block(bk, "tf32x3") for bk in (32, 128)] == [32, 64]
