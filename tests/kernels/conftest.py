@@ -97,11 +97,12 @@ def triton_kda_backward(monkeypatch, triton_cpu):
 @pytest.fixture
 def launch_spy(monkeypatch):
     """spy(module, name): replace kernel `name` of `module` by a wrapper that records each launch's grid, then
-    launches it; returns the list the grids go to (restored after the test)."""
+    launches it; returns the list the grids go to (restored after the test). The wrapper keeps the kernel's
+    __name__: triton_common.launch_fitting keys refused launches by it."""
     def spy(module, name):
         grids, real = [], getattr(module, name)
-        monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda _, grid: (grids.append(grid),
-                                                                                           real[grid])[1]})())
+        monkeypatch.setattr(module, name, type("Spy", (), {"__name__": name, "__getitem__": lambda _, grid: (
+            grids.append(grid), real[grid])[1]})())
         return grids
 
     return spy
