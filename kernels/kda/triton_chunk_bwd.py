@@ -121,9 +121,10 @@ INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
 
 
 def inter_k_block(BK: int, prec: str) -> int:
-    """The inter kernel's K block: LAUNCH["bwd_inter"]["BK"], at most BK (next_pow2(K)), and at least 32 with tf32x3
-    dots (fp32 inputs): at K block 16 (K = 32, 64-token chunks) that launch read an illegal address on the H200
-    (Triton 3.6, 2026-11-30, RESULTS.md session 14), where ieee and tf32 passed."""
+    """The inter kernel's K block: LAUNCH["bwd_inter"]["BK"], at most BK (next_pow2(K)), and with tf32x3 dots (fp32
+    inputs) at least 32 (or BK when K <= 16: one block, untried on a GPU): at K block 16 of K = 32 (two blocks,
+    64-token chunks) that launch read an illegal address on the H200 (Triton 3.6, 2026-11-30, RESULTS.md session 14),
+    where ieee and tf32 passed."""
     bkb = min(BK, LAUNCH["bwd_inter"]["BK"])
     return min(BK, max(bkb, 32)) if prec == "tf32x3" else bkb
 
