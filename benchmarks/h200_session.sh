@@ -466,8 +466,20 @@ s14f)
   # session 14: the KDA GPU tests alone (after the launch spy's fix)
   kda_gpu_tests
   ;;
+s15)
+  # prepared in session 14 for the next session's first call: the launch grid at the shape furthest from its goal,
+  # (16,2048,32,64) (fwd+bwd 1.29x fla, goal 1.5x), where every LAUNCH entry but the intra kernels' SMALL_K ones was
+  # tuned at K = 128: all k3 chunk kernels at 2 / 4 / 8 warps and 1 / 3 stages, V block 64 (the per-kernel
+  # best is starred), then the inference forward at 1 / 2 / 4 warps
+  timeout 330 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 2,4,8 --stages 1,3 --bv 64 --iters 3 \
+    > "$OUT/kda_tune_k64.log" 2>&1
+  echo "kda_tune k64 rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_k64.log"
+  timeout 150 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 1,2,4 --stages 1,2 --bv 64 --iters 3 \
+    --fwd-only > "$OUT/kda_tune_k64_fwd.log" 2>&1
+  echo "kda_tune k64 fwd rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_k64_fwd.log"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15)" >&2; exit 2
   ;;
 esac
