@@ -3,7 +3,8 @@
 # repo root on the GPU machine with the wheels of .whl carried (fla-core, einops, fastapi, uvicorn, pydantic, ...;
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
-#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b | s13c | s13d | s13e | s14 | s14b
+#   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -101,6 +102,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 case "$MODE" in
+cmd)
+  # any command after the preamble (k3 installed, the fla wheel on PYTHONPATH, Triton's cache unpacked):
+  # `bash benchmarks/h200_session.sh cmd python3 my_check.py`. Session 14 lost a call running a scratch script
+  # without that install
+  shift
+  "$@"
+  ;;
 kernels)
   K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
     -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
@@ -480,6 +488,6 @@ s15)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15)" >&2; exit 2
   ;;
 esac
