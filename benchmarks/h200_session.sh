@@ -478,11 +478,14 @@ s15)
   # prepared in session 14 for the next session's first call: the launch grid at the shape furthest from its goal,
   # (16,2048,32,64) (fwd+bwd 1.29x fla, goal 1.5x), where every LAUNCH entry but the intra kernels' SMALL_K ones was
   # tuned at K = 128: all k3 chunk kernels at 2 / 4 / 8 warps and 1 / 3 stages, V block 64 (the per-kernel
-  # best is starred), then the inference forward at 1 / 2 / 4 warps
-  timeout 330 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 2,4,8 --stages 1,3 --bv 64 --iters 3 \
+  # best is starred), then the inference forward at 1 / 2 / 4 warps. First, the inference forward with its output in
+  # the separate output kernel (the scan then stores states and v_new, but does 2 dots per step instead of 4), at
+  # the two fwd-goal shapes of 16 heads: the fused output was chosen on fwd+bwd times (session 11)
+  SHAPES="2,16384,16,128 8,4096,16,128" long_shapes_tune "--fwd-only" "--fwd-only --output-from 1000000"
+  timeout 300 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 2,4,8 --stages 1,3 --bv 64 --iters 3 \
     > "$OUT/kda_tune_k64.log" 2>&1
   echo "kda_tune k64 rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_k64.log"
-  timeout 150 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 1,2,4 --stages 1,2 --bv 64 --iters 3 \
+  timeout 120 python3 benchmarks/kda_tune.py --shape 16,2048,32,64 --warps 1,2,4 --stages 1,2 --bv 64 --iters 3 \
     --fwd-only > "$OUT/kda_tune_k64_fwd.log" 2>&1
   echo "kda_tune k64 fwd rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_k64_fwd.log"
   ;;
