@@ -316,9 +316,10 @@ def main():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
             k3_f, k3_fb, k3_mem = time_chunk(chunk_kda, xs, do, args.fwd_only)
-            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk_intra}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | {sd_f:.3f} | "
-                  f"{fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | {fla_fb / k3_fb:.2f} | "
-                  f"{fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |", flush=True)
+            print(f"| ({B},{T},{H},{D}) | {bk[0]} / {bk_intra}, {bk[2]} | {err:.2e} | {k3_f:.3f} | {fla_f:.3f} | "
+                  f"{sd_f:.3f} | {fla_f / k3_f:.2f} | {k3_fb:.3f} | {fla_fb:.3f} | {sd_fb:.3f} | "
+                  f"{fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |",
+                  flush=True)
             del o_k3
         launch["bwd_inter"]["BK"] = default_bks[0]
         launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"] = intra_defaults

@@ -133,18 +133,17 @@ def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN:
 
 
 @triton.jit
-def _diag_block(b_q, b_k, b_Gs, b_Gn, b_en, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
-    b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] (log2 units), the anchor row b_Gn [BK] and b_en = exp2(b_Gs - b_Gn) (the
-    caller's query factor; 0 is fine in rows and columns where b_q and b_k are 0). With SAFE the fixed anchor
-    C = Gamma_n - shift keeps exp2(Gamma_i - C) and exp2(C - Gamma_j) finite in fp32 (kda.md 3.3); otherwise exact
-    pairwise exponents, one key column j at a time (any g, including -1000)."""
+    b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] relative to the anchor row n (log2 units; zero at row n) and
+    b_en = exp2(b_Gs) (the caller's query factor; 0 is fine in rows and columns where b_q and b_k are 0). With SAFE
+    the fixed anchor C = Gamma_n - shift = -shift keeps exp2(Gamma_i - C) and exp2(C - Gamma_j) finite in fp32
+    (kda.md 3.3); otherwise exact pairwise exponents, one key column j at a time (any g, including -1000)."""
     o_c = tl.arange(0, BC)
     if SAFE:
-        b_C = b_Gn - shift
         # exp2(Gamma_i - C) = exp2(Gamma_i - Gamma_n) exp2(shift): one multiply in place of a tile of exponentials
         e_r = b_en * tl.exp2(tl.full([], shift, tl.float32))
-        b_kd = b_k * tl.exp2(b_C[None, :] - b_Gs)
+        b_kd = b_k * tl.exp2(-shift - b_Gs)
         b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
         b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)
     else:
@@ -250,7 +249,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     tl.store(Gam + p_ik, b_Ga, mask=m_ik)
     if STORE_QG:  # computed as the w/u kernel's recompute does (the backward may read either), bit for bit
         tl.store(qg + p_ik, (b_q * tl.exp2(b_Ga)).to(qg.dtype.element_ty), mask=m_ik)
-    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, tl.zeros([BK], dtype=tl.float32), e_q, shift, BC, SAFE, PREC)  # anchor 0
+    b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, e_q, shift, BC, SAFE, PREC)
     p_d = p_rows + r_i[None, :]
     tl.store(Aqk + p_d, b_Ad.to(Aqk.dtype.element_ty), mask=m_i[:, None])
     if STORE_AKK:

@@ -56,8 +56,10 @@ for varlen in (False, True):
             for bk in (16, 32):  # the launch at K <= 64 (intra_launch: more warps, stages) and the other one
                 intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                              "OFF": prec}
-                compile_(B._bwd_intra_kernel, intra_bwd, **(B.intra_launch(32)[1] if bk == 32 else B._opts("bwd_intra")))
-    compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen}, B.LAUNCH["bwd_dg"]["num_warps"])
+                opts = B.intra_launch(32)[1] if bk == 32 else B._opts("bwd_intra")
+                compile_(B._bwd_intra_kernel, intra_bwd, **opts)
+    compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
+             B.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
                                 "PREC": "tf32"}, 4, ("kg", "qg"))

@@ -539,9 +539,9 @@ def test_chunk_gradients_reduced_precision_dots(prec, B, T, H, HV, D, BT, safe, 
 
 
 def test_backward_dot_precision_setting(monkeypatch):
-    """fp32 inputs run tf32x3 dots unless K3_KDA_FP32_DOTS says otherwise; bf16/fp16 take LAUNCH[...]["PREC"] for the scan and inter kernels and
-    the intra kernel's off-diagonal dots (its diagonal keeps bf16x3, kda.md 3.3); an unknown precision is a
-    clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
+    """fp32 inputs run tf32x3 dots unless K3_KDA_FP32_DOTS says otherwise; bf16/fp16 take LAUNCH[...]["PREC"] for
+    the scan and inter kernels and the intra kernel's off-diagonal dots (its diagonal keeps bf16x3, kda.md 3.3); an
+    unknown precision is a clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
     from k3.kernels.kda import triton_chunk_bwd as bwd
 
     monkeypatch.delenv("K3_KDA_FP32_DOTS", raising=False)
