@@ -13,7 +13,7 @@ h' = Diag(e^Gamma_last) h + (k e^(Gamma_last - Gamma))^T v_new.  The backward is
     dh     = Diag(e^Gamma_last) dh' + qg^T do - w^T dv_new      qg = qs e^Gamma        (dh of chunk 0 = dh0)
   per chunk:  dqg = do h^T,  dAqk = tril(do v_new^T),  dkg = v_new dh'^T,  dw = -dv_new h^T,  du = dv_new
     [dkb | dvb] = M^T [dw | du]  (kb = beta k e^Gamma, vb = beta v; dkb = -dvb h^T, one dot fewer),
-    dL = -strict(dkb w^T + dvb u^T)
+    dL = -strict(dkb w^T + dvb u^T) = -strict(dvb v_new^T)    (dkb w^T = -dvb (w h)^T and v_new = u - w h)
     dv = beta dvb,  dbeta = rowsum(dL * Akk) + rowsum(dkb * k e^Gamma) + rowsum(dvb * v),  dAkk = diag(beta) dL
     dGamma gets qg * dqg + beta k e^Gamma * dkb - kg * dkg, and row Gamma_last gets sum_t kg*dkg + e^Gamma_last
     * rowsum(dh' * h);  then the intra-chunk terms of Aqk and Akk (dq, dk and dGamma from exp(Gamma_i - Gamma_j))
@@ -77,6 +77,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # fwd+bwd, inter + intra kernel, fp32 / bf16 partials (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
     # 12): (8, 4096, 16, 128) 1,716 + 1,494 / 1,654 + 1,468, total 6,139 / 6,053; (16, 2048, 32, 64) 1,933 + 1,542 /
     # 1,825 + 1,506, total 6,104 / 5,957; the GPU's bf16 gradient tests pass with them
+    # dL = -dvb v_new^T in place of -(dvb u^T + dkb w^T) (session 15): H200, us, kda_tune.py --defaults: 1,825 ->
+    # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
+    # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
+    # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
@@ -88,9 +92,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # SMALL_K_*: the launch at K <= 64 (next_pow2(K)), as the forward intra kernel's SMALL_K_WARPS: at (16, 2048, 32,
     # 64) K block 64 at 2 warps / 2 stages took 1,460 us against 1,495 at the K <= 128 launch (1 stage: 1,617); at
     # (8, 4096, 16, 128) K block 64 at 2 warps / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200,
-    # kda_tune.py --set, 2026-11-30, RESULTS.md session 13)
+    # kda_tune.py --set, 2026-11-30, RESULTS.md session 13). SMALL_K_STAGES 3 (session 15): 1,349 us against 1,493
+    # at 1 and ~1,390 at 2 at (16, 2048, 32, 64) (the K = 64 launch grid; 1,365 against 1,391 with --defaults)
     "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32",
-                  "SMALL_K_BK": 64, "SMALL_K_WARPS": 2, "SMALL_K_STAGES": 2},
+                  "SMALL_K_BK": 64, "SMALL_K_WARPS": 2, "SMALL_K_STAGES": 3},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -247,14 +252,15 @@ def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k
 
 
 @triton.jit
-def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
+def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
                       PREC: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
-    of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL from u) are
-    taken in the first K pass only; dL and d(beta) accumulate over the K blocks and are stored after the last."""
+    of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
+    no read of u or w, and one dot fewer per K block) are taken in the first K pass only; d(beta) accumulates over the
+    K blocks, and both are stored after the last."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -297,13 +303,10 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dv
             if i_k == 0:  # the V-side results, once
                 b_dAq += _dot(b_do, tl.trans(b_vn), PREC)
                 tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-                b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-                b_dL -= _dot(b_dvb, tl.trans(b_u), PREC)
+                b_dL -= _dot(b_dvb, tl.trans(b_vn), PREC)  # dvb u^T + dkb w^T = dvb (u - w h)^T = dvb v_new^T
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
                 b_db += tl.sum(b_dvb * b_v, axis=1)
         # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_dL -= _dot(b_dkb, tl.trans(b_w), PREC)
         b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
@@ -496,11 +499,12 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     # h and dh in bf16 too)
     h_dtype, kq_dtype = recompute_dtypes(dt)
     if states is None:
-        w, u, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
+        # u: read by the recompute's scan alone (v_new = u - w h); the inter kernel takes v_new
+        w, _, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
                                                        h_fp32=h_dtype == torch.float32, cu_host=cu_host, q=q,
                                                        scale=scale, kq_dtype=kq_dtype)
     else:
-        w, u, vnew, hbuf, kg, qg = states
+        w, _, vnew, hbuf, kg, qg = states
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)
@@ -540,8 +544,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
         BVi, prec = _bv("bwd_inter", V), _prec("bwd_inter", dt)
-        _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, w, u, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk,
-                                        dqs, dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
+        _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
+                                        dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, prec), BV=BVi, BT=BT, VARLEN=varlen, PREC=prec,
                                         **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
