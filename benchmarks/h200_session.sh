@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -489,8 +489,15 @@ s15)
     --fwd-only > "$OUT/kda_tune_k64_fwd.log" 2>&1
   echo "kda_tune k64 fwd rc=$?"; grep -v "^# per\|^# w\|^# torch" "$OUT/kda_tune_k64_fwd.log"
   ;;
+s15d)
+  # session 15: fwd+bwd at (16,2048,32,64) with the q / k L2 norm's backward in the backward intra kernel (y from
+  # the rows it holds), at its 3 stages and at 2; the inference forward there (2 scan stages at K <= 64); the
+  # inference scan at 8 warps at (2,16384,16,128)
+  SHAPES="16,2048,32,64" long_shapes_tune "" "--set bwd_intra.SMALL_K_STAGES=2" "--fwd-only"
+  SHAPES="2,16384,16,128" long_shapes_tune "--fwd-only --set scan.num_warps=8"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d)" >&2; exit 2
   ;;
 esac

@@ -194,10 +194,11 @@ def main() -> None:
         (f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)})", B._bwd_inter_kernel,
          {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
           "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16)}, B._opts("bwd_inter"), {}),
-        (f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)})", B._bwd_intra_kernel,
-         {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
-          "OFF": B._prec("bwd_intra", torch.bfloat16)},
-         intra_bwd_opts, {}),
+        *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
+           B._bwd_intra_kernel,
+           {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
+            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm}, intra_bwd_opts, {})
+          for name, norm in (("", False), ("; the q / k L2 norm's backward in it", True)) if bki >= K or not norm],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

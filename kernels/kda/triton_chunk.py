@@ -70,7 +70,7 @@ from .triton_common import (
     launch_fitting,
 )
 from .triton_gate import kda_gate_triton
-from .triton_l2norm import l2norm_triton
+from .triton_l2norm import l2norm_bwd_from_y, l2norm_fwd
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -112,7 +112,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # Steps 3 and 4 as one kernel (the scan computing each chunk's w, u and kg itself) tried, removed: 1,300 us at 4
     # warps against 311 + 437 for the two kernels at (2,16384,16,128) on the H200, and wrong at 8 warps with 64-token
     # chunks (RESULTS.md session 14)
-    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0},
+    # INFER_SMALL_K_STAGES: num_stages of the inference forward's scan (output fused, no states or v_new stored) at
+    # K <= 64 (scan_opts). H200, us per inference forward, scan at 3 / 2 stages (kda_tune.py --fwd-only, 2026-11-30,
+    # RESULTS.md session 15): (16, 2048, 32, 64) 252 / 230; but (8, 4096, 16, 128) 295 / 392, (2, 16384, 16, 128)
+    # 443 / 642
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -120,6 +124,13 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
 def launch_opts(name: str) -> dict[str, int]:
     """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def scan_opts(states: bool, BK: int) -> dict[str, int]:
+    """num_warps / num_stages of the forward scan: INFER_SMALL_K_STAGES when it stores no states (inference) at padded
+    key dim BK <= 64."""
+    opts = launch_opts("scan")
+    return opts if states or BK > 64 else {**opts, "num_stages": LAUNCH["scan"]["INFER_SMALL_K_STAGES"]}
 
 
 def intra_opts(BK: int) -> dict[str, int]:
@@ -329,7 +340,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if states else w, hbuf if states else w, h0c, ht,
                    qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV,
                    K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
-                   STORE_STATES=states, **common, **launch_opts("scan"))
+                   STORE_STATES=states, **common, **scan_opts(states, BK))
     return w, u, vnew, hbuf, ht, kg, qg
 
 
@@ -419,7 +430,8 @@ class _ChunkKDATriton(torch.autograd.Function):
     """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute), read when the
     forward runs with gradients needed (cfg["grad"]: grad mode at the call, and some input requires grad).
 
-    q, k: [B, T, H, K] (normalized, unscaled); v: [B, T, HV, V];
+    q, k: [B, T, H, K] (unscaled; normalized, or raw with cfg["l2norm"]: the Function then normalizes them and keeps
+    the normalized ones and their rstd [B T H] fp32 for the backward); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
     Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient; None when the
     scan computed o, which it never does for return_intermediate_states).
@@ -440,6 +452,10 @@ class _ChunkKDATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
         ctx.cfg = cfg
+        norm = ()
+        if cfg["l2norm"]:  # q, k <- their L2 norms; the backward runs the norm's own (in the intra kernel if it can)
+            (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
+            norm = (rq, rk)
         # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
         # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on the H200 (Nsight Compute, 2026-11-30)
         ctx.set_materialize_grads(False)
@@ -448,10 +464,11 @@ class _ChunkKDATriton(torch.autograd.Function):
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
                                keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
-            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *(r["states"] or ()))
+            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *norm,
+                                  *(r["states"] or ()))
             ctx.g_dtype = g.dtype
         elif ctx.bwd == "torch":
-            ctx.save_for_backward(q, k, v, g, beta, h0)
+            ctx.save_for_backward(q, k, v, g, beta, h0, *norm)
         ctx.o_meta = (r["o"].shape, r["o"].dtype, r["o"].device)  # for a zero do when only the state is used
         if r["hbuf"] is not None:  # None when the scan computed the output (triton_chunk.fuse_output)
             ctx.mark_non_differentiable(r["hbuf"])
@@ -466,14 +483,16 @@ class _ChunkKDATriton(torch.autograd.Function):
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
-            q, k, v, beta, h0, Gam, Aqk, Akk, Mm, *states = ctx.saved_tensors
+            q, k, v, beta, h0, Gam, Aqk, Akk, Mm, *rest = ctx.saved_tensors
+            norm, states = (rest[:2], rest[2:]) if cfg["l2norm"] else (None, rest)
             grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
                                      safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
-                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], states=states or None)
+                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], states=states or None,
+                                     rstd=norm)
             dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
             out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
             return (*out, None)
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, *norm = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
             o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
@@ -486,6 +505,8 @@ class _ChunkKDATriton(torch.autograd.Function):
             outs = [(y, dy) for y, dy in ((o, do), (ht, dht)) if dy is not None]  # dht None: the state was unused
             grads = iter(torch.autograd.grad([y for y, _ in outs], live, [dy for _, dy in outs], allow_unused=True))
         out = [next(grads) if x is not None else None for x in leaves]
+        if norm:  # gradients of the normalised q, k -> of the raw ones
+            out[:2] = [None if d is None else l2norm_bwd_from_y(y, r, d) for y, r, d in zip((q, k), norm, out[:2])]
         return (*out, None)
 
 
@@ -535,10 +556,9 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     check_device("chunk_kda", q, k, v, g, beta, initial_state)
     B, _T, _, K = q.shape
     HV = v.shape[2]
-    # in-kernel steps before the core (autograd-capable): q/k L2 norm as one Triton pass each (fp32 inside, stored
-    # in their dtype), the gate as one Triton pass (fp32 out); the beta sigmoid as a PyTorch op; g and beta fp32
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm_triton(q), l2norm_triton(k)
+    # in-kernel steps before the core: q/k L2 norm inside _ChunkKDATriton (one Triton pass each, fp32 inside, stored
+    # in their dtype; its backward fused into the backward intra kernel where it can be); the gate as one Triton
+    # pass (fp32 out, autograd-capable); the beta sigmoid as a PyTorch op; g and beta fp32
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
@@ -561,7 +581,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
         h0 = h0.transpose(-1, -2) if state_v_first else h0
     cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
-           "cu_host": cu_seqlens_cpu, "g_check": g_check,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check, "l2norm": use_qk_l2norm_in_kernel,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
     o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None

@@ -53,6 +53,7 @@ from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
+from .triton_l2norm import l2norm_bwd_from_y
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
 # session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
@@ -332,10 +333,10 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, chunk_indices, cu_seqlens, scale,
-                      shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, chunk_indices, cu_seqlens,
+                      scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
+                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
     # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
     # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
@@ -347,17 +348,18 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
-    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid, i_i, i_kb,
-                                       i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF)
+    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i,
+                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM)
     tl.store(dG_out + p_ik, b_dG, mask=m_ik)
 
 
 @triton.jit
-def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_valid, i_i, i_kb, i_hv, scale, shift,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr):
+def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i, i_kb, i_hv, scale,
+                    shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
-    end) and K block i_kb of one chunk and value head: stores their dq and dk; returns dGamma [BC, BK] fp32 (before
+    end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
+    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma [BC, BK] fp32 (before
     the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
@@ -441,10 +443,16 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, start, n_
         else:
             b_dco *= tl.exp2(tl.where(m_ik, b_Ga[None, :] - b_G, float("-inf")))
     b_dc += b_dco
-    tl.store(dq_out + p_ik, ((tl.load(dqs + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dqr) * scale)
-             .to(dq_out.dtype.element_ty), mask=m_ik)
-    tl.store(dk_out + p_ik, (tl.load(dkk + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dkr + b_dc)
-             .to(dk_out.dtype.element_ty), mask=m_ik)
+    b_dq = (tl.load(dqs + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dqr) * scale
+    b_dk = tl.load(dkk + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dkr + b_dc
+    if NORM:  # the q / k L2 norm's backward, dx = r (dy - y sum(dy y)): q, k are its y; this block holds all K
+        b_yq = b_q * (1.0 / scale)  # the loaded q (b_q is scaled)
+        b_dq = tl.load(rq + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
+            b_dq - b_yq * tl.sum(b_dq * b_yq, axis=1)[:, None])
+        b_dk = tl.load(rk + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
+            b_dk - b_k * tl.sum(b_dk * b_k, axis=1)[:, None])
+    tl.store(dq_out + p_ik, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
+    tl.store(dk_out + p_ik, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
     b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
     return b_dG, p_ik, m_ik
@@ -478,13 +486,16 @@ def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
 
 
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
-                     cu_host=None, states=None):
+                     cu_host=None, states=None, rstd=None):
     """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. states: the forward's
     (w, u, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
     recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
+    rstd: None, or (rq, rk) [B T H] fp32 when q and k are the outputs of the L2 norm (triton_l2norm.l2norm_fwd): dq
+    and dk are then the gradients of its inputs, through the backward intra kernel's NORM epilogue when one of its K
+    blocks holds a head (K <= 64 as launched) and q / k heads are not shared (HV = H), else l2norm_bwd_from_y.
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -526,6 +537,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dqs, dkk = (torch.empty(T_all, HV, K, dtype=partial_dtype(dt), device=dev) for _ in range(2))
     dG = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
+    BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
+    norm_fused = rstd is not None and G == 1 and BKi >= K  # the L2 norm's backward in the intra kernel
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
@@ -549,10 +562,11 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                                         BKB=inter_k_block(BK, prec), BV=BVi, BT=BT, VARLEN=varlen, PREC=prec,
                                         **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
-        BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
-                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt), **opts}
-        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, chunk_indices, cu, float(scale), shift, T, NT)
+                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
+                 "NORM": norm_fused, **opts}
+        rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
         _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
@@ -561,5 +575,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:
         dq, dk = dq.view(B, T, H, G, K).sum(3).to(dt), dk.view(B, T, H, G, K).sum(3).to(dt)
+    if rstd is not None and not (norm_fused and NT_all):
+        dq, dk = l2norm_bwd_from_y(q.view(dq.shape), rstd[0], dq), l2norm_bwd_from_y(k.view(dk.shape), rstd[1], dk)
     return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),
             dh0 if h0 is not None else None)

@@ -34,13 +34,16 @@ def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _l2norm_bwd_kernel(x, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, FROM_Y: tl.constexpr):
+    # FROM_Y: `x` holds y itself (l2norm_bwd_from_y), else the input x (y recomputed as x r)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < R)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_r = tl.load(rstd + o_r, mask=o_r < R, other=0.0)
-    b_y = tl.load(x + p, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+    b_y = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
+    if not FROM_Y:
+        b_y = b_y * b_r[:, None]
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, axis=1)[:, None])
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
@@ -51,32 +54,50 @@ def _rows_per_program(D: int) -> int:
     return max(1, min(64, 4096 // triton.next_power_of_2(D)))
 
 
+def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [..., D] in x's dtype, rstd [R] fp32, R = x.numel() / D): the forward pass without autograd, for callers
+    that run the backward themselves (triton_chunk._ChunkKDATriton: l2norm_bwd_from_y, or fused into the backward
+    intra kernel)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()  # [R, D]
+    R = x2.shape[0]
+    y = torch.empty_like(x2)
+    rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+    BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
+    if R:
+        _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y, rstd, R, float(eps), D=D, BD=BD, BR=BR)
+    return y.view(x.shape), rstd
+
+
+def _l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, from_y: bool) -> torch.Tensor:
+    D = x.shape[-1]
+    x2, dy2 = x.reshape(-1, D).contiguous(), dy.reshape(-1, D).contiguous()
+    R = x2.shape[0]
+    dx = torch.empty_like(x2)
+    BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
+    if R:
+        _l2norm_bwd_kernel[(triton.cdiv(R, BR),)](x2, rstd, dy2, dx, R, D=D, BD=BD, BR=BR, FROM_Y=from_y)
+    return dx.view(x.shape)
+
+
+def l2norm_bwd_from_y(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dx [..., D] in y's dtype from the forward's output y (in x's dtype), its rstd [R] and dy (same shape as y):
+    dx = r (dy - y sum_d(dy_d y_d)). With y rounded to bf16 this differs from the x-based backward by y's rounding
+    (relative 2^-9) in the projection term alone."""
+    return _l2norm_bwd(y, rstd, dy, True)
+
+
 class _L2NormTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps):
-        D = x.shape[-1]
-        x2 = x.reshape(-1, D).contiguous()  # [R, D]
-        R = x2.shape[0]
-        y = torch.empty_like(x2)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
-        if R:
-            _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y, rstd, R, float(eps), D=D, BD=BD, BR=BR)
-        ctx.save_for_backward(x2, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        y, rstd = l2norm_fwd(x, eps)
+        ctx.save_for_backward(x, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, rstd = ctx.saved_tensors
-        D = x2.shape[-1]
-        R = x2.shape[0]
-        dy2 = dy.reshape(-1, D).contiguous()
-        dx = torch.empty_like(x2)
-        BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
-        if R:
-            _l2norm_bwd_kernel[(triton.cdiv(R, BR),)](x2, rstd, dy2, dx, R, D=D, BD=BD, BR=BR)
-        return dx.view(ctx.shape), None
+        x, rstd = ctx.saved_tensors
+        return _l2norm_bwd(x, rstd, dy, False), None
 
 
 def l2norm_triton(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

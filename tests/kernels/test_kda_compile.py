@@ -57,7 +57,8 @@ for varlen in (False, True):
                 intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                              "OFF": prec}
                 opts = B.intra_launch(32)[1] if bk == 32 else B._opts("bwd_intra")
-                compile_(B._bwd_intra_kernel, intra_bwd, **opts)
+                for norm in (False, True) if bk == 32 else (False,):  # the L2 norm's backward: one K block only
+                    compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
              B.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
@@ -88,8 +89,8 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False}, 4, num_stages=B.LAUNCH["bwd_scan"]["num_stages"],
              all_fp32=True)
     compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16}, 8, all_fp32=True)
-    compile_(B._bwd_intra_kernel, {**shape, "BK": 16, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
-                                   "OFF": prec}, 1, all_fp32=True)
+    compile_(B._bwd_intra_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
+                                   "OFF": prec, "NORM": True}, 1, all_fp32=True)
     compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
     compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
