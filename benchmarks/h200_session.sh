@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -496,8 +496,13 @@ s15d)
   SHAPES="16,2048,32,64" long_shapes_tune "" "--set bwd_intra.SMALL_K_STAGES=2" "--fwd-only"
   SHAPES="2,16384,16,128" long_shapes_tune "--fwd-only --set scan.num_warps=8"
   ;;
+s15e)
+  # session 15: the backward inter kernel at 16 warps (at most 128 registers a thread: 16 warps a multiprocessor
+  # against 8) at the two fwd+bwd shapes furthest from their goal
+  SHAPES="16,2048,32,64 8,4096,16,128" long_shapes_tune "--set bwd_inter.num_warps=16"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e)" >&2; exit 2
   ;;
 esac

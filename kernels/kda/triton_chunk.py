@@ -39,8 +39,8 @@ K3_KDA_RECOMPUTE=1 the backward recomputes those (steps 3 and 4, `chunk_fwd_stat
 scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
-Aqk and Akk and recomputes w, u and h in its backward), plus by default the states' 1,792 bytes at K = V = 128
-(keep_states). A forward without gradients (inference) stores no Akk and keeps nothing.
+Aqk and Akk and recomputes w, u and h in its backward), plus by default the states' 1,536 bytes at K = V = 128
+(keep_states; u not among them: the backward takes v_new = u - w h instead). A forward without gradients (inference) stores no Akk and keeps nothing.
 K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the
 interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,
@@ -368,7 +368,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
     the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
     at (8, 4096, 16, 128) on the H200).
-    keep_states (a training forward for the Triton backward): "states" = (w, u, vnew, hbuf, kg, qg), what the backward
+    keep_states (a training forward for the Triton backward): "states" = (w, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
     (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
     B, T, H, K = q.shape
@@ -417,7 +417,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
         scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
-    r["states"] = (r["w"], r["u"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None
+    r["states"] = (r["w"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None  # not u: the backward reads v_new
     if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
@@ -441,9 +441,9 @@ class _ChunkKDATriton(torch.autograd.Function):
       "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
         Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. Per token and value head that is Gam 4K
         bytes + Aqk 2 BT + Akk 4 BT + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no
-        intra or solve kernel in the backward. By default (keep_states()) also the forward's w, u, v_new, the states
-        entering each chunk, kg and qg (chunk_fwd_pipeline's "states"; bf16 for bf16 inputs: 2 (3K + 2V + KV / BT)
-        bytes, 1,792 at K = V = 128, BT = 64), so the backward recomputes nothing; with K3_KDA_RECOMPUTE=1 the
+        intra or solve kernel in the backward. By default (keep_states()) also the forward's w, v_new, the states
+        entering each chunk, kg and qg (chunk_fwd_pipeline's "states"; bf16 for bf16 inputs: 2 (3K + V + KV / BT)
+        bytes, 1,536 at K = V = 128, BT = 64), so the backward recomputes nothing; with K3_KDA_RECOMPUTE=1 the
         backward recomputes those (chunk_fwd_states), the policy of fla-core 0.6.0's `ChunkKDAFunction`
         (fla.ops.kda.chunk), which saves the gate cumsum, Aqk and Akk and recomputes w, u and h.
       "torch": q, k, v, g, beta, h0 (the PyTorch backward recomputes everything from them)."""
@@ -522,8 +522,8 @@ def backward_impl() -> str:
 
 
 def keep_states() -> bool:
-    """Whether a training forward keeps w, u, v_new, the states, kg and qg for the Triton backward (the default), or
-    the backward recomputes them from Gamma and M (K3_KDA_RECOMPUTE=1: 1,792 bytes less per token and value head at
+    """Whether a training forward keeps w, v_new, the states, kg and qg for the Triton backward (the default), or
+    the backward recomputes them from Gamma and M (K3_KDA_RECOMPUTE=1: 1,536 bytes less per token and value head at
     K = V = 128 in bf16, 1.9 GB per layer at (1, 65536, 16, 128), for one w/u kernel and one state scan more per
     backward). Read by the forward, like K3_KDA_BWD."""
     raw = os.environ.get("K3_KDA_RECOMPUTE", "0").strip().lower()

@@ -478,7 +478,7 @@ def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """(hbuf, kg / qg) dtypes the backward reads for inputs of `dtype`. The states entering each chunk: bf16 for bf16
     inputs with bf16 inter dots (which round them to bf16 anyway; the scans carry them in fp32), else fp32. kg = k
     e^(Gamma_last - Gamma) and qg = scale q e^Gamma for the reverse scan: the input dtype when the scan's dots round
-    them to it anyway (bf16 dots, or fp32 inputs), else fp32. A training forward keeps its own w, u, v_new, states,
+    them to it anyway (bf16 dots, or fp32 inputs), else fp32. A training forward keeps its own w, v_new, states,
     kg and qg for the backward only when they have these dtypes (triton_chunk.chunk_fwd_pipeline's keep_states)."""
     half_states = dtype == torch.bfloat16 and _prec("bwd_inter", dtype) == "bf16"
     kq = dtype if dtype == torch.float32 or _prec("bwd_scan", dtype) in ("bf16", "bf16_emulated") else torch.float32
@@ -491,7 +491,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. states: the forward's
-    (w, u, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
+    (w, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
     recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
     rstd: None, or (rq, rk) [B T H] fp32 when q and k are the outputs of the L2 norm (triton_l2norm.l2norm_fwd): dq
     and dk are then the gradients of its inputs, through the backward intra kernel's NORM epilogue when one of its K
@@ -515,7 +515,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                                                        h_fp32=h_dtype == torch.float32, cu_host=cu_host, q=q,
                                                        scale=scale, kq_dtype=kq_dtype)
     else:
-        w, _, vnew, hbuf, kg, qg = states
+        w, vnew, hbuf, kg, qg = states
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
     beta = beta.contiguous()
     N, NT, NT_all, chunk_indices, chunk_offsets, cu = chunk_layout(B, T, BT, cu_seqlens, dev, cu_host)

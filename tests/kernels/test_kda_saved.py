@@ -1,7 +1,7 @@
 """What the Triton KDA chunk forward keeps for its backward (triton_chunk._ChunkKDATriton, issue 4).
 
 A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M, and by default also
-w, u, v_new, the states, kg and qg: the backward then launches only its gradient kernels; with K3_KDA_RECOMPUTE=1 it
+w, v_new, the states, kg and qg (not u: the backward takes v_new = u - w h): the backward then launches only its gradient kernels; with K3_KDA_RECOMPUTE=1 it
 reruns w/u and the state scan (chunk_fwd_states) first.
 An inference forward (no_grad, or no input requiring grad) stores no Akk and saves nothing. Kernel launches are
 counted by wrapping the module-level kernels (the launch code looks them up at call time); what is saved is read
@@ -113,7 +113,7 @@ def _kda_node(o):
 @pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
 def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_solve(monkeypatch, launches, saves,
                                                                                    recompute):
-    """K3_KDA_RECOMPUTE=0 (the default): the forward also keeps w, u, v_new, the states entering each chunk, kg and
+    """K3_KDA_RECOMPUTE=0 (the default): the forward also keeps w, v_new, the states entering each chunk, kg and
     qg, and the backward launches only its four gradient kernels; =1: the backward reruns w/u and the scan first."""
     monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
     T, HV, D, BT = 40, 2, 32, 32
@@ -121,7 +121,7 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     o, s = _run(xs, BT=BT)
     assert launches == _forward_launches(True)
     keep = recompute == "0" and triton_chunk.fuse_output(1, HV, D, D, torch.device(DEV))
-    assert len(saves) == 1 and len(saves[0]) == (15 if keep else 9)
+    assert len(saves) == 1 and len(saves[0]) == (14 if keep else 9)
     saved = _kda_node(o).saved_tensors
     q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved[:9]
     assert [x.shape for x in (q, k, v, beta, h0)] == [xs[i].shape for i in (0, 1, 2, 4, 5)]
@@ -133,10 +133,10 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
     assert torch.isfinite(Akk[lower[:, None, :].expand(-1, HV, -1).to(Akk.device)]).all(), \
         "Akk not written by the forward's intra kernel (NaN-poisoned empty)"
     if keep:
-        w, u, vnew, hbuf, kg, qg = saved[9:]
+        w, vnew, hbuf, kg, qg = saved[9:]
         NT = -(-T // BT)
-        assert [x.shape for x in (w, u, vnew, kg, qg)] == [(T, HV, D)] * 5 and hbuf.shape == (NT, HV, D, D)
-        for name, x in zip(("w", "u", "vnew", "hbuf", "kg", "qg"), saved[9:], strict=True):
+        assert [x.shape for x in (w, vnew, kg, qg)] == [(T, HV, D)] * 4 and hbuf.shape == (NT, HV, D, D)
+        for name, x in zip(("w", "vnew", "hbuf", "kg", "qg"), saved[9:], strict=True):
             assert x.dtype == q.dtype and torch.isfinite(x).all(), f"{name} not written by the forward"
         assert torch.equal(hbuf[0], h0[0]), "the state entering the first chunk is h0"
     launches.clear()
