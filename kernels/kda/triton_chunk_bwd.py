@@ -95,7 +95,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # (8, 4096, 16, 128) K block 64 at 2 warps / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200,
     # kda_tune.py --set, 2026-11-30, RESULTS.md session 13). SMALL_K_STAGES 3 (session 15): 1,349 us against 1,493
     # at 1 and ~1,390 at 2 at (16, 2048, 32, 64) (the K = 64 launch grid; 1,365 against 1,391 with --defaults)
-    "bwd_intra": {"num_warps": 1, "num_stages": 1, "BK": 32, "PREC": "tf32",
+    # K > 64 (session 15): K block 64 at 2 warps / 3 stages, the K <= 64 launch's form, took 1,319 us against 1,362
+    # for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2 stages: 1,326; H200, kda_tune.py --set, RESULTS.md
+    # session 15 call 8)
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32",
                   "SMALL_K_BK": 64, "SMALL_K_WARPS": 2, "SMALL_K_STAGES": 3},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
