@@ -40,7 +40,8 @@ scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
 bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
 Aqk and Akk and recomputes w, u and h in its backward), plus by default the states' 1,536 bytes at K = V = 128
-(keep_states; u not among them: the backward takes v_new = u - w h instead). A forward without gradients (inference) stores no Akk and keeps nothing.
+(keep_states; u not among them: the backward takes v_new = u - w h instead). A forward without gradients
+(inference) stores no Akk and keeps nothing.
 K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton_chunk_bwd.py, tested under the
 interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,

@@ -362,8 +362,9 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
                     BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
     end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
-    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma [BC, BK] fp32 (before
-    the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into [T_all, HV, K]."""
+    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma
+    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
+    [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     o_k = i_kb * BK + tl.arange(0, BK)

@@ -34,7 +34,8 @@ def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, FROM_Y: tl.constexpr):
+def _l2norm_bwd_kernel(x, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                       FROM_Y: tl.constexpr):
     # FROM_Y: `x` holds y itself (l2norm_bwd_from_y), else the input x (y recomputed as x r)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)

@@ -1,8 +1,8 @@
 """What the Triton KDA chunk forward keeps for its backward (triton_chunk._ChunkKDATriton, issue 4).
 
 A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M, and by default also
-w, v_new, the states, kg and qg (not u: the backward takes v_new = u - w h): the backward then launches only its gradient kernels; with K3_KDA_RECOMPUTE=1 it
-reruns w/u and the state scan (chunk_fwd_states) first.
+w, v_new, the states, kg and qg (not u: the backward takes v_new = u - w h): the backward then launches only its
+gradient kernels; with K3_KDA_RECOMPUTE=1 it reruns w/u and the state scan (chunk_fwd_states) first.
 An inference forward (no_grad, or no input requiring grad) stores no Akk and saves nothing. Kernel launches are
 counted by wrapping the module-level kernels (the launch code looks them up at call time); what is saved is read
 from the autograd node and from a spy on save_for_backward. Gradients: bitwise equal to the previous full-recompute
