@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -513,8 +513,25 @@ s15h)
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=3" \
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
   ;;
+s16)
+  # prepared in session 15 for the next session's first call. (1) Where the backward inter kernel's warps wait at
+  # (16,2048,32,64): 1,410 us there, ~14.7 us per program at one 8-warp program per multiprocessor and 41% of the
+  # copy bandwidth by its bytes (RESULTS.md session 15); Nsight Compute's stall reasons and source counters of one
+  # launch. (2) Launch settings not yet timed since the inter kernel stopped reading u and w: at K = 128 its V block
+  # 128 (no V loop; the second K pass still recomputes dvb) and 2 stages (the V loop's loads ahead), the dg pass
+  # at K block 128, the w/u kernel at 8 warps; at K = 64 the inter kernel's V block 32 and the dg pass at K block 32
+  timeout 240 ncu --clock-control none --profile-from-start off --kernel-name regex:_bwd_inter_kernel \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \
+    --section MemoryWorkloadAnalysis --page details --csv python3 benchmarks/kda_ncu.py --shape 16,2048,32,64 \
+    --no-fla > "$OUT/ncu_inter.csv" 2> "$OUT/ncu_inter.err"
+  echo "ncu inter rc=$?"; tail -3 "$OUT/ncu_inter.err"
+  grep -i "stall\|duration\|throughput\|registers\|occupancy\|hit rate" "$OUT/ncu_inter.csv" | head -60
+  SHAPES="8,4096,16,128" long_shapes_tune "--set bwd_inter.BV=128" "--set bwd_inter.num_stages=2" \
+    "--set bwd_dg.BK=128" "--set wu.num_warps=8"
+  SHAPES="16,2048,32,64" long_shapes_tune "--set bwd_inter.BV=32" "--set bwd_dg.BK=32"
+  ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16)" >&2; exit 2
   ;;
 esac
