@@ -82,7 +82,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
     # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
     # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
-    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True},
+    # EARLY_LOADS: the key-side tiles loaded before the V loop (the kernel's EARLY); untimed, off (session 15: the
+    # one-pass form above lost while issuing its loads one after another; h200_session.sh s16 times this)
+    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
+                  "EARLY_LOADS": False},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
@@ -259,12 +262,15 @@ def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k
 def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, EARLY: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
     no read of u or w, and one dot fewer per K block) are taken in the first K pass only; d(beta) accumulates over the
-    K blocks, and both are stored after the last."""
+    K blocks, and both are stored after the last. EARLY (LAUNCH["bwd_inter"]["EARLY_LOADS"]): a K block's key-side
+    tiles (Gamma, k, q) are loaded before its V loop rather than after it, so their latency overlaps the loop's
+    instead of adding to it; more registers live across the loop (ptxas, sm_90a, 8 warps: 255 at K = 64 either way,
+    76 B spilled at K = 128)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -287,6 +293,10 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         b_dkg = tl.zeros([BT, BKB], dtype=tl.float32)
         b_dkb = tl.zeros([BT, BKB], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
         b_dlast = tl.zeros([BKB], dtype=tl.float32)  # sum_v dh' h: d(decay e^Gamma_last) before the factor
+        if EARLY:
+            b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+            b_kr = tl.load(k + p_qk, mask=m_tk, other=0.0)
+            b_qr = tl.load(q + p_qk, mask=m_tk, other=0.0)
         for i_v in range(0, V, BV):
             o_v = i_v + tl.arange(0, BV)
             m_v = o_v < V
@@ -310,11 +320,13 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
                 b_dL -= _dot(b_dvb, tl.trans(b_vn), PREC)  # dvb u^T + dkb w^T = dvb (u - w h)^T = dvb v_new^T
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
                 b_db += tl.sum(b_dvb * b_v, axis=1)
-        # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
-        b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+        if not EARLY:  # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
+            b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
+            b_kr = tl.load(k + p_qk, mask=m_tk, other=0.0)
+            b_qr = tl.load(q + p_qk, mask=m_tk, other=0.0)
         b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_k = b_kr.to(tl.float32)
+        b_q = b_qr.to(tl.float32) * scale
         b_eG = tl.exp2(b_G)
         b_kb = b_dkb * b_eG
         b_db += tl.sum(b_kb * b_k, axis=1)
@@ -564,7 +576,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
                                         dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, prec), BV=BVi, BT=BT, VARLEN=varlen, PREC=prec,
-                                        **_opts("bwd_inter"))
+                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
