@@ -520,15 +520,16 @@ s16)
   # launch. (2) Launch settings not yet timed since the inter kernel stopped reading u and w: at K = 128 its V block
   # 128 (no V loop; the second K pass still recomputes dvb) and 2 stages (the V loop's loads ahead), the dg pass
   # at K block 128, the w/u kernel at 8 warps; at K = 64 the inter kernel's V block 32 and the dg pass at K block 32.
-  # First, at both shapes, the defaults and the inter kernel with its key-side tiles loaded before its V loop
-  # (LAUNCH["bwd_inter"]["EARLY_LOADS"], off until timed)
+  # First, at both shapes, the defaults and the inter kernel issuing loads sooner (LAUNCH["bwd_inter"]
+  # ["EARLY_LOADS"] 1 and 2, 0 until timed)
   timeout 240 ncu --clock-control none --profile-from-start off --kernel-name regex:_bwd_inter_kernel \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \
     --section MemoryWorkloadAnalysis --page details --csv python3 benchmarks/kda_ncu.py --shape 16,2048,32,64 \
     --no-fla > "$OUT/ncu_inter.csv" 2> "$OUT/ncu_inter.err"
   echo "ncu inter rc=$?"; tail -3 "$OUT/ncu_inter.err"
   grep -i "stall\|duration\|throughput\|registers\|occupancy\|hit rate" "$OUT/ncu_inter.csv" | head -60
-  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--set bwd_inter.EARLY_LOADS=True"
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--set bwd_inter.EARLY_LOADS=1" \
+    "--set bwd_inter.EARLY_LOADS=2"
   SHAPES="8,4096,16,128" long_shapes_tune "--set bwd_inter.BV=128" "--set bwd_inter.num_stages=2" \
     "--set bwd_dg.BK=128" "--set wu.num_warps=8"
   SHAPES="16,2048,32,64" long_shapes_tune "--set bwd_inter.BV=32" "--set bwd_dg.BK=32"

@@ -195,7 +195,8 @@ def main() -> None:
            {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
             "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early},
            B._opts("bwd_inter"), {})
-          for name, early in (("", False), ("; key-side tiles before the V loop", True))],
+          for name, early in (("", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
+                              ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
            {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,

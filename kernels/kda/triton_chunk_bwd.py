@@ -82,10 +82,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
     # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
     # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
-    # EARLY_LOADS: the key-side tiles loaded before the V loop (the kernel's EARLY); untimed, off (session 15: the
-    # one-pass form above lost while issuing its loads one after another; h200_session.sh s16 times this)
+    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner); untimed, 0 (session 15: the one-pass form
+    # above lost while issuing its loads one after another; h200_session.sh s16 times 1 and 2)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
-                  "EARLY_LOADS": False},
+                  "EARLY_LOADS": 0},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
@@ -267,10 +267,11 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
     no read of u or w, and one dot fewer per K block) are taken in the first K pass only; d(beta) accumulates over the
-    K blocks, and both are stored after the last. EARLY (LAUNCH["bwd_inter"]["EARLY_LOADS"]): a K block's key-side
-    tiles (Gamma, k, q) are loaded before its V loop rather than after it, so their latency overlaps the loop's
-    instead of adding to it; more registers live across the loop (ptxas, sm_90a, 8 warps: 255 at K = 64 either way,
-    76 B spilled at K = 128)."""
+    K blocks, and both are stored after the last. EARLY (LAUNCH["bwd_inter"]["EARLY_LOADS"]) issues loads sooner, so
+    their latency overlaps other work instead of adding to it, at the cost of registers live longer: >= 1, a K
+    block's key-side tiles (Gamma, k, q) before its V loop rather than after it; 2, also v with the V loop's other
+    tiles and Akk before the K loop (ptxas, sm_90a, 8 warps, bytes spilled a thread at K = 64 / 128: 0 / 0 at 0,
+    0 / 76 at 1, 12 / 124 at 2)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -283,6 +284,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     p_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    if EARLY >= 2:
+        b_Akk = tl.load(Akk + p_tt, mask=m_t[:, None] & (o_t[None, :] < o_t[:, None]), other=0.0)
     for i_k in range(0, K, BKB):  # runtime loops, not unrolled: fewer live registers
         o_k = i_k + tl.arange(0, BKB)
         m_k = o_k < K
@@ -293,7 +296,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         b_dkg = tl.zeros([BT, BKB], dtype=tl.float32)
         b_dkb = tl.zeros([BT, BKB], dtype=tl.float32)  # d(beta k e^Gamma) = M^T dw = -(M^T dv_new) h^T
         b_dlast = tl.zeros([BKB], dtype=tl.float32)  # sum_v dh' h: d(decay e^Gamma_last) before the factor
-        if EARLY:
+        if EARLY >= 1:
             b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
             b_kr = tl.load(k + p_qk, mask=m_tk, other=0.0)
             b_qr = tl.load(q + p_qk, mask=m_tk, other=0.0)
@@ -309,6 +312,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
             b_dvn = _operand(tl.load(dvn + p_tv, mask=m_tv, other=0.0), PREC)  # bf16 with bf16 states
             b_h = tl.load(hbuf + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # state entering the chunk [BKB, BV]
             b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0).to(tl.float32)  # grad. of the state leaving it
+            if EARLY >= 2:
+                b_vr = tl.load(v + p_tv, mask=m_tv & (i_k == 0), other=0.0)
             b_dqg += _dot(b_do, tl.trans(b_h), PREC)
             b_dkg += _dot(b_vn, tl.trans(b_dh), PREC)
             b_dvb = _dot(tl.trans(b_M), b_dvn, PREC)  # d(beta v)
@@ -318,9 +323,10 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
                 b_dAq += _dot(b_do, tl.trans(b_vn), PREC)
                 tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
                 b_dL -= _dot(b_dvb, tl.trans(b_vn), PREC)  # dvb u^T + dkb w^T = dvb (u - w h)^T = dvb v_new^T
-                b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-                b_db += tl.sum(b_dvb * b_v, axis=1)
-        if not EARLY:  # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
+                if EARLY < 2:
+                    b_vr = tl.load(v + p_tv, mask=m_tv, other=0.0)
+                b_db += tl.sum(b_dvb * b_vr.to(tl.float32), axis=1)
+        if EARLY < 1:  # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
             b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
             b_kr = tl.load(k + p_qk, mask=m_tk, other=0.0)
             b_qr = tl.load(q + p_qk, mask=m_tk, other=0.0)
@@ -340,7 +346,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         tl.store(dG + p_tk, b_dGc, mask=m_tk)
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
-    b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
+    if EARLY < 2:
+        b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
     b_db += tl.sum(b_dL * b_Akk, axis=1)
     tl.store(db + (start + o_t) * HV + i_hv, b_db, mask=m_t)
     tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])

@@ -92,18 +92,20 @@ def test_inter_k_block_floor_for_tf32x3(monkeypatch):
     assert [triton_chunk_bwd.inter_k_block(bk, "tf32x3") for bk in (32, 128)] == [32, 64]
 
 
+@pytest.mark.parametrize("early", [1, 2])
 @pytest.mark.parametrize("D,bk", [(32, 64), (60, 16)], ids=["one-block", "K-blocks"])
-def test_bwd_inter_early_key_loads(monkeypatch, D, bk):
-    """LAUNCH["bwd_inter"]["EARLY_LOADS"]: the inter kernel loads each K block's Gamma, k and q before its V loop
-    instead of after it. The same loads and arithmetic in another order, so the same gradients (bitwise under the
-    interpreter, which runs the kernel as written; on a GPU within fp32 reordering)."""
+def test_bwd_inter_early_loads(monkeypatch, D, bk, early):
+    """LAUNCH["bwd_inter"]["EARLY_LOADS"]: the inter kernel issues loads sooner (1: each K block's Gamma, k and q
+    before its V loop instead of after it; 2: also v and Akk). The same loads and arithmetic in another order, so
+    the same gradients (bitwise under the interpreter, which runs the kernel as written; on a GPU within fp32
+    reordering)."""
     monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
     late = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", True)
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", early)
     early = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), late, early, strict=True):
         if DEV == "cpu":
-            assert torch.equal(a, b), f"{name} changed with the key-side tiles loaded early"
+            assert torch.equal(a, b), f"{name} changed with EARLY_LOADS {early}"
         else:
             err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
-            assert err < 1e-6, f"{name}: relative change {err:.2e} with the key-side tiles loaded early"
+            assert err < 1e-6, f"{name}: relative change {err:.2e} with EARLY_LOADS {early}"

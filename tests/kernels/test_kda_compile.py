@@ -51,7 +51,7 @@ for varlen in (False, True):
             for split in (False, True):  # the state gradient whole or in two K halves (K > 128)
                 compile_(B._bwd_scan_kernel, {**kv, "BK": 16 if split else 32, "SPLIT": split}, 4, states,
                          num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
-            for early in (False, True):  # the key-side tiles loaded after or before the V loop
+            for early in (0, 1, 2):  # loads issued sooner (the kernel's EARLY)
                 compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
                                                "EARLY": early}, 4, states)
         for safe in (True, False):
@@ -90,7 +90,7 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False}, 4, num_stages=B.LAUNCH["bwd_scan"]["num_stages"],
              all_fp32=True)
-    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": False}, 8,
+    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0}, 8,
              all_fp32=True)
     compile_(B._bwd_intra_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
                                    "OFF": prec, "NORM": True}, 1, all_fp32=True)
