@@ -522,7 +522,7 @@ s16)
   # at K block 128, the w/u kernel at 8 warps; at K = 64 the inter kernel's V block 32 and the dg pass at K block 32.
   # First, at both shapes, the defaults and the inter kernel issuing loads sooner (LAUNCH["bwd_inter"]
   # ["EARLY_LOADS"] 1 and 2, 0 until timed)
-  timeout 240 ncu --clock-control none --profile-from-start off --kernel-name regex:_bwd_inter_kernel \
+  timeout 180 ncu --clock-control none --profile-from-start off --kernel-name regex:_bwd_inter_kernel \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \
     --section MemoryWorkloadAnalysis --page details --csv python3 benchmarks/kda_ncu.py --shape 16,2048,32,64 \
     --no-fla > "$OUT/ncu_inter.csv" 2> "$OUT/ncu_inter.err"
