@@ -210,3 +210,34 @@ def test_gradients_equal_the_full_recompute_backward(monkeypatch, safe, cu, reco
     old = _old_full_recompute(xs, do, dht, BT=32, safe=safe, cu=cu)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), new, old, strict=True):
         assert torch.equal(a, b.to(a.dtype)), f"{name} differs from the full-recompute backward"
+
+
+def test_backward_dot_precisions_for_bf16_inputs(monkeypatch):
+    """The dot precision each backward kernel is launched with for bf16 inputs: the intra kernel's diagonal blocks
+    HALF_INPUT_PRECISION (bf16x3, kda.md 3.3), whatever the inter kernel's LAUNCH["bwd_inter"]["PREC"] (bf16); the
+    other dots their LAUNCH entries. (From session 14's 8dfb9ef to this test, the launch code's `prec` for the
+    diagonal was overwritten by the inter kernel's.) The kernels are replaced by recorders, so the backward runs on
+    fabricated bf16 tensors anywhere; under the interpreter the precisions are its stand-ins (_interpreted)."""
+    seen = {}
+
+    def record(name):
+        return type("Rec", (), {"__name__": name, "__getitem__": lambda _, grid: (
+            lambda *a, **kw: seen.setdefault(name, (kw.get("PREC"), kw.get("OFF"))))})()
+
+    for name in ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel", "_bwd_dg_kernel"):
+        monkeypatch.setattr(triton_chunk_bwd, name, record(name))
+    B, T, H, K, BT = 1, 64, 1, 32, 64
+    bf = torch.bfloat16
+    q, k, v, do = (torch.randn(B, T, H, K, dtype=bf) for _ in range(4))
+    beta = torch.rand(B, T, H)
+    Gam, Akk = torch.zeros(T, H, K), torch.zeros(T, H, BT)
+    Aqk, Mm = torch.zeros(T, H, BT, dtype=bf), torch.zeros(T, H, BT, dtype=bf)
+    states = (torch.zeros(T, H, K, dtype=bf), torch.zeros(T, H, K, dtype=bf), torch.zeros(1, H, K, K, dtype=bf),
+              torch.zeros(T, H, K, dtype=bf), torch.zeros(T, H, K, dtype=bf))
+    triton_chunk_bwd.chunk_bwd_triton(q, k, v, beta, None, Gam, Aqk, Akk, Mm, do, None, scale=K**-0.5,
+                                      safe_shift=1.0, chunk_size=BT, cu_seqlens=None, states=states)
+    want = triton_chunk_bwd._interpreted
+    assert seen["_bwd_intra_kernel"] == (want(triton_chunk_bwd.HALF_INPUT_PRECISION),
+                                         triton_chunk_bwd._prec("bwd_intra", bf))
+    assert seen["_bwd_inter_kernel"][0] == seen["_bwd_scan_kernel"][0] == triton_chunk_bwd._prec("bwd_inter", bf)
+    assert triton_chunk_bwd._prec("bwd_inter", bf) != want(triton_chunk_bwd.HALF_INPUT_PRECISION)  # distinguishable
