@@ -493,7 +493,7 @@ s15d)
   # session 15: fwd+bwd at (16,2048,32,64) with the q / k L2 norm's backward in the backward intra kernel (y from
   # the rows it holds), at its 3 stages and at 2; the inference forward there (2 scan stages at K <= 64); the
   # inference scan at 8 warps at (2,16384,16,128)
-  SHAPES="16,2048,32,64" long_shapes_tune "" "--set bwd_intra.SMALL_K_STAGES=2" "--fwd-only"
+  SHAPES="16,2048,32,64" long_shapes_tune "" "--set bwd_intra.num_stages=2" "--fwd-only"
   SHAPES="2,16384,16,128" long_shapes_tune "--fwd-only --set scan.num_warps=8"
   ;;
 s15e)

@@ -261,7 +261,7 @@ def main():
     launch = triton_chunk_bwd.LAUNCH
     # the intra kernel's K block: None = the library's choice per K (triton_chunk_bwd.intra_launch)
     default_bks = (launch["bwd_inter"]["BK"], None, launch["bwd_inter"]["PREC"])
-    intra_defaults = launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"]
+    intra_default = launch["bwd_intra"]["BK"]
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
                                  args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
@@ -309,7 +309,7 @@ def main():
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
             launch["bwd_inter"]["BK"] = bk[0]
-            launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"] = (bk[1], bk[1]) if bk[1] else intra_defaults
+            launch["bwd_intra"]["BK"] = bk[1] or intra_default
             launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
             bk_intra = triton_chunk_bwd.intra_launch(max(16, triton.next_power_of_2(D)))[0]
             with torch.no_grad():
@@ -322,7 +322,7 @@ def main():
                   flush=True)
             del o_k3
         launch["bwd_inter"]["BK"] = default_bks[0]
-        launch["bwd_intra"]["BK"], launch["bwd_intra"]["SMALL_K_BK"] = intra_defaults
+        launch["bwd_intra"]["BK"] = intra_default
         launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
         del xs, do, o_fla
         torch.cuda.empty_cache()

@@ -61,10 +61,8 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
     bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
     for mod, name in KERNELS.values():
         mod.LAUNCH[name]["num_warps"] = nw
-        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the intra kernels' K <= 64 settings: swept alike
+        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the forward intra kernel's K <= 64 setting: swept alike
             mod.LAUNCH[name]["SMALL_K_WARPS"] = nw
-        if "SMALL_K_STAGES" in mod.LAUNCH[name]:
-            mod.LAUNCH[name]["SMALL_K_STAGES"] = ns
         if "num_stages" in mod.LAUNCH[name]:
             mod.LAUNCH[name]["num_stages"] = ns
         if "BV" in mod.LAUNCH[name]:
@@ -223,7 +221,7 @@ def main():
     if args.bwd_inter_bk:
         bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
-        bwd_mod.LAUNCH["bwd_intra"]["BK"] = bwd_mod.LAUNCH["bwd_intra"]["SMALL_K_BK"] = args.bwd_intra_bk
+        bwd_mod.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
     for item in args.set:
         set_launch(ap, item)
     B, T, H, D = ints(args.shape)

@@ -34,7 +34,7 @@ in fp32 except h[c], which is stored in the input dtype unless `return_intermedi
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) has the intra kernel store Akk = k k^T with decay (no beta, fp32) in place
 of L (STORE_AKK; the solve applies beta to its row sums) and keeps Gamma, Aqk, Akk and M, and by default
-(keep_states) also w, u, kg, qg, and v_new and the states, which its fused scan then stores too; with
+(keep_states) also w, kg, qg, and v_new and the states, which its fused scan then stores too; with
 K3_KDA_RECOMPUTE=1 the backward recomputes those (steps 3 and 4, `chunk_fwd_states`). It then runs the reverse state
 scan, inter-chunk and intra-chunk gradient kernels.
 Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512

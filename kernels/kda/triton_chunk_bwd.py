@@ -93,16 +93,14 @@ LAUNCH: dict[str, dict[str, int]] = {
     # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed.
     # K block 64 (session 12, kda_tune.py --defaults): 2,861 us against 1,511 at (16, 2048, 32, 64), 2,514 against
     # 1,468 at (8, 4096, 16, 128)
-    # SMALL_K_*: the launch at K <= 64 (next_pow2(K)), as the forward intra kernel's SMALL_K_WARPS: at (16, 2048, 32,
-    # 64) K block 64 at 2 warps / 2 stages took 1,460 us against 1,495 at the K <= 128 launch (1 stage: 1,617); at
-    # (8, 4096, 16, 128) K block 64 at 2 warps / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200,
-    # kda_tune.py --set, 2026-11-30, RESULTS.md session 13). SMALL_K_STAGES 3 (session 15): 1,349 us against 1,493
-    # at 1 and ~1,390 at 2 at (16, 2048, 32, 64) (the K = 64 launch grid; 1,365 against 1,391 with --defaults)
-    # K > 64 (session 15): K block 64 at 2 warps / 3 stages, the K <= 64 launch's form, took 1,319 us against 1,362
-    # for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2 stages: 1,326; H200, kda_tune.py --set, RESULTS.md
-    # session 15 call 8)
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32",
-                  "SMALL_K_BK": 64, "SMALL_K_WARPS": 2, "SMALL_K_STAGES": 3},
+    # Session 13 gave K <= 64 a launch of its own: at (16, 2048, 32, 64) K block 64 at 2 warps / 2 stages took 1,460
+    # us against 1,495 at the K block 32, 1 warp launch (1 stage: 1,617); at (8, 4096, 16, 128) K block 64 at 2 warps
+    # / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200, kda_tune.py --set, 2026-11-30, RESULTS.md
+    # session 13). Session 15: 3 stages, 1,349 us against 1,493 at 1 and ~1,390 at 2 at (16, 2048, 32, 64); and the
+    # same launch at K = 128, 1,319 us against 1,362 for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2
+    # stages: 1,326), so one launch for every K again (RESULTS.md session 15, calls 1, 2, 8; those times with the
+    # diagonal dots in bf16, see 0a3c5a9)
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -114,12 +112,9 @@ def _opts(name: str) -> dict[str, int]:
 
 
 def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
-    """(K block, num_warps / num_stages) of the backward intra kernel at padded key dim BK: LAUNCH["bwd_intra"], or
-    its SMALL_K_* entries when BK <= 64."""
-    e = LAUNCH["bwd_intra"]
-    if BK <= 64:
-        return max(16, min(BK, e["SMALL_K_BK"])), {"num_warps": e["SMALL_K_WARPS"], "num_stages": e["SMALL_K_STAGES"]}
-    return max(16, min(BK, e["BK"])), _opts("bwd_intra")
+    """(K block, num_warps / num_stages) of the backward intra kernel at padded key dim BK: LAUNCH["bwd_intra"]'s K
+    block (at most BK, at least 16)."""
+    return max(16, min(BK, LAUNCH["bwd_intra"]["BK"])), _opts("bwd_intra")
 
 
 def _bv(name: str, V: int) -> int:

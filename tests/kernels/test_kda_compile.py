@@ -55,10 +55,10 @@ for varlen in (False, True):
                 compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
                                                "EARLY": early}, 4, states)
         for safe in (True, False):
-            for bk in (16, 32):  # the launch at K <= 64 (intra_launch: more warps, stages) and the other one
+            for bk in (16, 32):  # two K blocks of K = 32, or one
                 intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                              "OFF": prec}
-                opts = B.intra_launch(32)[1] if bk == 32 else B._opts("bwd_intra")
+                opts = B._opts("bwd_intra")
                 for norm in (False, True) if bk == 32 else (False,):  # the L2 norm's backward: one K block only
                     compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},

@@ -657,15 +657,15 @@ def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, 
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
-@pytest.mark.parametrize("small_k_bk", [64, 16], ids=["fused", "k-blocks"])
-def test_qk_norm_backward_fused_into_the_intra_kernel(small_k_bk, monkeypatch, launch_spy):
+@pytest.mark.parametrize("intra_bk", [64, 16], ids=["fused", "k-blocks"])
+def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, monkeypatch, launch_spy):
     """The L2 norm's backward runs as the backward intra kernel's epilogue (NORM) when one of its K blocks holds the
-    head and q / k heads are not shared; with the head in K blocks (SMALL_K_BK 16 at K = 32) it runs its own pass,
+    head and q / k heads are not shared; with the head in K blocks (K block 16 at K = 32) it runs its own pass,
     from the normalized q, k the Function keeps. Both: gradients of the raw q, k as the recurrence's."""
     from k3.kernels.kda import triton_chunk_bwd, triton_l2norm
 
     monkeypatch.setenv("K3_KDA_BWD", "triton")
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "SMALL_K_BK", small_k_bk)
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "BK", intra_bk)
     fwd_grids = launch_spy(triton_l2norm, "_l2norm_fwd_kernel")
     bwd_grids = launch_spy(triton_l2norm, "_l2norm_bwd_kernel")
     q, k, v, g, beta, h0 = make_inputs(1, 45, 1, 1, 32, 32, torch.float32)
@@ -673,7 +673,7 @@ def test_qk_norm_backward_fused_into_the_intra_kernel(small_k_bk, monkeypatch, l
     ref, out = grads_vs_naive(q, k, v, g.clamp_min(-5.0), beta, h0, qk_norm=True)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
         assert_close(name, r, x, ratio)
-    assert len(fwd_grids) == 2 and len(bwd_grids) == (0 if small_k_bk == 64 else 2)
+    assert len(fwd_grids) == 2 and len(bwd_grids) == (0 if intra_bk == 64 else 2)
 
 
 @pytest.mark.parametrize("D", [32, 60], ids=["K32", "K60"])
