@@ -244,7 +244,7 @@ def main():
     ap.add_argument("--state-v-first", action="store_true", help="decode with the state pool V-first, [P, H, V, K] "
                     "(each program's state tile contiguous in memory); k3 only, so with --no-fla")
     ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one k3 kernel's LAUNCH "
-                    "entry for the whole run (as kda_tune.py --set, e.g. scan.FUSE_WU=True; repeatable)")
+                    "entry for the whole run (as kda_tune.py --set, e.g. bwd_inter.EARLY_LOADS=1; repeatable)")
     args = ap.parse_args()
     if args.set:
         from kda_tune import set_launch  # benchmarks/ is the script's directory, so on sys.path
@@ -259,9 +259,7 @@ def main():
         global STATE_V_FIRST
         STATE_V_FIRST = True
     launch = triton_chunk_bwd.LAUNCH
-    # the intra kernel's K block: None = the library's choice per K (triton_chunk_bwd.intra_launch)
-    default_bks = (launch["bwd_inter"]["BK"], None, launch["bwd_inter"]["PREC"])
-    intra_default = launch["bwd_intra"]["BK"]
+    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
                                  args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
@@ -308,10 +306,9 @@ def main():
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
-            launch["bwd_inter"]["BK"] = bk[0]
-            launch["bwd_intra"]["BK"] = bk[1] or intra_default
+            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk[:2]
             launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
-            bk_intra = triton_chunk_bwd.intra_launch(max(16, triton.next_power_of_2(D)))[0]
+            bk_intra = triton_chunk_bwd.intra_launch(max(16, triton.next_power_of_2(D)))[0]  # capped at K
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
@@ -321,8 +318,7 @@ def main():
                   f"{fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |",
                   flush=True)
             del o_k3
-        launch["bwd_inter"]["BK"] = default_bks[0]
-        launch["bwd_intra"]["BK"] = intra_default
+        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
         launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
         del xs, do, o_fla
         torch.cuda.empty_cache()

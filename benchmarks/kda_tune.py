@@ -270,9 +270,6 @@ def main():
                       else best[n][:2])
             if best[n] == DEFAULTS and name == "intra":  # its warps depend on K (intra_opts)
                 nw = fwd_mod.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
-            if best[n] == DEFAULTS and name == "bwd_intra":  # and so do these (intra_launch)
-                opts = bwd_mod.intra_launch(max(16, triton.next_power_of_2(D)))[1]
-                nw, ns = opts["num_warps"], opts["num_stages"]
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if OTHER_OPS:

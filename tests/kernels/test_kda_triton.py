@@ -290,8 +290,9 @@ def test_chunk_gradients_wide_heads(dtype):
 
 @pytest.mark.parametrize("K,V", [(128, 64), (64, 128), (32, 256), (256, 32)])
 def test_chunk_gradients_unequal_key_and_value_dims(K, V):
-    """K != V: each kernel takes its K-side launch (the backward intra kernel's K <= 64 launch, the reverse scan's K
-    halves above 128) and V-side blocks (the scans' and inter kernel's V blocks) independently."""
+    """K != V: each kernel takes its K-side launch (the forward intra kernel's K <= 64 warps, the backward intra
+    kernel's K blocks, the reverse scan's K halves above 128) and V-side blocks (the scans' and inter kernel's V
+    blocks) independently."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, K, V, torch.float32)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
