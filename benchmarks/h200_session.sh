@@ -514,7 +514,8 @@ s15h)
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
   ;;
 s16)
-  # prepared in session 15 for the next session's first call. (1) Where the backward inter kernel's warps wait at
+  # prepared in session 15 for the next session's second call (the first: s14e, the GPU tests and the table after
+  # 0a3c5a9 restored bf16x3 on the backward intra kernel's diagonal blocks). (1) Where the backward inter kernel's warps wait at
   # (16,2048,32,64): 1,410 us there, ~14.7 us per program at one 8-warp program per multiprocessor and 41% of the
   # copy bandwidth by its bytes (RESULTS.md session 15); Nsight Compute's stall reasons and source counters of one
   # launch. (2) Launch settings not yet timed since the inter kernel stopped reading u and w: at K = 128 its V block
