@@ -95,11 +95,12 @@ def test_inter_k_block_floor_for_tf32x3(monkeypatch):
 @pytest.mark.parametrize("early", [1, 2])
 @pytest.mark.parametrize("D,bk", [(32, 64), (60, 16)], ids=["one-block", "K-blocks"])
 def test_bwd_inter_early_loads(monkeypatch, D, bk, early):
-    """LAUNCH["bwd_inter"]["EARLY_LOADS"]: the inter kernel issues loads sooner (1: each K block's Gamma, k and q
-    before its V loop instead of after it; 2: also v and Akk). The same loads and arithmetic in another order, so
-    the same gradients (bitwise under the interpreter, which runs the kernel as written; on a GPU within fp32
-    reordering)."""
+    """LAUNCH["bwd_inter"]["EARLY_LOADS"] 1 and 2 (as shipped) against 0: the inter kernel issues loads sooner (1:
+    each K block's Gamma, k and q before its V loop instead of after it; 2: also v and Akk). The same loads and
+    arithmetic in another order, so the same gradients (bitwise under the interpreter, which runs the kernel as
+    written; on a GPU within fp32 reordering)."""
     monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", 0)
     late = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
     monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", early)
     early = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
