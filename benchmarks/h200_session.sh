@@ -49,7 +49,6 @@ kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
     tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    tests/kernels/test_kda_norm_fused.py \
     -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
@@ -514,16 +513,6 @@ s15h)
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=3" \
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
   ;;
-s16b)
-  # session 16, call 3: the KDA GPU tests with EARLY_LOADS 2 shipped and the q / k L2 norm inside the forward's intra
-  # kernel (NORM; no pass of its own), then where the time goes at three shapes, fwd only and fwd+bwd, then issue 4's
-  # table. Predictions (RESULTS.md session 16): inference fwd -100 to -130 us (the norm's 146 us pass gone, intra and
-  # w/u a little slower); fwd+bwd -40 to -70 us (the pass's read of q and k gone; rows still stored)
-  kda_gpu_tests
-  SHAPES="8,4096,16,128 16,2048,32,64 2,16384,16,128" long_shapes_tune "--fwd-only" ""
-  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
-  ;;
 s16)
   # prepared in session 15 for the next session's second call (the first: s14e, the GPU tests and the table after
   # 0a3c5a9 restored bf16x3 on the backward intra kernel's diagonal blocks). (1) Where the backward inter kernel's warps wait at
@@ -548,6 +537,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16b)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16)" >&2; exit 2
   ;;
 esac

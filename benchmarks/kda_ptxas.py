@@ -32,8 +32,8 @@ from k3.kernels.kda import triton_chunk as F
 from k3.kernels.kda import triton_chunk_bwd as B
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "qn", "kn", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
-SCALARS = {"scale": "fp32", "shift": "fp32", "eps": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
+HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 
@@ -162,31 +162,20 @@ def main() -> None:
     bki, intra_bwd_opts = B.intra_launch(BK)
     bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
-    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG, NORM, STORE_QKN)
-    intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True, False,
-                   False),
-                  ("safe gate (inference, q / k L2 norm inside)", True, False, True, True, True, False),
-                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False, False,
-                   False),
-                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True, False,
-                   False),
-                  ("safe gate (training, q / k L2 norm inside, normalized rows stored)", True, True, True, True, True,
-                   True),
-                  ("exact gate (training)", False, True, False, False, False, False)]
+    # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
+    intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True),
+                  ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
+                  ("safe gate (training: Akk, qg for the output fused in the scan)", True, True, True, True),
+                  ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "NORM": norm, "STORE_QKN": qkn},
-           F.intra_opts(intra["BK"]), {"beta": "*fp32"})
-          for name, safe, akk, check, qg, norm, qkn in intra_uses],
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
+          for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False, "NORM": False},
-         F.launch_opts("wu"), {}),
-        ("w, u (k's rows scaled by the L2 norm's rstd)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False, "NORM": True}, F.launch_opts("wu"), {}),
-        ("w, u (backward recompute: qg too)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True, "NORM": False},
+        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
@@ -206,7 +195,7 @@ def main() -> None:
            {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
             "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early},
            B._opts("bwd_inter"), {})
-          for name, early in (("; EARLY 0", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
+          for name, early in (("", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
                               ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,

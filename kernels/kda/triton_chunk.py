@@ -46,9 +46,8 @@ K3_KDA_BWD, read by the forward, selects the backward: "triton" (default; triton
 interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g, beta, h0
 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation (chunk.py,
 hand-written blockwise backward) and returns its gradients, at PyTorch speed.
-The in-kernel steps: the q/k L2 norm inside the intra kernel forward (its NORM) and as the backward intra kernel's
-epilogue or one Triton pass backward (triton_l2norm.py); the gate as one Triton pass each way (triton_gate.py); the
-beta sigmoid as a PyTorch op.
+The in-kernel steps run around the core under autograd: the q/k L2 norm and the gate as one Triton pass each way
+(triton_l2norm.py, triton_gate.py), the beta sigmoid as a PyTorch op.
 float64 inputs (the reference precision) run on the PyTorch implementation.
 """
 
@@ -62,13 +61,11 @@ import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
-from .gate import L2NORM_EPS
 from .triton_common import (
     _chunk_bounds,
     _intra_sub_kernel,
     _layout_args,
     _seq_bounds,
-    _wu_kernel,
     device_sms,
     fp32_dot_precision,
     launch_fitting,
@@ -171,6 +168,49 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
 
 
 @triton.jit
+def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_valid
+    # M is lower-triangular: read only j <= i (the blocks the solve wrote)
+    b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
+                  mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+    b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
+    # one block at K <= 128 with the default BK)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
+        # is a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k
+        # and the fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored
+        # before the w dot, so that k and Gamma are dead across it
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
+        tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
+        if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
+            b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
+        b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
+        b_w = tl.dot(b_M, b_x, input_precision=PREC)
+        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+    for i_v in tl.static_range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
+        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
 def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -252,7 +292,7 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False, rk=None):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -265,9 +305,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`.
-    rk: None, or the rstd [T_all * H] fp32 of k's rows when k is raw and the keys are its L2 norm (the w/u kernel's
-    NORM; with q None)."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -293,10 +331,9 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
     BVu = v_block("wu", V, BK)
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg,
-                             rk if rk is not None else beta, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K,
-                             V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT, STORE_QG=q is not None,
-                             NORM=rk is not None, **common, **launch_opts("wu"))
+    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
+                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
+                             STORE_QG=q is not None, **common, **launch_opts("wu"))
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
@@ -320,7 +357,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False, l2norm=False, keep_qk=False):
+                       cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -334,12 +371,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     at (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
-    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
-    l2norm: q and k are raw and the forward runs on their row-wise L2 norms (triton_l2norm.l2norm_fwd's values), the
-    intra kernel normalizing the rows it loads (its NORM) instead of a pass of its own; "rstd" = (rq, rk) [B T H]
-    fp32, and "qk" = the normalized (q, k) [B, T, H, K] in q's dtype when keep_qk (a training forward keeps them for
-    its backward) or the output is not fused into the scan (the output kernel reads q), else None (the w/u kernel
-    then scales k's rows itself: no write of either)."""
+    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -371,37 +403,21 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         keep_states = recompute_dtypes(dt) == (dt, dt)  # hbuf (and kg, qg) stored in dt by the fused forward
     else:
         keep_states = False
-    norm = l2norm and launch  # the norm inside the intra kernel (NORM)
-    rq = rk = qn = kn = None
-    if norm:
-        rq, rk = (torch.empty(T_all * H, dtype=f32, device=dev) for _ in range(2))
-        if keep_qk or not fused:
-            qn, kn = torch.empty_like(q), torch.empty_like(k)
-    elif l2norm:  # nothing launched (no tokens or no heads): the pass of its own
-        (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
-        qn, kn = q, k
-    r["rstd"] = (rq, rk) if l2norm else None
-    r["qk"] = (qn, kn) if qn is not None else None
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, "NORM": norm,
-                 "STORE_QKN": qn is not None, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
-                                             *((rq, rk) if norm else (Lkk, Lkk)),
-                                             *((qn, kn) if qn is not None else (q, k)), chunk_indices, cu,
-                                             float(scale), shift, L2NORM_EPS, T, NT, **intra, **intra_opts(BK))
-        if qn is not None:  # every later kernel reads the normalized rows
-            q, k = qn, kn
+                                             chunk_indices, cu, float(scale), shift, T, NT, **intra,
+                                             **intra_opts(BK))
         if g_check:
             torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states,
-        rk=rk if norm and qn is None else None)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
     r["states"] = (r["w"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None  # not u: the backward reads v_new
     if launch and not fused:
         BVo = v_block("output", V, BK)
@@ -415,8 +431,8 @@ class _ChunkKDATriton(torch.autograd.Function):
     """Triton forward; backward chosen by K3_KDA_BWD (Triton by default, or the PyTorch recompute), read when the
     forward runs with gradients needed (cfg["grad"]: grad mode at the call, and some input requires grad).
 
-    q, k: [B, T, H, K] (unscaled; normalized, or raw with cfg["l2norm"]: the intra kernel then normalizes them, and
-    a training forward keeps the normalized ones and their rstd [B T H] fp32 for the backward); v: [B, T, HV, V];
+    q, k: [B, T, H, K] (unscaled; normalized, or raw with cfg["l2norm"]: the Function then normalizes them and keeps
+    the normalized ones and their rstd [B T H] fp32 for the backward); v: [B, T, HV, V];
     g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
     Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient; None when the
     scan computed o, which it never does for return_intermediate_states).
@@ -437,19 +453,17 @@ class _ChunkKDATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
         ctx.cfg = cfg
+        norm = ()
+        if cfg["l2norm"]:  # q, k <- their L2 norms; the backward runs the norm's own (in the intra kernel if it can)
+            (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
+            norm = (rq, rk)
         # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
         # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on the H200 (Nsight Compute, 2026-11-30)
         ctx.set_materialize_grads(False)
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               keep_states=ctx.bwd == "triton" and keep_states(), l2norm=cfg["l2norm"],
-                               keep_qk=ctx.bwd is not None)
-        norm = ()
-        if cfg["l2norm"]:  # q, k <- their L2 norms (the intra kernel's); the backward runs the norm's own
-            norm = r["rstd"]
-            if ctx.bwd is not None:
-                q, k = r["qk"]
+                               keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
             ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *norm,
                                   *(r["states"] or ()))
@@ -543,9 +557,9 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     check_device("chunk_kda", q, k, v, g, beta, initial_state)
     B, _T, _, K = q.shape
     HV = v.shape[2]
-    # in-kernel steps before the core: q/k L2 norm inside _ChunkKDATriton (in its intra kernel, fp32 inside; its
-    # backward fused into the backward intra kernel where it can be); the gate as one Triton pass (fp32 out,
-    # autograd-capable); the beta sigmoid as a PyTorch op; g and beta fp32
+    # in-kernel steps before the core: q/k L2 norm inside _ChunkKDATriton (one Triton pass each, fp32 inside, stored
+    # in their dtype; its backward fused into the backward intra kernel where it can be); the gate as one Triton
+    # pass (fp32 out, autograd-capable); the beta sigmoid as a PyTorch op; g and beta fp32
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()

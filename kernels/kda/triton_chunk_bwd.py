@@ -82,8 +82,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
     # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
     # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
-    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py (RESULTS.md session 16,
-    # call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 / 1,348 / 1,196 at (16, 2048, 32, 64)
+    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py --defaults --set
+    # (2026-11-30, RESULTS.md session 16, call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 /
+    # 1,348 / 1,196 at (16, 2048, 32, 64). Nsight Compute at 0 there: 42% of the warps' stall cycles wait on L1TEX
+    # (global loads), one 8-warp program per multiprocessor
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
                   "EARLY_LOADS": 2},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1

@@ -1,8 +1,8 @@
 """Triton helpers of the chunkwise KDA kernels (triton_chunk.py forward, triton_chunk_bwd.py backward): the device's
 multiprocessor count for the launch heuristics, a launch that falls back to 1 stage where a pipelined one does not
 fit, a program's chunk or sequence bounds (padded and varlen layouts, both directions), the diagonal 16 x 16 block of
-the forward's intra-chunk step, and its kernel, one program per sub-chunk (`_intra_sub_kernel`); the forward's w/u
-kernel (`_wu_kernel`, launched by triton_chunk.chunk_fwd_states). Legend as in triton_chunk.py.
+the forward's intra-chunk step, and its kernel, one program per sub-chunk (`_intra_sub_kernel`). Legend as in
+triton_chunk.py.
 """
 
 from __future__ import annotations
@@ -133,14 +133,6 @@ def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN:
 
 
 @triton.jit
-def _l2norm_rows(b_x, eps, dtype: tl.constexpr):
-    """(rstd [R], y [R, D] fp32) of rows b_x [R, D] fp32 holding whole rows (zeros past D): y = x rstd rounded to
-    `dtype`, rstd = (sum_d x_d^2 + eps)^(-1/2), as triton_l2norm.l2norm_fwd computes and stores them."""
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + tl.full([], eps, tl.float32))
-    return b_r, (b_x * b_r[:, None]).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Diagonal [BC, BC] blocks of one sub-chunk: (Aqk with j <= i, Akk with j < i), fp32, from its rows b_q (scaled),
     b_k [BC, BK] fp32, Gamma b_Gs [BC, BK] relative to the anchor row n (log2 units; zero at row n) and
@@ -171,11 +163,10 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, qn, kn, chunk_indices, cu_seqlens, scale, shift,
-                      eps, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      STORE_AKK: tl.constexpr, CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, NORM: tl.constexpr,
-                      STORE_QKN: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                      BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -192,12 +183,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, qn, kn, ch
     CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
     the safe gate's bound check, which then costs no pass of its own over g.
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
-    and Gamma this program holds anyway.
-    NORM: q and k are raw; the kernel L2-normalizes every row it loads (its own q, k rows and the earlier
-    sub-chunks' keys, the whole head being one tile) as triton_l2norm.l2norm_fwd does, the normalized rows rounded
-    to q's dtype as that pass stores them, so the same operands as after that pass. The programs of the first value
-    head of each q/k head store the rows' rstd (rq, rk [T_all * H] fp32) and with STORE_QKN the normalized rows (qn,
-    kn [T_all, H, K] in q's dtype): no pass of its own over q and k."""
+    and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -225,18 +211,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, qn, kn, ch
     # 2026-11-30, RESULTS.md session 12)
     b_gn = tl.load(g + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
-    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    if NORM:
-        b_rq, b_q = _l2norm_rows(b_q, eps, q.dtype.element_ty)
-        b_rk, b_k = _l2norm_rows(b_k, eps, q.dtype.element_ty)
-        if i_hv % (HV // H) == 0:  # one value head of each q/k head stores them
-            tl.store(rq + (start + r_i) * H + i_h, b_rq, mask=m_i)
-            tl.store(rk + (start + r_i) * H + i_h, b_rk, mask=m_i)
-            if STORE_QKN:
-                tl.store(qn + p_iq, b_q.to(qn.dtype.element_ty), mask=m_ik)
-                tl.store(kn + p_iq, b_k.to(kn.dtype.element_ty), mask=m_ik)
-    b_q = b_q * scale
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     # Gamma_i - Gamma_n <= 0. Not masked: rows past the end read g = 0 (finite Gamma there) and q = k = 0, so every
     # product with e_q is 0 there as with a masked factor (bit-identical; 32 selects fewer per thread in the PTX)
@@ -258,10 +234,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, rq, rk, qn, kn, ch
         b_Gj = (tl.cumsum(b_gj, axis=0) - (b_gn + b_cj + b_tj)[None, :]) * log2e
         b_cj += b_tj
         b_kc = tl.load(k + ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_kc = b_kc.to(tl.float32)
-        if NORM:
-            b_kc = _l2norm_rows(b_kc, eps, q.dtype.element_ty)[1]
-        b_kc = (b_kc * tl.exp2(tl.where(m_k[None, :], -b_Gj, float("-inf"))))  # Gamma_n - Gamma_c
+        b_kc = (b_kc.to(tl.float32) * tl.exp2(tl.where(m_k[None, :], -b_Gj, float("-inf"))))  # Gamma_n - Gamma_c
         b_kc = b_kc.to(k.dtype.element_ty)
         b_A = tl.dot(b_qf, tl.trans(b_kc), input_precision=PREC)  # [BC, BC]
         b_L = tl.dot(b_kf, tl.trans(b_kc), input_precision=PREC)
@@ -336,53 +309,3 @@ def _layout_args(B, T, chunk_size, cu_seqlens, device, cu_host, placeholder):
     if cu_seqlens is None:
         chunk_indices = chunk_offsets = cu = placeholder
     return N, NT, NT_all, chunk_indices, chunk_offsets, cu
-
-
-@triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, rk, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
-               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, NORM: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
-    # NORM: k is raw, its rows scaled here by their L2 norm's rstd rk [T_all * H] (the intra kernel's) and rounded
-    # to k's dtype: the keys triton_l2norm.l2norm_fwd would have stored
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
-    # M is lower-triangular: read only j <= i (the blocks the solve wrote)
-    b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
-                  mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
-    b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    if NORM:
-        b_rk = tl.load(rk + (start + o_t) * H + i_h, mask=m_t, other=0.0)
-    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
-    # one block at K <= 128 with the default BK)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = b_k.to(tl.float32)
-        if NORM:
-            b_k = (b_k * b_rk[:, None]).to(k.dtype.element_ty).to(tl.float32)
-        b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
-        # is a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k
-        # and the fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored
-        # before the w dot, so that k and Gamma are dead across it
-        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
-        tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
-        if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
-            b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-            tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
-        b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
-        b_w = tl.dot(b_M, b_x, input_precision=PREC)
-        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-    for i_v in tl.static_range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
-        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)

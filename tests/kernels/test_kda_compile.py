@@ -28,7 +28,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "eps": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
@@ -63,21 +63,19 @@ for varlen in (False, True):
                     compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
              B.LAUNCH["bwd_dg"]["num_warps"])
-    for store_qg, norm in ((False, False), (True, False), (False, True)):  # w / u, kg (and the backward
-        # recompute's qg; or k's rows scaled by their L2 norm's rstd)
-        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "NORM": norm,
-                                "VARLEN": varlen, "PREC": "tf32"}, 4, ("kg", "qg"))
+    for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
+        compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
+                                "PREC": "tf32"}, 4, ("kg", "qg"))
     if not varlen:  # the gate, both directions, every flag
         for has_a, has_bias, lower in itertools.product((True, False), repeat=3):
             flags = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": has_a, "HAS_BIAS": has_bias, "LOWER": lower}
             compile_(G._gate_fwd_kernel, flags, 4, ("z",))
             compile_(G._gate_bwd_kernel, flags, 4, ("z", "dz"))
     for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
-        for norm, qkn in ((False, False), (True, False), (True, True)):  # the q / k L2 norm inside, rows stored
-            intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
-                     "STORE_QG": qg, "NORM": norm, "STORE_QKN": qkn, "VARLEN": varlen, "PREC": "tf32"}
-            compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg", "qn", "kn"))
-    compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg", "qn", "kn"))  # the K > 64 warps
+        intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
+                 "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
+        compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
+    compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
         if not (output or store):  # storing the states, or both (a training forward that keeps them)
             continue
@@ -96,12 +94,11 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
              all_fp32=True)
     compile_(B._bwd_intra_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
                                    "OFF": prec, "NORM": True}, 1, all_fp32=True)
-    compile_(F._wu_kernel, {**kv, "STORE_QG": True, "NORM": False}, 4, all_fp32=True)
+    compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
     compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
     compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
-                                   "CHECK_G": True, "STORE_QG": True, "NORM": True, "STORE_QKN": True,
-                                   "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
+                                   "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
     compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec}, 1,
              all_fp32=True)
 print("compiled")
