@@ -513,6 +513,28 @@ s15h)
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=3" \
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
   ;;
+s16c)
+  # session 16, call 4: the KDA GPU tests with EARLY_LOADS 2 and the q / k L2 norm's backward inside the backward
+  # intra kernel at K > its K block (NORM 2: one 4-warp program walking the K blocks; LAUNCH["bwd_intra"]
+  # ["NORM_LOOP"]); where the time goes with it on and off (and at 2 warps) at the two K = 128 fwd+bwd shapes; then
+  # issue 4's table with the faster setting at (8,4096,16,128). Prediction (RESULTS.md session 16): "torch ops"
+  # 342 -> ~160 us, the intra kernel +50 to +100, net -80 to -130 us per fwd+bwd at K = 128; K = 64 unchanged
+  kda_gpu_tests
+  for flags in "" "--set bwd_intra.NORM_LOOP=False" "--set bwd_intra.NORM_LOOP_WARPS=2"; do
+    timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape 8,4096,16,128 $flags \
+      > "$OUT/tune_$(echo "$flags" | tr -cd 'A-Za-z0-9').log" 2>&1
+    echo "kda_tune 8,4096,16,128 $flags rc=$?"
+    grep -E "^\| _bwd_intra|^\| torch|^\| total" "$OUT/tune_$(echo "$flags" | tr -cd 'A-Za-z0-9').log"
+  done
+  on=$(grep "^| total" "$OUT/tune_.log" | tr -cd '0-9')
+  off=$(grep "^| total" "$OUT/tune_setbwdintraNORMLOOPFalse.log" | tr -cd '0-9')
+  pick=""
+  if [ -n "$on" ] && [ -n "$off" ] && [ "$off" -lt "$on" ]; then pick="--set bwd_intra.NORM_LOOP=False"; fi
+  echo "table with: ${pick:-the defaults} (NORM_LOOP on $on us, off $off us)"
+  SHAPES="2,16384,16,128" long_shapes_tune ""
+  timeout 280 python3 benchmarks/kda.py $pick > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  ;;
 s16)
   # prepared in session 15 for the next session's second call (the first: s14e, the GPU tests and the table after
   # 0a3c5a9 restored bf16x3 on the backward intra kernel's diagonal blocks). (1) Where the backward inter kernel's warps wait at
@@ -537,6 +559,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16c)" >&2; exit 2
   ;;
 esac

@@ -195,13 +195,16 @@ def main() -> None:
            {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
             "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early},
            B._opts("bwd_inter"), {})
-          for name, early in (("", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
+          for name, early in (("; EARLY 0", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
                               ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
            {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
-            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm}, intra_bwd_opts, {})
-          for name, norm in (("", False), ("; the q / k L2 norm's backward in it", True)) if bki >= K or not norm],
+            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm},
+           {**intra_bwd_opts, **({"num_warps": B.LAUNCH["bwd_intra"]["NORM_LOOP_WARPS"]} if norm == 2 else {})}, {})
+          for name, norm in (("", 0), ("; the q / k L2 norm's backward as its epilogue", 1),
+                             ("; the q / k L2 norm's backward, one program walking the K blocks", 2))
+          if norm == 0 or (norm == 1) == (bki >= K)],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

@@ -26,10 +26,11 @@ Kernels:
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
    dv, dbeta and partial dqs, dk, dGamma (fp32; dqs and dk in the inputs' dtype with LAUNCH["bwd_inter"]
    ["HALF_PARTIALS"]), plus dAqk and dAkk (fp32 [T_all, HV, BT]).
-3. `_bwd_intra_kernel`, one program per (chunk, 16-token sub-chunk, K block, value head): the gradient of Aqk and
-   Akk w.r.t. q, k, Gamma of the sub-chunk's rows: as queries against earlier sub-chunks' keys (anchor Gamma_n,
-   the sub-chunk's first row) and as keys against later sub-chunks' queries (anchor: its last row), both factors
-   <= 1; the diagonal block with the fixed anchor C (safe gate) or exact pairwise exponents. Stores dq, dk, dGamma.
+3. `_bwd_intra_kernel` (triton_intra_bwd.py, as 4), one program per (chunk, 16-token sub-chunk, K block, value
+   head): the gradient of Aqk and Akk w.r.t. q, k, Gamma of the sub-chunk's rows: as queries against earlier
+   sub-chunks' keys (anchor Gamma_n, the sub-chunk's first row) and as keys against later sub-chunks' queries
+   (anchor: its last row), both factors <= 1; the diagonal block with the fixed anchor C (safe gate) or exact
+   pairwise exponents. Stores dq, dk, dGamma (with the q / k L2 norm's backward inside where it can be).
 4. `_bwd_dg_kernel`, one program per (chunk, K block, value head): dg = reverse cumsum of dGamma inside the chunk.
 Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
 only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recomputed from them
@@ -53,6 +54,7 @@ from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
+from .triton_intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
 from .triton_l2norm import l2norm_bwd_from_y
 
 # Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
@@ -82,10 +84,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
     # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
     # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
-    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py --defaults --set
-    # (2026-11-30, RESULTS.md session 16, call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 /
-    # 1,348 / 1,196 at (16, 2048, 32, 64). Nsight Compute at 0 there: 42% of the warps' stall cycles wait on L1TEX
-    # (global loads), one 8-warp program per multiprocessor
+    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py (RESULTS.md session 16,
+    # call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 / 1,348 / 1,196 at (16, 2048, 32, 64)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
                   "EARLY_LOADS": 2},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
@@ -102,7 +102,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # same launch at K = 128, 1,319 us against 1,362 for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2
     # stages: 1,326), so one launch for every K again (RESULTS.md session 15, calls 1, 2, 8; those times with the
     # diagonal dots in bf16, see 0a3c5a9)
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
+    # NORM_LOOP: with the head in K blocks (K > BK), the q / k L2 norm's backward inside the kernel, one program
+    # walking the K blocks (the kernel's NORM 2) at NORM_LOOP_WARPS, or (False) a pass of its own afterwards
+    # (l2norm_bwd_from_y). ptxas (sm_90a, K = 128, 3 stages), bytes spilled a thread: 556 at 2 warps, 0 at 4
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "NORM_LOOP": True, "NORM_LOOP_WARPS": 4},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -351,149 +354,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
 
 
-@triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, chunk_indices, cu_seqlens,
-                      scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
-    # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
-    # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
-    # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
-    # terms (as the query side of Aqk / Akk: keys of sub-chunks j <= i) and column terms (as the key side: queries of
-    # sub-chunks j >= i). [BC, BK] tiles only: few registers, NC x the programs of one per chunk.
-    NKB: tl.constexpr = (K + BK - 1) // BK
-    pid = tl.program_id(0)
-    i_t, i_i, i_kb, i_hv = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB, tl.program_id(1)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
-        return
-    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i,
-                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM)
-    tl.store(dG_out + p_ik, b_dG, mask=m_ik)
-
-
-@triton.jit
-def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i, i_kb, i_hv, scale,
-                    shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
-    """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
-    end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
-    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma
-    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
-    [T_all, HV, K]."""
-    i_h = i_hv // (HV // H)
-    o_c = tl.arange(0, BC)
-    o_k = i_kb * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    r_i = i_i * BC + o_c  # this sub-chunk's rows, in the chunk
-    m_i = r_i < n_valid
-    m_ik = m_i[:, None] & m_k[None, :]
-    p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
-    p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
-    b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
-    b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
-    b_G = tl.load(Gam + p_ik, mask=m_ik, other=0.0)
-    b_Gn = tl.load(Gam + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # first row: the anchor
-    p_rows = ((start + r_i[:, None]) * HV + i_hv) * BT  # row r_i of dAq / dAk
-    # row terms, keys of earlier sub-chunks j < i: anchor Gamma_n, both factors <= 1
-    b_dqr = tl.zeros([BC, BK], dtype=tl.float32)  # d(qs) of these rows
-    b_dkr = tl.zeros([BC, BK], dtype=tl.float32)  # dk of these rows as the query side of Akk
-    for jb in range(i_i):
-        r_j = jb * BC + o_c
-        p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
-        p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
-        b_kc = (tl.load(k + p_jq, mask=m_k[None, :], other=0.0).to(tl.float32)
-                * tl.exp2(b_Gn[None, :] - tl.load(Gam + p_jk, mask=m_k[None, :], other=0.0)))
-        b_dqr += _dot(tl.load(dAq + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
-        b_dkr += _dot(tl.load(dAk + p_rows + r_j[None, :], mask=m_i[:, None], other=0.0), b_kc, OFF)
-    e_q = tl.exp2(tl.where(m_ik, b_G - b_Gn[None, :], float("-inf")))
-    b_dqr *= e_q
-    b_dkr *= e_q
-    # the diagonal block: dAq zero above the diagonal, dAk on and above it (as stored); rows past n_valid masked
-    m_d = m_i[:, None] & m_i[None, :]
-    b_dAq_d = tl.load(dAq + p_rows + r_i[None, :], mask=m_d, other=0.0)
-    b_dAk_d = tl.load(dAk + p_rows + r_i[None, :], mask=m_d, other=0.0)
-    if SAFE:  # fixed anchor C = Gamma_n - shift, as in the forward
-        b_C = b_Gn - shift
-        # rf = exp2(Gamma_i - C) = e_q exp2(shift), and below exp2(Gamma_a - Gamma_i) = cf exp2(Gamma_a - C): two
-        # multiplies in place of two tiles of exponentials, as in the forward's intra kernel (which gained 698 ->
-        # 676 us from its one). PTX (sm_90a, 1 warp, K block 32): 3,214 instructions against 3,269, 66 ex2 against
-        # 96; ptxas spills 52 bytes against 64. H200: 1,468 -> 1,447 us at (8, 4096, 16, 128) (RESULTS.md session 13)
-        rf = e_q * tl.exp2(tl.full([], shift, tl.float32))
-        cf = tl.exp2(tl.where(m_ik, b_C[None, :] - b_G, float("-inf")))
-        b_kcf = b_k * cf
-        b_dqr += rf * _dot(b_dAq_d, b_kcf, PREC)
-        b_dkr += rf * _dot(b_dAk_d, b_kcf, PREC)
-        b_dc = cf * (_dot(tl.trans(b_dAq_d), b_q * rf, PREC) + _dot(tl.trans(b_dAk_d), b_k * rf, PREC))
-    else:  # exact pairwise exponents, one key column j at a time
-        cf = e_q  # (defined on both paths for the compiler; unused)
-        b_dc = tl.zeros([BC, BK], dtype=tl.float32)
-        for j in tl.static_range(BC):
-            sel = o_c[:, None] == j
-            b_kj = tl.sum(tl.where(sel, b_k, 0.0), axis=0)  # [BK]
-            b_Gj = tl.sum(tl.where(sel, b_G, 0.0), axis=0)
-            e = tl.exp2(tl.where((o_c[:, None] >= j) & m_ik, b_G - b_Gj[None, :], float("-inf")))  # [BC, BK]
-            a_q = tl.sum(tl.where(o_c[None, :] == j, b_dAq_d, 0.0), axis=1)  # column j of dAq [BC]
-            a_k = tl.sum(tl.where(o_c[None, :] == j, b_dAk_d, 0.0), axis=1)
-            b_dqr += a_q[:, None] * b_kj[None, :] * e
-            b_dkr += a_k[:, None] * b_kj[None, :] * e
-            col = tl.sum((a_q[:, None] * b_q + a_k[:, None] * b_k) * e, axis=0)  # [BK]
-            b_dc += tl.where(sel, col[None, :], 0.0)
-    # column terms, queries of later sub-chunks j > i: anchor Gamma_a at this sub-chunk's last row (full, since a
-    # later one exists), so exp2(Gamma_j - Gamma_a) <= 1 and exp2(Gamma_a - Gamma_i) <= 1
-    b_dco = tl.zeros([BC, BK], dtype=tl.float32)
-    n_sub = tl.cdiv(n_valid, BC)
-    if i_i + 1 < n_sub:
-        b_Ga = tl.load(Gam + ((start + i_i * BC + BC - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        for jq in range(i_i + 1, n_sub):  # not `j`: the diagonal's static_range left j a constexpr
-            r_j = jq * BC + o_c
-            m_j = r_j < n_valid
-            m_jk = m_j[:, None] & m_k[None, :]
-            p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
-            p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
-            e_j = tl.exp2(tl.where(m_jk, tl.load(Gam + p_jk, mask=m_jk, other=0.0) - b_Ga[None, :], float("-inf")))
-            p_dA = ((start + r_j[:, None]) * HV + i_hv) * BT + r_i[None, :]  # [BC_j, BC_i] of dAq / dAk
-            b_dAq_j = tl.load(dAq + p_dA, mask=m_j[:, None], other=0.0)
-            b_dAk_j = tl.load(dAk + p_dA, mask=m_j[:, None], other=0.0)
-            b_qe = tl.load(q + p_jq, mask=m_jk, other=0.0).to(tl.float32) * scale * e_j
-            b_ke = tl.load(k + p_jq, mask=m_jk, other=0.0).to(tl.float32) * e_j
-            b_dco += _dot(tl.trans(b_dAq_j), b_qe, OFF) + _dot(tl.trans(b_dAk_j), b_ke, OFF)
-        if SAFE:  # exp2(Gamma_a - Gamma_i) = exp2(C - Gamma_i) exp2(Gamma_a - C): cf times one row of exponentials
-            b_dco *= cf * tl.exp2(b_Ga - b_Gn + shift)[None, :]
-        else:
-            b_dco *= tl.exp2(tl.where(m_ik, b_Ga[None, :] - b_G, float("-inf")))
-    b_dc += b_dco
-    b_dq = (tl.load(dqs + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dqr) * scale
-    b_dk = tl.load(dkk + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dkr + b_dc
-    if NORM:  # the q / k L2 norm's backward, dx = r (dy - y sum(dy y)): q, k are its y; this block holds all K
-        b_yq = b_q * (1.0 / scale)  # the loaded q (b_q is scaled)
-        b_dq = tl.load(rq + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
-            b_dq - b_yq * tl.sum(b_dq * b_yq, axis=1)[:, None])
-        b_dk = tl.load(rk + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
-            b_dk - b_k * tl.sum(b_dk * b_k, axis=1)[:, None])
-    tl.store(dq_out + p_ik, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
-    tl.store(dk_out + p_ik, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
-    # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
-    b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
-    return b_dG, p_ik, m_ik
-
-
-@triton.jit
-def _bwd_dg_kernel(dG, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   BT: tl.constexpr, VARLEN: tl.constexpr):
-    """In place: dg = reverse cumsum of dGamma inside each chunk (Gamma = inclusive cumsum of g there, so dg_t =
-    sum_{t' >= t} dGamma_t'). One program per (chunk, K block, value head)."""
-    NKB: tl.constexpr = (K + BK - 1) // BK
-    i_t, i_kb, i_hv = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_t = tl.arange(0, BT)
-    o_k = i_kb * BK + tl.arange(0, BK)
-    m_tk = (o_t < n_valid)[:, None] & (o_k < K)[None, :]
-    p = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    b = tl.load(dG + p, mask=m_tk, other=0.0)
-    tl.store(dG + p, tl.sum(b, axis=0)[None, :] - tl.cumsum(b, axis=0) + b, mask=m_tk)
-
-
 def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """(hbuf, kg / qg) dtypes the backward reads for inputs of `dtype`. The states entering each chunk: bf16 for bf16
     inputs with bf16 inter dots (which round them to bf16 anyway; the scans carry them in fp32), else fp32. kg = k
@@ -558,7 +418,9 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dG = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
     BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
-    norm_fused = rstd is not None and G == 1 and BKi >= K  # the L2 norm's backward in the intra kernel
+    # the L2 norm's backward in the intra kernel: 1, the epilogue of a program holding the head; 2, a program
+    # walking the head's K blocks (LAUNCH["bwd_intra"]["NORM_LOOP"]); 0, a pass of its own after it
+    norm_fused = 0 if rstd is None or G != 1 else 1 if BKi >= K else 2 if LAUNCH["bwd_intra"]["NORM_LOOP"] else 0
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
@@ -585,9 +447,12 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
                  "NORM": norm_fused, **opts}
+        if norm_fused == 2:
+            intra["num_warps"] = LAUNCH["bwd_intra"]["NORM_LOOP_WARPS"]
         rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
         args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * (1 if norm_fused == 2 else triton.cdiv(K, BKi)), HV)](*args,
+                                                                                                    **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
                                                            VARLEN=varlen, **_opts("bwd_dg"))
