@@ -200,11 +200,8 @@ def main() -> None:
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
            {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
-            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm},
-           {**intra_bwd_opts, **({"num_warps": B.LAUNCH["bwd_intra"]["NORM_LOOP_WARPS"]} if norm == 2 else {})}, {})
-          for name, norm in (("", 0), ("; the q / k L2 norm's backward as its epilogue", 1),
-                             ("; the q / k L2 norm's backward, one program walking the K blocks", 2))
-          if norm == 0 or (norm == 1) == (bki >= K)],
+            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm}, intra_bwd_opts, {})
+          for name, norm in (("", False), ("; the q / k L2 norm's backward in it", True)) if bki >= K or not norm],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

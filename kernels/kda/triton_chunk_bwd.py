@@ -102,10 +102,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # same launch at K = 128, 1,319 us against 1,362 for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2
     # stages: 1,326), so one launch for every K again (RESULTS.md session 15, calls 1, 2, 8; those times with the
     # diagonal dots in bf16, see 0a3c5a9)
-    # NORM_LOOP: with the head in K blocks (K > BK), the q / k L2 norm's backward inside the kernel, one program
-    # walking the K blocks (the kernel's NORM 2) at NORM_LOOP_WARPS, or (False) a pass of its own afterwards
-    # (l2norm_bwd_from_y). ptxas (sm_90a, K = 128, 3 stages), bytes spilled a thread: 556 at 2 warps, 0 at 4
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "NORM_LOOP": True, "NORM_LOOP_WARPS": 4},
+    # With the head in K blocks (K > BK), the q / k L2 norm's backward runs as a pass of its own (l2norm_bwd_from_y):
+    # one program walking the K blocks, storing dy, then dx = r (dy - y sum(dy y)) after a barrier, took 2,221 us
+    # (4 warps; 2,038 at 2) against 1,434 + 190 at (8, 4096, 16, 128) (RESULTS.md session 16, call 4): removed
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -418,9 +418,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dG = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
     BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
-    # the L2 norm's backward in the intra kernel: 1, the epilogue of a program holding the head; 2, a program
-    # walking the head's K blocks (LAUNCH["bwd_intra"]["NORM_LOOP"]); 0, a pass of its own after it
-    norm_fused = 0 if rstd is None or G != 1 else 1 if BKi >= K else 2 if LAUNCH["bwd_intra"]["NORM_LOOP"] else 0
+    norm_fused = rstd is not None and G == 1 and BKi >= K  # the L2 norm's backward in the intra kernel
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
@@ -447,12 +445,9 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
                  "NORM": norm_fused, **opts}
-        if norm_fused == 2:
-            intra["num_warps"] = LAUNCH["bwd_intra"]["NORM_LOOP_WARPS"]
         rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
         args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * (1 if norm_fused == 2 else triton.cdiv(K, BKi)), HV)](*args,
-                                                                                                    **intra)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
                                                            VARLEN=varlen, **_opts("bwd_dg"))

@@ -21,48 +21,15 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
     # terms (as the query side of Aqk / Akk: keys of sub-chunks j <= i) and column terms (as the key side: queries of
     # sub-chunks j >= i). [BC, BK] tiles only: few registers, NC x the programs of one per chunk.
-    # NORM 2 (the q / k L2 norm's backward with the head in K blocks): one program per (chunk, sub-chunk i, head)
-    # walks the K blocks, storing dy = dq, dk and summing sum(dy y) per row; then, after a barrier (its own stores
-    # visible to all its threads), dx = r (dy - y sum(dy y)) over the blocks again, dy read back from where it just
-    # stored it (L2): no pass of its own over q, k, dq and dk.
     NKB: tl.constexpr = (K + BK - 1) // BK
-    NKP: tl.constexpr = 1 if NORM == 2 else NKB  # K blocks with programs of their own
     pid = tl.program_id(0)
-    i_t, i_i, i_kb, i_hv = pid // (NC * NKP), (pid // NKP) % NC, pid % NKP, tl.program_id(1)
+    i_t, i_i, i_kb, i_hv = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB, tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
-    if NORM == 2:
-        i_h = i_hv // (HV // H)
-        r_i = i_i * BC + tl.arange(0, BC)
-        m_i = r_i < n_valid
-        s_q = tl.zeros([BC], dtype=tl.float32)
-        s_k = tl.zeros([BC], dtype=tl.float32)
-        for i_b in range(NKB):
-            b_dG, p_ik, m_ik, b_sq, b_sk = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk,
-                                                           start, n_valid, i_i, i_b, i_hv, scale, shift, H, HV, K, BK,
-                                                           BT, BC, SAFE, PREC, OFF, NORM)
-            tl.store(dG_out + p_ik, b_dG, mask=m_ik)
-            s_q += b_sq
-            s_k += b_sk
-        tl.debug_barrier()
-        b_rq = tl.load(rq + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None]
-        b_rk = tl.load(rk + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None]
-        for i_b in range(NKB):
-            o_k = i_b * BK + tl.arange(0, BK)
-            m_ik = m_i[:, None] & (o_k < K)[None, :]
-            p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]  # = the q / k rows (HV = H)
-            b_y = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_dy = tl.load(dq_out + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            tl.store(dq_out + p_ik, (b_rq * (b_dy - b_y * s_q[:, None])).to(dq_out.dtype.element_ty), mask=m_ik)
-            b_y = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_dy = tl.load(dk_out + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            tl.store(dk_out + p_ik, (b_rk * (b_dy - b_y * s_k[:, None])).to(dk_out.dtype.element_ty), mask=m_ik)
-    else:
-        b_dG, p_ik, m_ik, _, _ = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start,
-                                                 n_valid, i_i, i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE,
-                                                 PREC, OFF, NORM)
-        tl.store(dG_out + p_ik, b_dG, mask=m_ik)
+    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i,
+                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM)
+    tl.store(dG_out + p_ik, b_dG, mask=m_ik)
 
 
 @triton.jit
@@ -70,10 +37,10 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
                     shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
-    end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM 1: those of the q / k L2 norm's
+    end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
     input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma
-    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows), the rows' pointers and mask into
-    [T_all, HV, K], and with NORM 2 the rows' sum(dy y) over this block for q and k [BC] (else zeros)."""
+    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
+    [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     o_k = i_kb * BK + tl.arange(0, BK)
@@ -158,14 +125,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
     b_dc += b_dco
     b_dq = (tl.load(dqs + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dqr) * scale
     b_dk = tl.load(dkk + p_ik, mask=m_ik, other=0.0).to(tl.float32) + b_dkr + b_dc
-    s_q = tl.zeros([BC], dtype=tl.float32)
-    s_k = tl.zeros([BC], dtype=tl.float32)
-    if NORM == 2:  # the norm's backward over K blocks: dy stored as is, its sum(dy y) part returned
-        b_dq = b_dq.to(dq_out.dtype.element_ty).to(tl.float32)  # as stored (read back by the caller)
-        b_dk = b_dk.to(dk_out.dtype.element_ty).to(tl.float32)
-        s_q = tl.sum(b_dq * (b_q * (1.0 / scale)), axis=1)
-        s_k = tl.sum(b_dk * b_k, axis=1)
-    elif NORM == 1:  # the q / k L2 norm's backward, dx = r (dy - y sum(dy y)): q, k are its y; this block holds all K
+    if NORM:  # the q / k L2 norm's backward, dx = r (dy - y sum(dy y)): q, k are its y; this block holds all K
         b_yq = b_q * (1.0 / scale)  # the loaded q (b_q is scaled)
         b_dq = tl.load(rq + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
             b_dq - b_yq * tl.sum(b_dq * b_yq, axis=1)[:, None])
@@ -175,7 +135,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
     tl.store(dk_out + p_ik, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
     b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
-    return b_dG, p_ik, m_ik, s_q, s_k
+    return b_dG, p_ik, m_ik
 
 
 @triton.jit

@@ -59,10 +59,8 @@ for varlen in (False, True):
                 intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                              "OFF": prec}
                 opts = B._opts("bwd_intra")
-                for norm in (0, 1) if bk == 32 else (0, 2):  # the L2 norm's backward: epilogue (one K block) or
-                    # a program walking the K blocks
-                    warps = B.LAUNCH["bwd_intra"]["NORM_LOOP_WARPS"] if norm == 2 else opts["num_warps"]
-                    compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **{**opts, "num_warps": warps})
+                for norm in (False, True) if bk == 32 else (False,):  # the L2 norm's backward: one K block only
+                    compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
              B.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)

@@ -20,7 +20,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
-from k3.kernels.kda import chunk_kda, l2norm, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, l2norm, triton_chunk, triton_chunk_bwd, triton_common
 from k3.kernels.kda.chunk import SUB_CHUNK
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,7 +36,9 @@ class _Counted:
     """A kernel whose launches `kernel[grid](...)` are logged as (name, STORE_AKK or None), then run."""
 
     def __init__(self, name, kernel, log):
-        self.name, self.kernel, self.log = name, kernel, log
+        # __name__: triton_common.launch_fitting keys a launch by it once any launch has fallen back to 1 stage
+        # (its _UNFIT set is per process, so an earlier test on the same worker decides whether it is read)
+        self.name, self.kernel, self.log, self.__name__ = name, kernel, log, name
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
@@ -50,7 +52,10 @@ class _Counted:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The list every forward and backward kernel launch is appended to."""
+    """The list every forward and backward kernel launch is appended to. A refused launch on record (as after an
+    earlier test on the same worker fell back to 1 stage): launch_fitting then keys every launch by the kernel's
+    name, which the wrappers must have (an H200 run failed on it, session 16)."""
+    monkeypatch.setattr(triton_common, "_UNFIT", {("no kernel of this test",)})
     log = []
     for mod, names in ((triton_chunk, FWD), (triton_chunk_bwd, BWD)):
         for name in names:
