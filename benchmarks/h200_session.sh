@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -513,28 +513,6 @@ s15h)
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=3" \
     "--set bwd_intra.BK=64 --set bwd_intra.num_warps=2 --set bwd_intra.num_stages=2"
   ;;
-s16c)
-  # session 16, call 4: the KDA GPU tests with EARLY_LOADS 2 and the q / k L2 norm's backward inside the backward
-  # intra kernel at K > its K block (NORM 2: one 4-warp program walking the K blocks; LAUNCH["bwd_intra"]
-  # ["NORM_LOOP"]); where the time goes with it on and off (and at 2 warps) at the two K = 128 fwd+bwd shapes; then
-  # issue 4's table with the faster setting at (8,4096,16,128). Prediction (RESULTS.md session 16): "torch ops"
-  # 342 -> ~160 us, the intra kernel +50 to +100, net -80 to -130 us per fwd+bwd at K = 128; K = 64 unchanged
-  kda_gpu_tests
-  for flags in "" "--set bwd_intra.NORM_LOOP=False" "--set bwd_intra.NORM_LOOP_WARPS=2"; do
-    timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape 8,4096,16,128 $flags \
-      > "$OUT/tune_$(echo "$flags" | tr -cd 'A-Za-z0-9').log" 2>&1
-    echo "kda_tune 8,4096,16,128 $flags rc=$?"
-    grep -E "^\| _bwd_intra|^\| torch|^\| total" "$OUT/tune_$(echo "$flags" | tr -cd 'A-Za-z0-9').log"
-  done
-  on=$(grep "^| total" "$OUT/tune_.log" | tr -cd '0-9')
-  off=$(grep "^| total" "$OUT/tune_setbwdintraNORMLOOPFalse.log" | tr -cd '0-9')
-  pick=""
-  if [ -n "$on" ] && [ -n "$off" ] && [ "$off" -lt "$on" ]; then pick="--set bwd_intra.NORM_LOOP=False"; fi
-  echo "table with: ${pick:-the defaults} (NORM_LOOP on $on us, off $off us)"
-  SHAPES="2,16384,16,128" long_shapes_tune ""
-  timeout 280 python3 benchmarks/kda.py $pick > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
-  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -585,6 +563,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16c|s16d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d)" >&2; exit 2
   ;;
 esac
