@@ -105,6 +105,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # With the head in K blocks (K > BK), the q / k L2 norm's backward runs as a pass of its own (l2norm_bwd_from_y):
     # one program walking the K blocks, storing dy, then dx = r (dy - y sum(dy y)) after a barrier, took 2,221 us
     # (4 warps; 2,038 at 2) against 1,434 + 190 at (8, 4096, 16, 128) (RESULTS.md session 16, call 4): removed
+    # PREC "bf16" for the off-diagonal dots: fwd+bwd 5.120 -> 5.036 ms at (8, 4096, 16, 128), 4.647 -> 4.573 at (16,
+    # 2048, 32, 64) (kda.py, session 16, calls 5-6), and the bf16 GPU tests pass with it; but the gate gradient's
+    # error grows 1.7x (dg 3.3e-3 -> 5.7e-3 relative RMS against float64, fp32 inputs with those operands rounded,
+    # CPU): tf32 kept, fla-core 0.6.0's precision there
     "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
