@@ -82,8 +82,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # `_intra_sub_kernel`: 716 us per fwd+bwd at 2 warps, 908 at 1 (8, 4096, 16, 128; session 9; ~1,540 at 4 in
     # session 8's two-pass form). SMALL_K_WARPS: num_warps when K <= 64 (intra_opts): at (16, 2048, 32, 64) 545 us
     # at 1 warp (session 11) against 710 at 2 (session 10's call 4, the same kernel; RESULTS.md)
-    # The q/k L2 norm's work moved into this kernel lost three times: q and k normalised here (session 12), q alone
-    # (13), rows scaled by precomputed inverse norms at inference (14: this kernel +66-86 us, the norm passes -63)
+    # The q/k L2 norm's work moved into this kernel lost four times: q and k normalised here (session 12), q alone
+    # (13), rows scaled by precomputed inverse norms at inference (14: this kernel +66-86 us, the norm passes -63),
+    # every loaded row normalised here with rstd stored and k's rows scaled in the w/u kernel (16: this kernel +225 /
+    # +266 us at K = 128 / 64 against the 146 us pass saved)
     "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
