@@ -520,6 +520,11 @@ s17)
   # same inputs: if k3 with bf16 there is no less accurate than fla, ship it
   timeout 300 python3 benchmarks/kda_grad_error.py --set bwd_intra.PREC=bf16 > "$OUT/grad_error.log" 2>&1
   echo "grad error rc=$?"; grep "^|\|^#" "$OUT/grad_error.log"
+  # then issue 4's chunk table with it and the w/u kernel at 8 warps (kda_tune.py, session 16 calls 2 and 5: -10 us
+  # at K = 128, +1 at K = 64)
+  timeout 200 python3 benchmarks/kda.py --no-decode --set bwd_intra.PREC=bf16 --set wu.num_warps=8 \
+    > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
   ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
