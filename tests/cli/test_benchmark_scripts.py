@@ -22,11 +22,12 @@ ENV = ("K3_KERNELS", "K3_KDA_BWD", "FLA_FLASH_KDA", "TRITON_INTERPRET")
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_benchmark_help(name, monkeypatch, capsys):
-    for key in ENV:  # registering the current value (or its absence) makes monkeypatch put it back afterwards
-        if key in os.environ:
-            monkeypatch.setenv(key, os.environ[key])
-        else:
-            monkeypatch.delenv(key, raising=False)
+    for key in ENV:  # setenv records the current value or its absence, which teardown puts back (delenv of an
+        # absent key records nothing: kda_grad_error.py's TRITON_INTERPRET then leaked into kda_ptxas.py's test)
+        present = key in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if not present:
+            monkeypatch.delenv(key)
     monkeypatch.setattr(sys, "argv", [str(BENCH / name), "--help"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(BENCH / name), run_name="__main__")
