@@ -525,6 +525,16 @@ s17)
   timeout 200 python3 benchmarks/kda.py --no-decode --set bwd_intra.PREC=bf16 --set wu.num_warps=8 \
     > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  # then the w/u kernel and the scan in time segments (LAUNCH["scan"]["SEGMENTS"], off as shipped) at the two
+  # shapes whose scan has fewer programs than multiprocessors (128 and 64), wall-clock (kda_tune.py sums kernel
+  # times, which hides the overlap). Prediction: fwd -100 to -250 us at (2,16384,16,128) (w/u 313 us, mostly
+  # hidden behind the 443 us scan if the two kernels' programs fit one multiprocessor together), more at
+  # (1,65536,16,128) (68 idle multiprocessors during its scan); nothing at the other shapes (not segmented)
+  for seg in 0 2 4 8; do
+    timeout 150 python3 benchmarks/kda.py --only 2,16384,16,128 1,65536,16,128 --no-decode --no-fla \
+      --set scan.SEGMENTS=$seg > "$OUT/seg$seg.log" 2>&1
+    echo "segments $seg rc=$?"; grep "^| (" "$OUT/seg$seg.log"
+  done
   ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes

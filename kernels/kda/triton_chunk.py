@@ -20,10 +20,12 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    ("rows"), and steps 1 and 2 in one kernel with L kept in registers: benchmarks/RESULTS.md sessions 2-8.)
 2. `_solve_kernel` (triton_solve.py): M = (I + L)^-1 by fp32 forward substitution on the diagonal 16 x 16 blocks
    (all of a chunk's at once) and block-inverse merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
-3. `_wu_kernel`: w = M (beta k exp2(Gamma)), u = M (beta v), and kg = k exp2(Gamma_last - Gamma) for the scan (in
+3. `_wu_kernel` (triton_fwd_kernels.py, as 4 and 5): w = M (beta k exp2(Gamma)), u = M (beta v), and kg = k exp2(Gamma_last - Gamma) for the scan (in
    the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
-   h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new.
+   h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new. With fewer
+   programs than multiprocessors, steps 3 and 4 can run in time segments, the w/u kernel of the next segment
+   during the scan of this one (LAUNCH["scan"]["SEGMENTS"], triton_segments.py).
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
    intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
@@ -57,21 +59,20 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
 from ..dispatch import check_device
 from .chunk import SAFE_GATE_FLOOR, SUB_CHUNK, chunk_kda_torch
 from .triton_common import (
-    _chunk_bounds,
     _intra_sub_kernel,
     _layout_args,
-    _seq_bounds,
     device_sms,
     fp32_dot_precision,
     launch_fitting,
 )
+from .triton_fwd_kernels import _output_kernel, _scan_kernel, _wu_kernel
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_bwd_from_y, l2norm_fwd
+from .triton_segments import run_segments, segment_tables
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -119,7 +120,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # K <= 64 (scan_opts). H200, us per inference forward, scan at 3 / 2 stages (kda_tune.py --fwd-only, 2026-11-30,
     # RESULTS.md session 15): (16, 2048, 32, 64) 252 / 230; but (8, 4096, 16, 128) 295 / 392, (2, 16384, 16, 128)
     # 443 / 642
-    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2},
+    # SEGMENTS: the w/u kernel and the scan in this many time segments when the scan has fewer programs than the GPU
+    # multiprocessors, so that the w/u of segment s + 1 runs during the scan of segment s (scan_segments; 0 or 1:
+    # off, as shipped until timed)
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2, "SEGMENTS": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -169,130 +173,6 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
     return bv
 
 
-@triton.jit
-def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
-               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
-    # M is lower-triangular: read only j <= i (the blocks the solve wrote)
-    b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
-                  mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
-    b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
-    # one block at K <= 128 with the default BK)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = b_k.to(tl.float32)
-        b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
-        # is a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k
-        # and the fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored
-        # before the w dot, so that k and Gamma are dead across it
-        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
-        tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
-        if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
-            b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-            tl.store(qg + p_tk, (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m_tk)
-        b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
-        b_w = tl.dot(b_M, b_x, input_precision=PREC)
-        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-    for i_v in tl.static_range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
-        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit
-def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
-    # registers; qg = scale q exp2(Gamma) from the intra kernel. STORE_STATES: h[c] and v_new are stored (hbuf,
-    # vnew; else unused), for `_output_kernel` (without OUTPUT) or for the backward (a training forward that keeps
-    # them: keep_states).
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_t = tl.arange(0, BT)
-    p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
-    # tl.range, not while: a GPU compile software-pipelines the loop's loads (chunk c + 1's w, u, Gamma, k while chunk
-    # c computes) with the launch's num_stages; a while loop never does. (The interpreter needs the numpy >= 2.4 fix
-    # of tests/kernels/conftest.py for a range over a runtime scalar.)
-    for c in tl.range(0, n_chunks):
-        start = bos + c * BT
-        n_valid = tl.minimum(eos - start, BT).to(tl.int32)
-        m_t = o_t < n_valid
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        if STORE_STATES:
-            tl.store(hbuf + (((c0 + c) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                     b_h.to(hbuf.dtype.element_ty), mask=m_kv)
-        p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
-        if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
-            b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
-            b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
-                          other=0.0)
-            b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
-            b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
-            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        if STORE_STATES:
-            tl.store(vnew + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
-        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # Gamma_last
-        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)  # from the w/u kernel; zero rows past the end
-        b_h = b_h * tl.exp2(b_Gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_w.dtype), input_precision=PREC)
-    if STORE_HT:
-        tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_tv = m_t[:, None] & m_v[None, :]
-    b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
-    b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_qg = (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(b_A.dtype)
-    b_h = tl.load(hbuf + ((i_t.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0).to(b_A.dtype)
-    p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-    b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0)
-    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
-    tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-
-
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
                      kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
@@ -330,21 +210,52 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     if NT_all == 0 or HV == 0:
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return w, u, vnew, hbuf, ht, kg, qg
-    common = {"VARLEN": cu_seqlens is not None, "PREC": fp32_dot_precision() if dt == torch.float32 else "tf32"}
-    BVu = v_block("wu", V, BK)
+    varlen, prec = cu_seqlens is not None, fp32_dot_precision() if dt == torch.float32 else "tf32"
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
-    _wu_kernel[(NT_all, HV)](k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg, chunk_indices, cu,
-                             float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=min(BK, LAUNCH["wu"]["BK"]), BV=BVu, BT=BT,
-                             STORE_QG=q is not None, **common, **launch_opts("wu"))
+    wu_ptrs = (k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg)
+    wu_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": min(BK, LAUNCH["wu"]["BK"]), "BV": v_block("wu", V, BK), "BT": BT,
+             "STORE_QG": q is not None, "PREC": prec, **launch_opts("wu")}
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
-    # placeholder pointers for the tensors a launch does not touch (its OUTPUT flag switches them off)
-    launch_fitting(_scan_kernel, grid, kg, w, u, Gam, vnew if states else w, hbuf if states else w, h0c, ht,
-                   qg if fused else w, Aqk if fused else w, o if fused else w, cu, chunk_offsets, T, NT, H=H, HV=HV,
-                   K=K, V=V, BK=BK, BV=BVs, BT=BT, HAS_H0=h0 is not None, STORE_HT=True, OUTPUT=fused,
-                   STORE_STATES=states, **common, **scan_opts(states, BK))
+
+    def scan_ptrs(h_in, h_out):  # placeholder pointers for the tensors a launch does not touch (OUTPUT, STORE_STATES)
+        return (kg, w, u, Gam, vnew if states else w, hbuf if states else w, h_in, h_out, qg if fused else w,
+                Aqk if fused else w, o if fused else w)
+
+    scan_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": BK, "BV": BVs, "BT": BT, "STORE_HT": True, "OUTPUT": fused,
+               "STORE_STATES": states, "PREC": prec, **scan_opts(states, BK)}
+    P = scan_segments(N, NT, grid[0] * N * HV, cu_seqlens, dev)
+    if not P:
+        _wu_kernel[(NT_all, HV)](*wu_ptrs, chunk_indices, cu, float(scale), T, NT, VARLEN=varlen, **wu_kw)
+        launch_fitting(_scan_kernel, grid, *scan_ptrs(h0c, ht), cu, chunk_offsets, T, NT, HAS_H0=h0 is not None,
+                       VARLEN=varlen, **scan_kw)
+        return w, u, vnew, hbuf, ht, kg, qg
+    cu_pad, segs = segment_tables(B, T, BT, P, dev)
+    hts = (torch.empty_like(ht), torch.empty_like(ht))  # the state between segments, alternating
+
+    def wu_segment(s):  # the segment's chunks as a varlen chunk list over the padded sequences
+        _wu_kernel[(segs[s][3], HV)](*wu_ptrs, segs[s][0], cu_pad, float(scale), T, NT, VARLEN=True, **wu_kw)
+
+    def scan_segment(s):  # from the previous segment's final state; the last one stores ht
+        h_in, h_out = h0c if s == 0 else hts[(s - 1) % 2], ht if s == P - 1 else hts[s % 2]
+        launch_fitting(_scan_kernel, grid, *scan_ptrs(h_in, h_out), segs[s][1], segs[s][2], T, NT,
+                       HAS_H0=h0 is not None or s > 0, VARLEN=2, **scan_kw)
+
+    run_segments(P, dev, wu_segment, scan_segment)
     return w, u, vnew, hbuf, ht, kg, qg
+
+
+def scan_segments(N: int, NT: int, programs: int, cu_seqlens, dev: torch.device) -> int:
+    """P = LAUNCH["scan"]["SEGMENTS"] time segments for chunk_fwd_states (triton_segments.py: the w/u kernel of
+    segment s + 1 overlaps the scan of segment s) when the scan is chain-bound: fewer scan programs than the GPU has
+    multiprocessors (always off a GPU, for the interpreter tests), the padded layout, at least P chunks per
+    sequence; else 0 (one w/u launch, then one scan)."""
+    P = LAUNCH["scan"]["SEGMENTS"]
+    if P < 2 or cu_seqlens is not None or NT < P:
+        return 0
+    sms = device_sms(dev)
+    return 0 if sms and programs >= sms else P
 
 
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:

@@ -118,8 +118,14 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 @triton.jit
 def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
     """(first token, end token, index of its first chunk among all chunks, number of chunks) of sequence i_n, for the
-    state scans that walk one sequence's chunks in order (forward) or in reverse (backward)."""
-    if VARLEN:
+    state scans that walk one sequence's chunks in order (forward) or in reverse (backward). VARLEN 2: cu_seqlens
+    holds (first token, end token) pairs, one per sequence (a time segment of each, triton_segments.py)."""
+    if VARLEN == 2:
+        bos = tl.load(cu_seqlens + 2 * i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + 2 * i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    elif VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
         c0 = tl.load(chunk_offsets + i_n).to(tl.int64)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 TRITON_MODULES = ("k3.kernels.kda.triton_common", "k3.kernels.kda.triton_l2norm", "k3.kernels.kda.triton_gate", "k3.kernels.kda.triton_recurrent", "k3.kernels.kda.triton_chunk",
-                  "k3.kernels.kda.triton_intra_bwd", "k3.kernels.kda.triton_chunk_bwd", "k3.kernels.glu.triton",
+                  "k3.kernels.kda.triton_fwd_kernels", "k3.kernels.kda.triton_intra_bwd", "k3.kernels.kda.triton_chunk_bwd",
+                  "k3.kernels.glu.triton",
                   "k3.kernels.moe.triton_router",
                   "k3.kernels.mla.triton_decode")
 

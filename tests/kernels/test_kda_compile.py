@@ -83,6 +83,9 @@ for varlen in (False, True):
                 "STORE_STATES": store, "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
         compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
+        if not varlen:  # a time segment of each sequence (bounds as pairs: triton_segments.py)
+            compile_(F._scan_kernel, {**scan, "VARLEN": 2}, F.LAUNCH["scan"]["num_warps"], halves,
+                     F.LAUNCH["scan"]["num_stages"])
     for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
                                    "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))

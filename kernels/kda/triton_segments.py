@@ -1,0 +1,76 @@
+"""The inference forward's w/u kernel and state scan in time segments, the w/u of segment s + 1 running on a side
+stream while the scan walks segment s (triton_chunk.chunk_fwd_states, LAUNCH["scan"]["SEGMENTS"]).
+
+Why: with few scan programs (sequences x value heads x V blocks below the multiprocessor count, e.g. 128 at
+(2, 16384, 16, 128) on a 132-multiprocessor H200) the scan's sequential walk over the chunks is the forward's
+critical path and leaves most of the GPU idle; the w/u kernel, which every scan step depends on, then runs
+before it, alone. Split into P segments of the sequences' chunks, only the first segment's w/u precedes the scan.
+
+A segment s covers chunks [s NT / P, (s + 1) NT / P) of every sequence (padded layout: N = B sequences of T
+tokens, NT chunks each). The w/u kernel takes the segment's chunks as a varlen chunk list over the padded
+sequences; the scan takes each sequence's token range of the segment (its VARLEN 2: bounds as (begin, end) pairs)
+and starts from the state the previous segment's scan stored (its final-state output), so the segments compute
+exactly what one scan does: the state is carried in fp32 either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TABLES: dict[tuple, tuple] = {}
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
+    """(cu_seqlens [B + 1] int32 of the padded sequences, for the w/u kernel's chunk lists; per segment: (chunk list
+    [n, 2] int32 of (sequence, chunk) for the w/u kernel, scan bounds [B, 2] int32 of (first token, end token),
+    chunk offsets [B] int32 (each sequence's first chunk of the segment among all chunks), n = number of chunks,
+    the pinned host copies or None)). Built on the host, copied once per (B, T, BT, P, device) and kept."""
+    key = (B, T, BT, P, str(device))
+    if key in _TABLES:
+        return _TABLES[key]
+    NT = -(-T // BT)
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+    out = [cu.to(device)]  # one blocking copy per key (the first call)
+    for s in range(P):
+        a, b = s * NT // P, (s + 1) * NT // P
+        chunks = torch.tensor([[n, c] for n in range(B) for c in range(a, b)], dtype=torch.int32).view(-1, 2)
+        bounds = torch.tensor([[n * T + a * BT, min(n * T + b * BT, (n + 1) * T)] for n in range(B)],
+                              dtype=torch.int32)
+        offsets = torch.tensor([n * NT + a for n in range(B)], dtype=torch.int32)
+        if device.type == "cuda":  # pinned + non_blocking: the copy does not wait for the queue (kept alive below)
+            host = [t.pin_memory() for t in (chunks, bounds, offsets)]
+            out.append((*(t.to(device, non_blocking=True) for t in host), chunks.shape[0], host))
+        else:
+            out.append((chunks, bounds, offsets, chunks.shape[0], None))
+    _TABLES[key] = (out[0], out[1:])
+    return _TABLES[key]
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
+def run_segments(P: int, device: torch.device, launch_wu, launch_scan) -> None:
+    """launch_wu(s) for s < P on a side stream, launch_scan(s) on the current stream once segment s's w/u is done:
+    scan s overlaps w/u s + 1. Off CUDA (the interpreter) one after the other. The side stream starts after
+    everything queued before (the solve that wrote M); the current stream's last scan waits for the side's last
+    w/u, so later work on it (and the caching allocator's reuse of these tensors) is ordered after both."""
+    if device.type != "cuda":
+        for s in range(P):
+            launch_wu(s)
+            launch_scan(s)
+        return
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(main)
+    done = []
+    with torch.cuda.stream(side):
+        for s in range(P):
+            launch_wu(s)
+            done.append(torch.cuda.Event())
+            done[-1].record(side)
+    for s in range(P):
+        main.wait_event(done[s])
+        launch_scan(s)

@@ -1,0 +1,104 @@
+"""The forward's w/u kernel and state scan in time segments (LAUNCH["scan"]["SEGMENTS"], triton_segments.py:
+on a GPU the w/u of segment s + 1 runs on a side stream during the scan of segment s) against one w/u launch and
+one scan: the same chunks and the same fp32 state carried across the segment boundaries, so the same outputs,
+final states and gradients (bitwise under the CPU interpreter, within fp32 reordering on a GPU). Launch spies
+prove the segments ran; buffers come NaN-poisoned from torch.empty (tests/conftest.py), so a chunk no segment
+covers fails the comparison.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
+
+# after the skip; conftest imported the kernel modules under the interpreter on a CPU
+from k3.kernels.kda import chunk_kda, l2norm
+from k3.kernels.kda import triton_chunk as fwd
+from k3.kernels.kda.triton_segments import segment_tables
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NEVER = 1 << 30
+
+pytestmark = pytest.mark.usefixtures("triton_kda_backward")  # tests/kernels/conftest.py
+
+CASES = [  # (B, T, H, HV, K, V, chunk_size, h0)
+    (2, 200, 1, 2, 32, 32, 32, True),  # 7 chunks a sequence, the last partial
+    (1, 130, 2, 4, 60, 40, 16, False),  # GVA, K and V masked, 9 chunks, no initial state
+]
+MODES = ["inference", "output-kernel", "training"]
+
+
+def _inputs(B, T, H, HV, K, V):
+    torch.manual_seed(0)
+    q, k = l2norm(torch.rand(B, T, H, K)), l2norm(torch.rand(B, T, H, K))
+    v, g = torch.rand(B, T, HV, V), F.logsigmoid(torch.randn(B, T, HV, K)).clamp_min(-5.0)
+    beta, h0 = torch.randn(B, T, HV).sigmoid(), torch.randn(B, HV, K, V)
+    return [x.to(DEV) for x in (q, k, v, g, beta, h0)]
+
+
+def _run(monkeypatch, launch_spy, xs, segments, *, BT, h0, mode):
+    """(o, final state, gradients or None, scan launches, w/u launches) with LAUNCH["scan"]["SEGMENTS"] =
+    segments."""
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENTS", segments)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", NEVER if mode == "output-kernel" else 0)
+    scans, wus = launch_spy(fwd, "_scan_kernel"), launch_spy(fwd, "_wu_kernel")
+    grad = mode == "training"
+    leaves = [x.detach().clone().requires_grad_(grad) for x in xs]
+    o, s = chunk_kda(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True, chunk_size=BT,
+                     safe_gate=True, lower_bound=-5.0)
+    grads = None
+    if grad:
+        torch.manual_seed(1)
+        do, ds = torch.randn_like(o), torch.randn_like(s)
+        grads = torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves if h0 else leaves[:5])
+    return o.detach(), s.detach(), grads, len(scans), len(wus)
+
+
+def _same(name, a, b):
+    assert torch.isfinite(b).all(), f"{name}: not finite (a chunk no segment covered?)"
+    if DEV == "cpu":
+        assert torch.equal(a, b), f"{name} differs with the scan in segments"
+    else:
+        err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
+        assert err < 1e-6, f"{name}: relative change {err:.2e} with the scan in segments"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("segments", [2, 3, 7])
+@pytest.mark.parametrize("B,T,H,HV,K,V,BT,h0", CASES, ids=["partial-chunk", "gva-masked"])
+def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, segments, mode, monkeypatch, launch_spy):
+    xs = _inputs(B, T, H, HV, K, V)
+    ref = _run(monkeypatch, launch_spy, xs, 0, BT=BT, h0=h0, mode=mode)
+    out = _run(monkeypatch, launch_spy, xs, segments, BT=BT, h0=h0, mode=mode)
+    assert ref[3:] == (1, 1) and out[3:] == (segments, segments), "segment launches"
+    _same("o", ref[0], out[0])
+    _same("final state", ref[1], out[1])
+    for i, (a, b) in enumerate(zip(ref[2] or (), out[2] or (), strict=True)):
+        _same(f"gradient {i}", a, b)
+
+
+def test_segments_fall_back_to_one_scan(monkeypatch, launch_spy):
+    """Varlen inputs, and sequences with fewer chunks than segments, run one w/u launch and one scan."""
+    xs = _inputs(1, 40, 1, 2, 32, 32)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENTS", 4)
+    scans = launch_spy(fwd, "_scan_kernel")
+    chunk_kda(*xs[:5], initial_state=xs[5][:1], chunk_size=16)  # 3 chunks < 4 segments
+    chunk_kda(*xs[:5], initial_state=torch.cat([xs[5][:1]] * 2), chunk_size=16,
+              cu_seqlens=torch.tensor([0, 15, 40], device=DEV))
+    assert len(scans) == 2
+
+
+def test_segment_tables():
+    """Segment s of every sequence covers chunks [s NT / P, (s + 1) NT / P): B = 2, T = 100, BT = 32 (NT = 4, the
+    last chunk 4 tokens), P = 3."""
+    cu, segs = segment_tables(2, 100, 32, 3, torch.device("cpu"))
+    assert cu.tolist() == [0, 100, 200]
+    chunks, bounds, offsets, n = ([s[i] for s in segs] for i in range(4))
+    assert [c.tolist() for c in chunks] == [[[0, 0], [1, 0]], [[0, 1], [1, 1]], [[0, 2], [0, 3], [1, 2], [1, 3]]]
+    assert [b.tolist() for b in bounds] == [[[0, 32], [100, 132]], [[32, 64], [132, 164]], [[64, 100], [164, 200]]]
+    assert [o.tolist() for o in offsets] == [[0, 4], [1, 5], [2, 6]]
+    assert n == [2, 2, 4]
