@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17b | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -536,6 +536,22 @@ s17)
     echo "segments $seg rc=$?"; grep "^| (" "$OUT/seg$seg.log"
   done
   ;;
+s17b)
+  # prepared in session 16, the second call: the dg pass replaced by a chain across the intra kernel's sub-chunk
+  # programs (LAUNCH["bwd_intra"]["CHAIN_DG"], off as shipped): the inter kernel reverse-cumsums its dGamma part
+  # over the chunk, each intra program adds its part's in-sub-chunk reverse cumsum and the later sub-chunks' column
+  # sums, published in turn behind a ready flag. First the GPU tests (test_kda_bwd_kblocks.py checks it against the
+  # dg pass at small shapes), then the gradients' error with it at two long sequences (thousands of programs racing
+  # on the flags: a missed wait would show in dg), then kda_tune at the two fwd+bwd shapes short of 1.5x, then the
+  # table with it. Prediction: the dg pass's 134-136 us gone, the intra kernel +10 to +40 (waits, 20 bytes more
+  # spilled), the inter kernel +0 to +10: fwd+bwd -80 to -120 us at (8,4096,16,128) and (16,2048,32,64)
+  kda_gpu_tests
+  timeout 200 python3 benchmarks/kda_grad_error.py --no-fla --set bwd_intra.CHAIN_DG=True > "$OUT/grad_chain.log" 2>&1
+  echo "grad error rc=$?"; grep "^|" "$OUT/grad_chain.log"
+  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--set bwd_intra.CHAIN_DG=True"
+  timeout 200 python3 benchmarks/kda.py --no-decode --set bwd_intra.CHAIN_DG=True > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -586,6 +602,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17b)" >&2; exit 2
   ;;
 esac

@@ -109,7 +109,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 2048, 32, 64) (kda.py, session 16, calls 5-6), and the bf16 GPU tests pass with it; but the gate gradient's
     # error grows 1.7x (dg 3.3e-3 -> 5.7e-3 relative RMS against float64, fp32 inputs with those operands rounded,
     # CPU): tf32 kept, fla-core 0.6.0's precision there
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
+    # CHAIN_DG: no dg pass. The inter kernel stores its dGamma part reverse-cumsummed over the chunk (it holds all
+    # the rows); each intra program adds its own part's in-sub-chunk reverse cumsum and the column sums of the later
+    # sub-chunks' parts, which their programs publish in turn (triton_intra_bwd.py). Off until timed
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "CHAIN_DG": False},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -266,7 +269,7 @@ def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k
 def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr, EARLY: tl.constexpr):
+                      PREC: tl.constexpr, EARLY: tl.constexpr, REV: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
@@ -347,6 +350,8 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
         tl.store(dqs + p_tk, (b_dqg * b_eG).to(dqs.dtype.element_ty), mask=m_tk)
         tl.store(dkk + p_tk, (b_b[:, None] * b_kb + b_dkg * b_eL).to(dkk.dtype.element_ty), mask=m_tk)
+        if REV:  # its in-chunk reverse cumsum (the intra kernel chains its own part: CHAIN_DG)
+            b_dGc = tl.sum(b_dGc, axis=0)[None, :] - tl.cumsum(b_dGc, axis=0) + b_dGc
         tl.store(dG + p_tk, b_dGc, mask=m_tk)
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
@@ -441,20 +446,27 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
         BVi, iprec = _bv("bwd_inter", V), _prec("bwd_inter", dt)  # not `prec`: the intra kernel's diagonal dots
+        chain = bool(LAUNCH["bwd_intra"]["CHAIN_DG"])
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
                                         dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, iprec), BV=BVi, BT=BT, VARLEN=varlen, PREC=iprec,
-                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **_opts("bwd_inter"))
+                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], REV=chain, **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
                  "NORM": norm_fused, **opts}
         rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
-        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
-        _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
-        BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
-        _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
-                                                           VARLEN=varlen, **_opts("bwd_dg"))
+        n_prog = NT_all * (BT // BC) * triton.cdiv(K, BKi)
+        # CHAIN_DG: tickets (one counter per head) and a ready flag per program, zeroed together; the suffix sums
+        links = torch.zeros(HV + (n_prog * HV if chain else 0), dtype=torch.int32, device=dev) if chain else dg
+        sums = torch.empty(n_prog * HV * BKi, dtype=f32, device=dev) if chain else dg
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, links, sums, chunk_indices, cu, float(scale),
+                shift, T, NT)
+        _bwd_intra_kernel[(n_prog, HV)](*args, CHAIN=chain, **intra)
+        if not chain:
+            BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
+            _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg,
+                                                               BT=BT, VARLEN=varlen, **_opts("bwd_dg"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:
