@@ -20,8 +20,9 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    ("rows"), and steps 1 and 2 in one kernel with L kept in registers: benchmarks/RESULTS.md sessions 2-8.)
 2. `_solve_kernel` (triton_solve.py): M = (I + L)^-1 by fp32 forward substitution on the diagonal 16 x 16 blocks
    (all of a chunk's at once) and block-inverse merges M_ij = -M_ii sum_{j <= m < i} L_im M_mj (kda.md 3.2 step 2b).
-3. `_wu_kernel` (triton_fwd_kernels.py, as 4 and 5): w = M (beta k exp2(Gamma)), u = M (beta v), and kg = k exp2(Gamma_last - Gamma) for the scan (in
-   the backward's recompute also qg = scale q exp2(Gamma) for the reverse scan).
+3. `_wu_kernel` (triton_fwd_kernels.py, as 4 and 5): w = M (beta k exp2(Gamma)), u = M (beta v), and
+   kg = k exp2(Gamma_last - Gamma) for the scan (in the backward's recompute also qg = scale q exp2(Gamma) for the
+   reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new. With fewer
    programs than multiprocessors, steps 3 and 4 can run in time segments, the w/u kernel of the next segment
