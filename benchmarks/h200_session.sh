@@ -535,6 +535,15 @@ s17)
       --set scan.SEGMENTS=$seg > "$OUT/seg$seg.log" 2>&1
     echo "segments $seg rc=$?"; grep "^| (" "$OUT/seg$seg.log"
   done
+  # then an inference forward's batch in parts on streams of their own (LAUNCH["streams"]["INFER_BATCH_PARTS"],
+  # off as shipped) at the two fwd shapes with many sequences, wall-clock. Prediction: within -10% / +5% of the
+  # forward (latency-bound kernels of one part sharing multiprocessors with another part's; each part's scan then
+  # has half the programs, below the multiprocessor count)
+  for parts in 0 2 4; do
+    timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode --no-fla --fwd-only \
+      --set streams.INFER_BATCH_PARTS=$parts > "$OUT/parts$parts.log" 2>&1
+    echo "batch parts $parts rc=$?"; grep "^| (" "$OUT/parts$parts.log"
+  done
   ;;
 s17b)
   # prepared in session 16, the second call: the dg pass replaced by a chain across the intra kernel's sub-chunk

@@ -56,6 +56,8 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 
 import torch
@@ -73,7 +75,7 @@ from .triton_common import (
 from .triton_fwd_kernels import _output_kernel, _scan_kernel, _wu_kernel
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_bwd_from_y, l2norm_fwd
-from .triton_segments import run_segments, segment_tables
+from .triton_segments import run_parallel, run_segments, segment_tables
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -126,6 +128,9 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # off, as shipped until timed)
     "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2, "SEGMENTS": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
+    # INFER_BATCH_PARTS: an inference forward's batch in this many parts on streams of their own (batch_parts; 0 or
+    # 1: off, as shipped until timed)
+    "streams": {"INFER_BATCH_PARTS": 0},
 }
 
 
@@ -245,6 +250,15 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 
     run_segments(P, dev, wu_segment, scan_segment)
     return w, u, vnew, hbuf, ht, kg, qg
+
+
+def batch_parts(B: int, cu_seqlens, intermediate: bool) -> int:
+    """LAUNCH["streams"]["INFER_BATCH_PARTS"] for an inference forward of B padded sequences (its batch in that many
+    parts, each on a stream of its own: the kernels of one part can use the multiprocessors another part's
+    latency-bound kernels leave idle), when B allows and neither varlen nor the intermediate states are asked for;
+    else 0."""
+    P = LAUNCH["streams"]["INFER_BATCH_PARTS"]
+    return P if P >= 2 and B >= P and cu_seqlens is None and not intermediate else 0
 
 
 def scan_segments(N: int, NT: int, programs: int, cu_seqlens, dev: torch.device) -> int:
@@ -498,7 +512,16 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
            "cu_host": cu_seqlens_cpu, "g_check": g_check, "l2norm": use_qk_l2norm_in_kernel,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
-    o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
+    needs_grad = cfg["grad"] and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0))
+    parts = 0 if needs_grad else batch_parts(B, cu_seqlens, return_intermediate_states)
+    if parts:  # inference: the batch in parts, each on a stream of its own (triton_segments.run_parallel)
+        cuts = [B * i // parts for i in range(parts + 1)]
+        outs = run_parallel([functools.partial(_ChunkKDATriton.apply, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
+                                               None if h0 is None else h0[a:b], cfg)
+                             for a, b in itertools.pairwise(cuts)], q.device)
+        o, ht, hbuf = torch.cat([r[0] for r in outs]), torch.cat([r[1] for r in outs]), None
+    else:
+        o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None
     if output_final_state:
         final = ht.transpose(-1, -2).contiguous() if state_v_first else ht

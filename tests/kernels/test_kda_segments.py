@@ -102,3 +102,26 @@ def test_segment_tables():
     assert [b.tolist() for b in bounds] == [[[0, 32], [100, 132]], [[32, 64], [132, 164]], [[64, 100], [164, 200]]]
     assert [o.tolist() for o in offsets] == [[0, 4], [1, 5], [2, 6]]
     assert n == [2, 2, 4]
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
+def test_batch_parts_match_one_forward(parts, h0, monkeypatch, launch_spy):
+    """LAUNCH["streams"]["INFER_BATCH_PARTS"]: an inference forward's batch in parts, each on a stream of its own
+    on a GPU (triton_segments.run_parallel): the same output and final state as one forward, one intra launch per
+    part; a forward with gradients, varlen or the intermediate states asked for is not split."""
+    xs = _inputs(3, 70, 2, 4, 32, 32)
+    kw = {"output_final_state": True, "chunk_size": 32, "safe_gate": True, "lower_bound": -5.0}
+    h = xs[5] if h0 else None
+    ref = chunk_kda(*xs[:5], initial_state=h, **kw)
+    monkeypatch.setitem(fwd.LAUNCH["streams"], "INFER_BATCH_PARTS", parts)
+    intra = launch_spy(fwd, "_intra_sub_kernel")
+    out = chunk_kda(*xs[:5], initial_state=h, **kw)
+    assert len(intra) == parts
+    _same("o", ref[0], out[0])
+    _same("final state", ref[1], out[1])
+    intra.clear()
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:5]]
+    chunk_kda(*leaves, initial_state=h, **kw)  # with gradients
+    chunk_kda(*xs[:5], initial_state=h, return_intermediate_states=True, **kw)
+    assert len(intra) == 2, "a forward with gradients or intermediate states was split"
