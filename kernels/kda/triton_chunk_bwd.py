@@ -458,7 +458,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
         n_prog = NT_all * (BT // BC) * triton.cdiv(K, BKi)
         # CHAIN_DG: tickets (one counter per head) and a ready flag per program, zeroed together; the suffix sums
-        links = torch.zeros(HV + (n_prog * HV if chain else 0), dtype=torch.int32, device=dev) if chain else dg
+        links = torch.zeros(HV + n_prog * HV, dtype=torch.int32, device=dev) if chain else dg
         sums = torch.empty(n_prog * HV * BKi, dtype=f32, device=dev) if chain else dg
         args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, links, sums, chunk_indices, cu, float(scale),
                 shift, T, NT)

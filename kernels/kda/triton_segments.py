@@ -25,26 +25,20 @@ _SIDE: dict[torch.device, list] = {}
 def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
     """(cu_seqlens [B + 1] int32 of the padded sequences, for the w/u kernel's chunk lists; per segment: (chunk list
     [n, 2] int32 of (sequence, chunk) for the w/u kernel, scan bounds [B, 2] int32 of (first token, end token),
-    chunk offsets [B] int32 (each sequence's first chunk of the segment among all chunks), n = number of chunks,
-    the pinned host copies or None)). Built on the host, copied once per (B, T, BT, P, device) and kept."""
+    chunk offsets [B] int32 (each sequence's first chunk of the segment among all chunks), n = number of chunks)).
+    Built on the host and copied once per (B, T, BT, P, device), at the first call (blocking copies), then kept."""
     key = (B, T, BT, P, str(device))
-    if key in _TABLES:
-        return _TABLES[key]
-    NT = -(-T // BT)
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
-    out = [cu.to(device)]  # one blocking copy per key (the first call)
-    for s in range(P):
-        a, b = s * NT // P, (s + 1) * NT // P
-        chunks = torch.tensor([[n, c] for n in range(B) for c in range(a, b)], dtype=torch.int32).view(-1, 2)
-        bounds = torch.tensor([[n * T + a * BT, min(n * T + b * BT, (n + 1) * T)] for n in range(B)],
-                              dtype=torch.int32)
-        offsets = torch.tensor([n * NT + a for n in range(B)], dtype=torch.int32)
-        if device.type == "cuda":  # pinned + non_blocking: the copy does not wait for the queue (kept alive below)
-            host = [t.pin_memory() for t in (chunks, bounds, offsets)]
-            out.append((*(t.to(device, non_blocking=True) for t in host), chunks.shape[0], host))
-        else:
-            out.append((chunks, bounds, offsets, chunks.shape[0], None))
-    _TABLES[key] = (out[0], out[1:])
+    if key not in _TABLES:
+        NT = -(-T // BT)
+        segs = []
+        for s in range(P):
+            a, b = s * NT // P, (s + 1) * NT // P
+            chunks = torch.tensor([[n, c] for n in range(B) for c in range(a, b)], dtype=torch.int32).view(-1, 2)
+            bounds = torch.tensor([[n * T + a * BT, min(n * T + b * BT, (n + 1) * T)] for n in range(B)],
+                                  dtype=torch.int32)
+            offsets = torch.tensor([n * NT + a for n in range(B)], dtype=torch.int32)
+            segs.append((chunks.to(device), bounds.to(device), offsets.to(device), chunks.shape[0]))
+        _TABLES[key] = (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device), segs)
     return _TABLES[key]
 
 

@@ -122,11 +122,9 @@ def test_chained_dg_equals_the_dg_pass(monkeypatch, launch_spy, D, intra_bk, BT,
     """LAUNCH["bwd_intra"]["CHAIN_DG"]: no dg pass; the inter kernel reverse-cumsums its dGamma part over the chunk
     and the intra kernel's programs chain their parts' column sums from the last sub-chunk to the first. The same
     dg (and every other gradient) as the dg pass, up to fp32 summation order."""
-    from k3.kernels.kda import triton_intra_bwd  # noqa: F401 - the kernels' module, spied through triton_chunk_bwd
-
     monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
     monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "BK", intra_bk)
-    T = 70 if cu is not None else 45 if BT == 32 else 70
+    T = 45 if BT == 32 else 70
     ref = _grads(monkeypatch, 64, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
     monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "CHAIN_DG", True)
     passes = launch_spy(triton_chunk_bwd, "_bwd_dg_kernel")
