@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17b | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -49,7 +49,7 @@ kda_gpu_tests() {
   timeout -s INT -k 10 "${KDA_TEST_LIMIT:-240}" python3 -m pytest tests/kernels/test_kda_triton.py \
     tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py tests/kernels/test_kda_gate_triton.py \
     tests/kernels/test_kda_fused_output.py tests/kernels/test_kda_recurrent_compile.py \
-    -p no:cacheprovider -rf \
+    tests/kernels/test_kda_segments.py -p no:cacheprovider -rf \
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
@@ -525,7 +525,8 @@ s17)
   timeout 200 python3 benchmarks/kda.py --no-decode --set bwd_intra.PREC=bf16 --set wu.num_warps=8 \
     > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
-  # then the w/u kernel and the scan in time segments (LAUNCH["scan"]["SEGMENTS"], off as shipped) at the two
+  # then the w/u kernel and the scan in time segments (LAUNCH["scan"]["SEGMENTS"] then, a count; since session 17
+  # SEGMENT_CHUNKS, chunks per segment: this loop no longer runs as written) at the two
   # shapes whose scan has fewer programs than multiprocessors (128 and 64), wall-clock (kda_tune.py sums kernel
   # times, which hides the overlap). Prediction: fwd -100 to -250 us at (2,16384,16,128) (w/u 313 us, mostly
   # hidden behind the 443 us scan if the two kernels' programs fit one multiprocessor together), more at
@@ -535,31 +536,72 @@ s17)
       --set scan.SEGMENTS=$seg > "$OUT/seg$seg.log" 2>&1
     echo "segments $seg rc=$?"; grep "^| (" "$OUT/seg$seg.log"
   done
-  # then an inference forward's batch in parts on streams of their own (LAUNCH["streams"]["INFER_BATCH_PARTS"],
-  # off as shipped) at the two fwd shapes with many sequences, wall-clock. Prediction: within -10% / +5% of the
-  # forward (latency-bound kernels of one part sharing multiprocessors with another part's; each part's scan then
-  # has half the programs, below the multiprocessor count)
-  for parts in 0 2 4; do
-    timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode --no-fla --fwd-only \
-      --set streams.INFER_BATCH_PARTS=$parts > "$OUT/parts$parts.log" 2>&1
-    echo "batch parts $parts rc=$?"; grep "^| (" "$OUT/parts$parts.log"
+  ;;
+s17c)
+  # session 17, call 3, after CHAIN_DG and INFER_BATCH_PARTS lost (calls 1-2, removed): the KDA GPU tests (now with
+  # test_kda_segments.py), then issue 4's table with the shipped defaults (segments of 128 chunks at the two long
+  # shapes, the w/u kernel at 8 warps) and decode; then, no fla, segments of 64 chunks and of 128 with the w/u
+  # kernel at 4 warps at the long shapes; then segments forced at the two short shapes (SEGMENT_BELOW 8: their
+  # scans run 256 / 512 programs), 8 / 16 / 32 chunks. Prediction there: within -30 / +30 us of the forward (the
+  # scan's programs already cover the multiprocessors; the w/u kernel only gains where they leave room)
+  kda_gpu_tests
+  timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  for flags in "--set scan.SEGMENT_CHUNKS=64" "--set wu.num_warps=4" "--set scan.SEGMENT_CHUNKS=0"; do
+    timeout 120 python3 benchmarks/kda.py --only 2,16384,16,128 1,65536,16,128 --no-decode --no-fla $flags \
+      > "$OUT/long.log" 2>&1
+    echo "long shapes $flags rc=$?"; grep "^| (" "$OUT/long.log"
+  done
+  for per in 0 8 16 32; do
+    timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode --no-fla \
+      --set scan.SEGMENT_BELOW=8 --set scan.SEGMENT_CHUNKS=$per > "$OUT/short$per.log" 2>&1
+    echo "short shapes, $per chunks a segment rc=$?"; grep "^| (" "$OUT/short$per.log"
   done
   ;;
-s17b)
-  # prepared in session 16, the second call: the dg pass replaced by a chain across the intra kernel's sub-chunk
-  # programs (LAUNCH["bwd_intra"]["CHAIN_DG"], off as shipped): the inter kernel reverse-cumsums its dGamma part
-  # over the chunk, each intra program adds its part's in-sub-chunk reverse cumsum and the later sub-chunks' column
-  # sums, published in turn behind a ready flag. First the GPU tests (test_kda_bwd_kblocks.py checks it against the
-  # dg pass at small shapes), then the gradients' error with it at two long sequences (thousands of programs racing
-  # on the flags: a missed wait would show in dg), then kda_tune at the two fwd+bwd shapes short of 1.5x, then the
-  # table with it. Prediction: the dg pass's 134-136 us gone, the intra kernel +10 to +40 (waits, 20 bytes more
-  # spilled), the inter kernel +0 to +10: fwd+bwd -80 to -120 us at (8,4096,16,128) and (16,2048,32,64)
+s17d)
+  # session 17, call 4: the KDA GPU tests with the w/u kernel back at 4 warps (8 hit an illegal memory access at K
+  # block 16 in call 3); then the state scans at V block 128 (one program per sequence and head, 8 warps, 2 stages:
+  # 192 / 208 KB of shared memory, no spills, ptxas sm_90a) at (8,4096,16,128), whose 256 programs at V block 64
+  # (208 KB each, one per multiprocessor) run in two waves on the 132 multiprocessors; forward scan, backward scan,
+  # both. Prediction: each scan 382 / 391 -> 270-330 us; fwd+bwd -100 to -200 us, fwd -50 to -110. Then issue 4's
+  # table with the shipped defaults, and decode
   kda_gpu_tests
-  timeout 200 python3 benchmarks/kda_grad_error.py --no-fla --set bwd_intra.CHAIN_DG=True > "$OUT/grad_chain.log" 2>&1
-  echo "grad error rc=$?"; grep "^|" "$OUT/grad_chain.log"
-  SHAPES="8,4096,16,128 16,2048,32,64" long_shapes_tune "" "--set bwd_intra.CHAIN_DG=True"
-  timeout 200 python3 benchmarks/kda.py --no-decode --set bwd_intra.CHAIN_DG=True > "$OUT/kda.log" 2>&1
+  fs="--set scan.BV=128 --set scan.num_warps=8 --set scan.num_stages=2"
+  bs="--set bwd_scan.BV=128 --set bwd_scan.num_warps=8 --set bwd_scan.num_stages=2"
+  for flags in "" "$fs" "$bs" "$fs $bs"; do
+    timeout 100 python3 benchmarks/kda.py --only 8,4096,16,128 --no-decode --no-fla $flags > "$OUT/wide.log" 2>&1
+    echo "wide scans [$flags] rc=$?"; grep "^| (" "$OUT/wide.log"
+  done
+  timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  ;;
+s17e)
+  # session 17, call 5: the KDA GPU tests with the reverse scan at V block 128 (8 warps, 2 stages) where its halving
+  # leaves 128 (shipped after call 4); then at (16,2048,32,64), fla alongside, the training scans at 2 stages in place
+  # of 3 at K <= 64 (88 / 96 KB of shared memory: two programs per multiprocessor, so the 512 programs run in two
+  # waves, not four). Prediction: forward scan 319 -> 230-280 us, reverse 286 -> 200-250; fwd+bwd -50 to -120 us.
+  # Then issue 4's table with the shipped defaults, and decode
+  kda_gpu_tests
+  for flags in "" "--set bwd_scan.SMALL_K_STAGES=2" "--set scan.SMALL_K_STAGES=2" \
+               "--set bwd_scan.SMALL_K_STAGES=2 --set scan.SMALL_K_STAGES=2"; do
+    timeout 100 python3 benchmarks/kda.py --only 16,2048,32,64 --no-decode $flags > "$OUT/small.log" 2>&1
+    echo "K = 64 [$flags] rc=$?"; grep "^| (" "$OUT/small.log"
+  done
+  timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  ;;
+s17f)
+  # session 17, call 6 (the device time left): the wide reverse scan's GPU gradient test (call 5's version counted
+  # launch_fitting's 1-stage relaunch of the fp32 launch as a second launch) and the gradient tests at the training
+  # scans' 2 stages at K <= 64 (shipped after call 5); issue 4's row at (16,2048,32,64) with them; then the
+  # gradients' error at (8,4096,16,128), where the reverse scan runs at V block 128
+  timeout -s INT -k 10 100 python3 -m pytest tests/kernels/test_kda_triton.py -k "gradients or wide or bwd_scan" \
+    -p no:cacheprovider -rf -n 8 > "$OUT/ktests.log" 2>&1
+  echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
+  timeout 60 python3 benchmarks/kda.py --only 16,2048,32,64 --no-decode > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep -v "^$" "$OUT/kda.log"
+  timeout 120 python3 benchmarks/kda_grad_error.py --no-fla --shape 8,4096,16,128 > "$OUT/grad.log" 2>&1
+  echo "grad error rc=$?"; grep "^|" "$OUT/grad.log"
   ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
@@ -611,6 +653,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17b)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f)" >&2; exit 2
   ;;
 esac

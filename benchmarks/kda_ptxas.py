@@ -34,7 +34,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "links"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 
 def signature(fn, consts: dict, override: dict) -> dict[str, str]:
@@ -162,6 +162,7 @@ def main() -> None:
     bki, intra_bwd_opts = B.intra_launch(BK)
     bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
+    bwd_bv, bwd_opts = B.bwd_scan_launch(V, BK, 1 << 20, 0)  # the reverse scan with many sequences (no halving)
     # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
     intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True),
                   ("safe gate (training: Akk; intermediate states kept, output kernel)", True, True, True, False),
@@ -188,22 +189,20 @@ def main() -> None:
                                       ("fp32 states: backward", False, True, {}))],
         ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
-         {**bwd, "BK": BK // 2 if BK > 128 else BK, "BV": B._bv("bwd_scan", V), "SPLIT": BK > 128,
+         {**bwd, "BK": BK // 2 if BK > 128 else BK, "BV": bwd_bv, "SPLIT": BK > 128,
           "PREC": B._prec("bwd_scan", torch.bfloat16)},
-         B._opts("bwd_scan"), {}),
+         bwd_opts, {}),
         *[(f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)}{name})", B._bwd_inter_kernel,
            {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
-            "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early,
-            "REV": bool(B.LAUNCH["bwd_intra"]["CHAIN_DG"])},
+            "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early},
            B._opts("bwd_inter"), {})
           for name, early in (("; EARLY 0", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
                               ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
            {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
-            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm, "CHAIN": chain}, intra_bwd_opts, {})
-          for name, norm, chain in (("", False, False), ("; the q / k L2 norm's backward in it", True, False),
-                                    ("; dg chained (CHAIN_DG)", False, True)) if bki >= K or not norm],
+            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm}, intra_bwd_opts, {})
+          for name, norm in (("", False), ("; the q / k L2 norm's backward in it", True)) if bki >= K or not norm],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

@@ -25,8 +25,8 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    reverse scan).
 4. `_scan_kernel`, one program per (V block, sequence, value head), sequential over the sequence's chunks:
    h[c] = state entering chunk c; v_new = u - w h; h <- Diag(exp2(Gamma_last)) h + kg^T v_new. With fewer
-   programs than multiprocessors, steps 3 and 4 can run in time segments, the w/u kernel of the next segment
-   during the scan of this one (LAUNCH["scan"]["SEGMENTS"], triton_segments.py).
+   programs than multiprocessors and long sequences, steps 3 and 4 run in time segments, the w/u kernel of the next
+   segment during the scan of this one (LAUNCH["scan"]["SEGMENT_CHUNKS"], triton_segments.py).
 5. `_output_kernel`: o = (scale q exp2(Gamma)) h[c] + Aqk v_new. Or, when the scan runs enough programs
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
    intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
@@ -56,8 +56,6 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import os
 
 import torch
@@ -75,7 +73,7 @@ from .triton_common import (
 from .triton_fwd_kernels import _output_kernel, _scan_kernel, _wu_kernel
 from .triton_gate import kda_gate_triton
 from .triton_l2norm import l2norm_bwd_from_y, l2norm_fwd
-from .triton_segments import run_parallel, run_segments, segment_tables
+from .triton_segments import run_segments, segment_tables
 from .triton_solve import _solve_kernel
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: every exp becomes exp2 (kda.md 3.2 step 1)
@@ -98,6 +96,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
+    # 8 warps: fwd -8 / -11 / -45 / -8 us at (8,4096,16,128) / (2,16384,16,128) / (1,65536,16,128) / (16,2048,32,64)
+    # against 4 (kda.py, 2026-11-30, RESULTS.md session 17, call 1), -5 / -18 us at the long shapes with segments
+    # (call 3): within noise; and at K block 16 (K = 32, V = 32) the 8-warp launch hit an illegal memory access on the
+    # H200 (GPU test test_chunk_gradients_with_the_wu_kernel_in_k_blocks, call 3), a compiler fault like the small V
+    # blocks' below (v_block): 4 warps kept
     "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
     # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
@@ -123,14 +126,22 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # K <= 64 (scan_opts). H200, us per inference forward, scan at 3 / 2 stages (kda_tune.py --fwd-only, 2026-11-30,
     # RESULTS.md session 15): (16, 2048, 32, 64) 252 / 230; but (8, 4096, 16, 128) 295 / 392, (2, 16384, 16, 128)
     # 443 / 642
-    # SEGMENTS: the w/u kernel and the scan in this many time segments when the scan has fewer programs than the GPU
-    # multiprocessors, so that the w/u of segment s + 1 runs during the scan of segment s (scan_segments; 0 or 1:
-    # off, as shipped until timed)
-    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2, "SEGMENTS": 0},
+    # SMALL_K_STAGES: num_stages of the training forward's scan (states stored) at K <= 64 (V block 64: 128 KB of
+    # shared memory at 3 stages, one program per multiprocessor; 88 KB at 2, two): fwd+bwd -15 us alone, -43 with the
+    # reverse scan's (triton_chunk_bwd.LAUNCH["bwd_scan"]) at (16, 2048, 32, 64) (RESULTS.md session 17, call 5)
+    # SEGMENT_CHUNKS: the w/u kernel and the scan in time segments of about this many chunks per sequence (NT //
+    # SEGMENT_CHUNKS segments, at least 2; 0: off), the w/u of segment s + 1 on a side stream during the scan of
+    # segment s (scan_segments, triton_segments.py), when the scan runs fewer programs than SEGMENT_BELOW x the GPU's
+    # multiprocessors. H200, fwd ms at 0 / 2 / 4 / 8 segments (kda.py --set scan.SEGMENTS, 2026-11-30, RESULTS.md
+    # session 17, call 1): (2, 16384, 16, 128), 256 chunks, 128 programs: 1.629 / 1.575 / 1.581 / 1.591;
+    # (1, 65536, 16, 128), 1,024 chunks, 64 programs: 3.949 / 3.904 / 3.782 / 3.727; 128 chunks a segment is the
+    # best of both rows
+    # An inference forward's batch in 2 / 4 parts on streams of their own (INFER_BATCH_PARTS, session 16) lost: fwd
+    # 1.486 -> 1.545 / 1.747 ms at (8, 4096, 16, 128), 1.374 -> 1.403 / 1.721 at (16, 2048, 32, 64) (session 17,
+    # call 1): removed
+    "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2,
+             "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
-    # INFER_BATCH_PARTS: an inference forward's batch in this many parts on streams of their own (batch_parts; 0 or
-    # 1: off, as shipped until timed)
-    "streams": {"INFER_BATCH_PARTS": 0},
 }
 
 
@@ -140,10 +151,12 @@ def launch_opts(name: str) -> dict[str, int]:
 
 
 def scan_opts(states: bool, BK: int) -> dict[str, int]:
-    """num_warps / num_stages of the forward scan: INFER_SMALL_K_STAGES when it stores no states (inference) at padded
-    key dim BK <= 64."""
+    """num_warps / num_stages of the forward scan: at padded key dim BK <= 64, INFER_SMALL_K_STAGES when it stores no
+    states (inference), SMALL_K_STAGES when it does."""
     opts = launch_opts("scan")
-    return opts if states or BK > 64 else {**opts, "num_stages": LAUNCH["scan"]["INFER_SMALL_K_STAGES"]}
+    if BK > 64:
+        return opts
+    return {**opts, "num_stages": LAUNCH["scan"]["SMALL_K_STAGES" if states else "INFER_SMALL_K_STAGES"]}
 
 
 def intra_opts(BK: int) -> dict[str, int]:
@@ -252,25 +265,18 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     return w, u, vnew, hbuf, ht, kg, qg
 
 
-def batch_parts(B: int, cu_seqlens, intermediate: bool) -> int:
-    """LAUNCH["streams"]["INFER_BATCH_PARTS"] for an inference forward of B padded sequences (its batch in that many
-    parts, each on a stream of its own: the kernels of one part can use the multiprocessors another part's
-    latency-bound kernels leave idle), when B allows and neither varlen nor the intermediate states are asked for;
-    else 0."""
-    P = LAUNCH["streams"]["INFER_BATCH_PARTS"]
-    return P if P >= 2 and B >= P and cu_seqlens is None and not intermediate else 0
-
-
 def scan_segments(N: int, NT: int, programs: int, cu_seqlens, dev: torch.device) -> int:
-    """P = LAUNCH["scan"]["SEGMENTS"] time segments for chunk_fwd_states (triton_segments.py: the w/u kernel of
-    segment s + 1 overlaps the scan of segment s) when the scan is chain-bound: fewer scan programs than the GPU has
-    multiprocessors (always off a GPU, for the interpreter tests), the padded layout, at least P chunks per
-    sequence; else 0 (one w/u launch, then one scan)."""
-    P = LAUNCH["scan"]["SEGMENTS"]
-    if P < 2 or cu_seqlens is not None or NT < P:
+    """The number of time segments P for chunk_fwd_states (triton_segments.py: the w/u kernel of segment s + 1
+    overlaps the scan of segment s): NT // LAUNCH["scan"]["SEGMENT_CHUNKS"] when that is at least 2, the layout is
+    padded (NT chunks in each of the N sequences) and the scan is chain-bound: fewer scan programs than
+    SEGMENT_BELOW x the GPU's multiprocessors (always, off a GPU: the interpreter tests); else 0 (one w/u launch,
+    then one scan)."""
+    per = LAUNCH["scan"]["SEGMENT_CHUNKS"]
+    P = NT // per if per > 0 else 0
+    if P < 2 or cu_seqlens is not None:
         return 0
     sms = device_sms(dev)
-    return 0 if sms and programs >= sms else P
+    return 0 if sms and programs >= LAUNCH["scan"]["SEGMENT_BELOW"] * sms else P
 
 
 def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
@@ -512,16 +518,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
            "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
            "cu_host": cu_seqlens_cpu, "g_check": g_check, "l2norm": use_qk_l2norm_in_kernel,
            "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
-    needs_grad = cfg["grad"] and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0))
-    parts = 0 if needs_grad else batch_parts(B, cu_seqlens, return_intermediate_states)
-    if parts:  # inference: the batch in parts, each on a stream of its own (triton_segments.run_parallel)
-        cuts = [B * i // parts for i in range(parts + 1)]
-        outs = run_parallel([functools.partial(_ChunkKDATriton.apply, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
-                                               None if h0 is None else h0[a:b], cfg)
-                             for a, b in itertools.pairwise(cuts)], q.device)
-        o, ht, hbuf = torch.cat([r[0] for r in outs]), torch.cat([r[1] for r in outs]), None
-    else:
-        o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
+    o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
     final = None
     if output_final_state:
         final = ht.transpose(-1, -2).contiguous() if state_v_first else ht

@@ -71,7 +71,16 @@ LAUNCH: dict[str, dict[str, int]] = {
     # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: not at K <= 128. Above 128 the kernel holds
     # two halves of next_pow2(K) / 2 (SPLIT: one piece did not fit the H200's shared memory in fp32, session 13)
     # 3 stages, as the forward scans (times at 1 / 2 / 3 stages in triton_chunk.LAUNCH's comment)
-    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "PREC": "bf16"},
+    # BV 128 with WIDE_WARPS / WIDE_STAGES (bwd_scan_launch), where the halving below (triton_chunk.scan_v_block)
+    # leaves it: one program per sequence and head, 8 warps (4 spill 596 bytes a thread; ptxas sm_90a) and 2 stages
+    # (208 KB of shared memory; 3 do not fit). At (8, 4096, 16, 128) the V block 64's 256 programs, one per
+    # multiprocessor (208 KB each), ran in two waves on the H200's 132: fwd+bwd 5.120 -> 5.045 ms (kda.py, 2026-11-30,
+    # RESULTS.md session 17, call 4). The forward scan the same way lost (fwd 1.498 -> 1.549 ms)
+    # SMALL_K_STAGES: num_stages at K <= 64 (V block 64: 136 KB at 3 stages, one program per multiprocessor; 96 KB
+    # at 2, two). At (16, 2048, 32, 64), fwd+bwd 4.611 ms at 3 / 3 stages (this scan / the forward's), 4.584 at 2 / 3,
+    # 4.596 at 3 / 2, 4.568 at 2 / 2 (kda.py, 2026-11-30, RESULTS.md session 17, call 5)
+    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 128, "PREC": "bf16", "WIDE_WARPS": 8, "WIDE_STAGES": 2,
+                 "SMALL_K_STAGES": 2},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     # HALF_PARTIALS: its partial dq and dk (dqs, dkk [T_all, HV, K], read back by the intra kernel) stored in the
@@ -108,11 +117,14 @@ LAUNCH: dict[str, dict[str, int]] = {
     # PREC "bf16" for the off-diagonal dots: fwd+bwd 5.120 -> 5.036 ms at (8, 4096, 16, 128), 4.647 -> 4.573 at (16,
     # 2048, 32, 64) (kda.py, session 16, calls 5-6), and the bf16 GPU tests pass with it; but the gate gradient's
     # error grows 1.7x (dg 3.3e-3 -> 5.7e-3 relative RMS against float64, fp32 inputs with those operands rounded,
-    # CPU): tf32 kept, fla-core 0.6.0's precision there
-    # CHAIN_DG: no dg pass. The inter kernel stores its dGamma part reverse-cumsummed over the chunk (it holds all
-    # the rows); each intra program adds its own part's in-sub-chunk reverse cumsum and the column sums of the later
-    # sub-chunks' parts, which their programs publish in turn (triton_intra_bwd.py). Off until timed
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "CHAIN_DG": False},
+    # CPU): tf32 kept, fla-core 0.6.0's precision there. On the H200 (bf16 inputs against float64, kda_grad_error.py,
+    # RESULTS.md session 17, call 1) dg's error grows 3.27e-3 -> 4.36e-3 at (1, 4096, 16, 128), 3.29e-3 -> 4.36e-3 at
+    # (1, 2048, 32, 64), against fla's 3.31e-3 / 3.37e-3: less accurate than fla, so not shipped
+    # CHAIN_DG (session 16: no dg pass; the inter kernel reverse-cumsummed its dGamma part, the intra programs chained
+    # their parts' column sums behind ready flags) lost: inter 1,342 -> 1,636 us, intra 1,434 -> 1,818 against the
+    # 135 us pass at (8, 4096, 16, 128); 1,196 -> 1,351 and 1,530 -> 1,963 at (16, 2048, 32, 64); fwd+bwd 5.58 / 5.05
+    # ms against 5.12 / 4.65 (session 17, call 2): removed
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -127,6 +139,21 @@ def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
     """(K block, num_warps / num_stages) of the backward intra kernel at padded key dim BK: LAUNCH["bwd_intra"]'s K
     block (at most BK, at least 16)."""
     return max(16, min(BK, LAUNCH["bwd_intra"]["BK"])), _opts("bwd_intra")
+
+
+def bwd_scan_launch(V: int, BK: int, seq_heads: int, sms: int) -> tuple[int, dict[str, int]]:
+    """(V block, num_warps / num_stages) of the reverse state scan at padded key dim BK over seq_heads = N * HV
+    sequence-heads on `sms` multiprocessors: LAUNCH["bwd_scan"]["BV"] (64 at most when BK > 128: the kernel then holds
+    two K halves), halved while the halved block still runs fewer programs than multiprocessors (scan_v_block); a
+    block of 128 or more runs WIDE_WARPS / WIDE_STAGES, BK <= 64 SMALL_K_STAGES."""
+    bv = _bv("bwd_scan", V)
+    bv = scan_v_block(min(bv, 64) if BK > 128 else bv, V, seq_heads, sms)
+    opts = _opts("bwd_scan")
+    if bv >= 128:
+        opts = {"num_warps": LAUNCH["bwd_scan"]["WIDE_WARPS"], "num_stages": LAUNCH["bwd_scan"]["WIDE_STAGES"]}
+    elif BK <= 64:
+        opts = {**opts, "num_stages": LAUNCH["bwd_scan"]["SMALL_K_STAGES"]}
+    return bv, opts
 
 
 def _bv(name: str, V: int) -> int:
@@ -269,7 +296,7 @@ def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k
 def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr, EARLY: tl.constexpr, REV: tl.constexpr):
+                      PREC: tl.constexpr, EARLY: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
@@ -350,8 +377,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         b_dGc += tl.where(o_t[:, None] == n_valid - 1, b_dlast[None, :], 0.0)
         tl.store(dqs + p_tk, (b_dqg * b_eG).to(dqs.dtype.element_ty), mask=m_tk)
         tl.store(dkk + p_tk, (b_b[:, None] * b_kb + b_dkg * b_eL).to(dkk.dtype.element_ty), mask=m_tk)
-        if REV:  # its in-chunk reverse cumsum (the intra kernel chains its own part: CHAIN_DG)
-            b_dGc = tl.sum(b_dGc, axis=0)[None, :] - tl.cumsum(b_dGc, axis=0) + b_dGc
         tl.store(dG + p_tk, b_dGc, mask=m_tk)
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
@@ -438,35 +463,28 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         for t in (dq, dk, dv, dg, db):
             t.zero_()
     else:
-        BVs = scan_v_block(_bv("bwd_scan", V), V, N * HV, device_sms(dev))
+        BVs, scan_opts = bwd_scan_launch(V, BK, N * HV, device_sms(dev))
         scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
         split = BK > 128  # the state gradient in two K halves (the kernel's SPLIT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "SPLIT": split, "VARLEN": varlen,
-                "PREC": _prec("bwd_scan", dt), **_opts("bwd_scan")}
+                "PREC": _prec("bwd_scan", dt), **scan_opts}
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
         BVi, iprec = _bv("bwd_inter", V), _prec("bwd_inter", dt)  # not `prec`: the intra kernel's diagonal dots
-        chain = bool(LAUNCH["bwd_intra"]["CHAIN_DG"])
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
                                         dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, iprec), BV=BVi, BT=BT, VARLEN=varlen, PREC=iprec,
-                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], REV=chain, **_opts("bwd_inter"))
+                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
                  "NORM": norm_fused, **opts}
         rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
-        n_prog = NT_all * (BT // BC) * triton.cdiv(K, BKi)
-        # CHAIN_DG: tickets (one counter per head) and a ready flag per program, zeroed together; the suffix sums
-        links = torch.zeros(HV + n_prog * HV, dtype=torch.int32, device=dev) if chain else dg
-        sums = torch.empty(n_prog * HV * BKi, dtype=f32, device=dev) if chain else dg
-        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, links, sums, chunk_indices, cu, float(scale),
-                shift, T, NT)
-        _bwd_intra_kernel[(n_prog, HV)](*args, CHAIN=chain, **intra)
-        if not chain:
-            BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
-            _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg,
-                                                               BT=BT, VARLEN=varlen, **_opts("bwd_dg"))
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
+        _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
+        BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
+        _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
+                                                           VARLEN=varlen, **_opts("bwd_dg"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:

@@ -12,65 +12,35 @@ from .triton_common import _chunk_bounds, _dot
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, links, sums, chunk_indices,
-                      cu_seqlens, scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr,
-                      CHAIN: tl.constexpr):
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, chunk_indices, cu_seqlens,
+                      scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
+                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
     # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
     # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
     # terms (as the query side of Aqk / Akk: keys of sub-chunks j <= i) and column terms (as the key side: queries of
     # sub-chunks j >= i). [BC, BK] tiles only: few registers, NC x the programs of one per chunk.
-    # CHAIN (no dg pass): dG holds the inter kernel's part already reverse-cumsummed over the chunk, and dG_out gets
-    # dg itself: the rows' part here reverse-cumsummed over the sub-chunk, plus the column sums of the later
-    # sub-chunks' parts, which the program of sub-chunk i + 1 publishes (sums, with a ready flag in links) before its
-    # stores. Programs take tickets (links[i_hv], in the order the GPU starts them) that map to sub-chunks from the
-    # last to the first of each chunk, so a program only waits on one that started before it: no deadlock, whatever
-    # order the programs are launched in.
     NKB: tl.constexpr = (K + BK - 1) // BK
-    i_hv = tl.program_id(1)
-    if CHAIN:
-        tk = tl.atomic_add(links + i_hv, 1)
-        i_t, i_kb, i_i = tk // (NC * NKB), (tk // NC) % NKB, NC - 1 - tk % NC
-    else:
-        pid = tl.program_id(0)
-        i_t, i_i, i_kb = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB
+    pid = tl.program_id(0)
+    i_t, i_i, i_kb, i_hv = pid // (NC * NKB), (pid // NKB) % NC, pid % NKB, tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
-    if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows (and no later ones)
+    if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
     b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i,
-                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM,
-                                       not CHAIN)
-    if CHAIN:
-        o_b = tl.arange(0, BK)
-        slot = ((i_t * NKB + i_kb) * NC + i_i) * HV + i_hv  # this program's flag (links[HV + slot]) and sums
-        b_later = tl.zeros([BK], dtype=tl.float32)  # column sums of the later sub-chunks' parts
-        if (i_i + 1) * BC < n_valid:  # sub-chunk i + 1 (slot + HV) has rows: wait for its sums
-            ready = tl.atomic_add(links + HV + slot + HV, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(links + HV + slot + HV, 0, sem="acquire")
-            b_later = tl.atomic_add(sums + (slot + HV) * BK + o_b, 0.0, sem="acquire")  # read at L2, after the flag
-        b_col = tl.sum(b_dG, axis=0)  # masked rows are 0
-        if i_i > 0:  # publish for sub-chunk i - 1 first, then store
-            tl.store(sums + slot * BK + o_b, b_later + b_col)
-            tl.debug_barrier()  # every thread's part of the sums written before the flag (released at GPU scope)
-            tl.atomic_xchg(links + HV + slot, 1, sem="release")
-        b_dG = (tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_col[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
-                + b_later[None, :])
+                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM)
     tl.store(dG_out + p_ik, b_dG, mask=m_ik)
 
 
 @triton.jit
 def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i, i_kb, i_hv, scale,
                     shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr,
-                    ADD_DG: tl.constexpr):
+                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
     """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
     end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
     input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma
-    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows; ADD_DG: plus the inter kernel's dG rows,
-    else this step's part alone) and the rows' pointers and mask into [T_all, HV, K]."""
+    [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
+    [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     o_k = i_kb * BK + tl.arange(0, BK)
@@ -164,10 +134,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
     tl.store(dq_out + p_ik, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
     tl.store(dk_out + p_ik, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)
-    if ADD_DG:
-        b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
-    else:
-        b_dG = b_q * b_dqr + b_k * (b_dkr - b_dc)
+    b_dG = tl.load(dG + p_ik, mask=m_ik, other=0.0) + b_q * b_dqr + b_k * (b_dkr - b_dc)
     return b_dG, p_ik, m_ik
 
 

@@ -1,17 +1,17 @@
-"""Forward work on more than one CUDA stream.
+"""The forward's w/u kernel and state scan in time segments, the w/u of segment s + 1 running on a side stream
+while the scan walks segment s (triton_chunk.chunk_fwd_states, LAUNCH["scan"]["SEGMENT_CHUNKS"]; also the
+backward's recompute with K3_KDA_RECOMPUTE=1).
 
-1. The w/u kernel and the state scan in time segments, the w/u of segment s + 1 on a side stream while the scan
-   walks segment s (triton_chunk.chunk_fwd_states, LAUNCH["scan"]["SEGMENTS"]). Why: with few scan programs
-   (sequences x value heads x V blocks below the multiprocessor count, e.g. 128 at (2, 16384, 16, 128) on a
-   132-multiprocessor H200) the scan's sequential walk over the chunks is the forward's critical path and leaves
-   most of the GPU idle; the w/u kernel, which every scan step depends on, then runs before it, alone. Split into P
-   segments of the sequences' chunks, only the first segment's w/u precedes the scan.
-   A segment s covers chunks [s NT / P, (s + 1) NT / P) of every sequence (padded layout: N = B sequences of T
-   tokens, NT chunks each). The w/u kernel takes the segment's chunks as a varlen chunk list over the padded
-   sequences; the scan takes each sequence's token range of the segment (its VARLEN 2: bounds as (begin, end)
-   pairs) and starts from the state the previous segment's scan stored (its final-state output), so the segments
-   compute exactly what one scan does: the state is carried in fp32 either way.
-2. `run_parallel`: independent calls on streams of their own (the inference forward's batch parts).
+Why: with few scan programs (sequences x value heads x V blocks below the multiprocessor count, e.g. 128 at
+(2, 16384, 16, 128) on a 132-multiprocessor H200) the scan's sequential walk over the chunks is the forward's
+critical path and leaves most of the GPU idle; the w/u kernel, which every scan step depends on, then runs
+before it, alone. Split into P segments of the sequences' chunks, only the first segment's w/u precedes the scan.
+
+A segment s covers chunks [s NT / P, (s + 1) NT / P) of every sequence (padded layout: N = B sequences of T
+tokens, NT chunks each). The w/u kernel takes the segment's chunks as a varlen chunk list over the padded
+sequences; the scan takes each sequence's token range of the segment (its VARLEN 2: bounds as (begin, end) pairs)
+and starts from the state the previous segment's scan stored (its final-state output), so the segments compute
+exactly what one scan does: the state is carried in fp32 either way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 _TABLES: dict[tuple, tuple] = {}
-_SIDE: dict[torch.device, list] = {}
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
@@ -42,35 +42,10 @@ def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tup
     return _TABLES[key]
 
 
-def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
-    streams = _SIDE.setdefault(device, [])
-    while len(streams) < n:
-        streams.append(torch.cuda.Stream(device=device))
-    return streams[:n]
-
-
-def run_parallel(fns: list, device: torch.device) -> list:
-    """[f() for f in fns], fns[1:] each on a side stream of its own and fns[0] on the current stream, all after the
-    work queued so far; the current stream then waits for every side stream (triton_chunk.chunk_kda_triton's batch
-    parts at inference, LAUNCH["streams"]["INFER_BATCH_PARTS"]: independent sequences whose latency-bound kernels
-    can share the multiprocessors). Tensors a side stream returns are recorded as used by the current stream, so the
-    caching allocator does not give their memory back to the side stream while the current one still reads them.
-    Off CUDA (the interpreter) one after the other."""
-    if device.type != "cuda":
-        return [f() for f in fns]
-    main, sides = torch.cuda.current_stream(device), _side_streams(device, len(fns) - 1)
-    results = [None] * len(fns)
-    for i, side in enumerate(sides):
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            results[i + 1] = fns[i + 1]()
-    results[0] = fns[0]()
-    for side, result in zip(sides, results[1:], strict=True):
-        main.wait_stream(side)
-        for t in result:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(main)
-    return results
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
 
 
 def run_segments(P: int, device: torch.device, launch_wu, launch_scan) -> None:
@@ -83,7 +58,7 @@ def run_segments(P: int, device: torch.device, launch_wu, launch_scan) -> None:
             launch_wu(s)
             launch_scan(s)
         return
-    main, (side,) = torch.cuda.current_stream(device), _side_streams(device, 1)
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
     side.wait_stream(main)
     done = []
     with torch.cuda.stream(side):

@@ -110,27 +110,3 @@ def test_bwd_inter_early_loads(monkeypatch, D, bk, early):
         else:
             err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
             assert err < 1e-6, f"{name}: relative change {err:.2e} with EARLY_LOADS {early}"
-
-
-@pytest.mark.parametrize("D,intra_bk,BT,safe,cu", [
-    (32, 64, 64, True, None),  # one K block, 4 sub-chunks, a partial last chunk (T = 70)
-    (60, 16, 32, False, None),  # 4 K blocks (the last masked), 2 sub-chunks, the exact diagonal path
-    (32, 16, 64, True, [0, 23, 23, 70]),  # varlen with an empty sequence: chunks with 2 and 3 sub-chunks of rows
-    (32, 32, 16, True, None),  # one sub-chunk per chunk: nothing to chain
-], ids=["D32", "D60-kblocks-exact", "varlen", "BT16"])
-def test_chained_dg_equals_the_dg_pass(monkeypatch, launch_spy, D, intra_bk, BT, safe, cu):
-    """LAUNCH["bwd_intra"]["CHAIN_DG"]: no dg pass; the inter kernel reverse-cumsums its dGamma part over the chunk
-    and the intra kernel's programs chain their parts' column sums from the last sub-chunk to the first. The same
-    dg (and every other gradient) as the dg pass, up to fp32 summation order."""
-    monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "BK", intra_bk)
-    T = 45 if BT == 32 else 70
-    ref = _grads(monkeypatch, 64, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "CHAIN_DG", True)
-    passes = launch_spy(triton_chunk_bwd, "_bwd_dg_kernel")
-    chained = _grads(monkeypatch, 64, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
-    assert passes == [], "the dg pass ran with CHAIN_DG"
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), ref, chained, strict=True):
-        assert torch.isfinite(b).all(), name
-        err = ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
-        assert err < 1e-6, f"{name}: relative error {err:.2e} between the chained dg and the dg pass"

@@ -29,7 +29,7 @@ from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "links"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
@@ -53,15 +53,14 @@ for varlen in (False, True):
                          num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             for early in (0, 1, 2):  # loads issued sooner (the kernel's EARLY)
                 compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
-                                               "EARLY": early, "REV": early == 2}, 4, states)
+                                               "EARLY": early}, 4, states)
         for safe in (True, False):
             for bk in (16, 32):  # two K blocks of K = 32, or one
                 intra_bwd = {**shape, "BK": bk, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen, "PREC": "bf16x3",
                              "OFF": prec}
                 opts = B._opts("bwd_intra")
                 for norm in (False, True) if bk == 32 else (False,):  # the L2 norm's backward: one K block only
-                    for chain in (False, True):  # dg by the dg pass, or chained here (CHAIN_DG)
-                        compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm, "CHAIN": chain}, **opts)
+                    compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
              B.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
@@ -94,10 +93,10 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False}, 4, num_stages=B.LAUNCH["bwd_scan"]["num_stages"],
              all_fp32=True)
-    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0, "REV": True},
-             8, all_fp32=True)
+    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0}, 8,
+             all_fp32=True)
     compile_(B._bwd_intra_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "VARLEN": False, "PREC": prec,
-                                   "OFF": prec, "NORM": True, "CHAIN": True}, 1, all_fp32=True)
+                                   "OFF": prec, "NORM": True}, 1, all_fp32=True)
     compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
     compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)

@@ -1,4 +1,4 @@
-"""The forward's w/u kernel and state scan in time segments (LAUNCH["scan"]["SEGMENTS"], triton_segments.py:
+"""The forward's w/u kernel and state scan in time segments (LAUNCH["scan"]["SEGMENT_CHUNKS"], triton_segments.py:
 on a GPU the w/u of segment s + 1 runs on a side stream during the scan of segment s) against one w/u launch and
 one scan: the same chunks and the same fp32 state carried across the segment boundaries, so the same outputs,
 final states and gradients (bitwise under the CPU interpreter, within fp32 reordering on a GPU). Launch spies
@@ -40,10 +40,10 @@ def _inputs(B, T, H, HV, K, V):
     return [x.to(DEV) for x in (q, k, v, g, beta, h0)]
 
 
-def _run(monkeypatch, launch_spy, xs, segments, *, BT, h0, mode):
-    """(o, final state, gradients or None, scan launches, w/u launches) with LAUNCH["scan"]["SEGMENTS"] =
-    segments."""
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENTS", segments)
+def _run(monkeypatch, launch_spy, xs, per, *, BT, h0, mode):
+    """(o, final state, gradients or None, scan launches, w/u launches) with LAUNCH["scan"]["SEGMENT_CHUNKS"] =
+    per (0: one scan)."""
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", per)
     monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", NEVER if mode == "output-kernel" else 0)
     scans, wus = launch_spy(fwd, "_scan_kernel"), launch_spy(fwd, "_wu_kernel")
     grad = mode == "training"
@@ -68,12 +68,15 @@ def _same(name, a, b):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("segments", [2, 3, 7])
+@pytest.mark.parametrize("per", [1, 2, 3])
 @pytest.mark.parametrize("B,T,H,HV,K,V,BT,h0", CASES, ids=["partial-chunk", "gva-masked"])
-def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, segments, mode, monkeypatch, launch_spy):
+def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypatch, launch_spy):
+    """per chunks a segment: 7 / 3 / 2 segments of the 7 chunks of the first case, 9 / 4 / 3 of the 9 of the
+    second."""
     xs = _inputs(B, T, H, HV, K, V)
+    segments = -(-T // BT) // per
     ref = _run(monkeypatch, launch_spy, xs, 0, BT=BT, h0=h0, mode=mode)
-    out = _run(monkeypatch, launch_spy, xs, segments, BT=BT, h0=h0, mode=mode)
+    out = _run(monkeypatch, launch_spy, xs, per, BT=BT, h0=h0, mode=mode)
     assert ref[3:] == (1, 1) and out[3:] == (segments, segments), "segment launches"
     _same("o", ref[0], out[0])
     _same("final state", ref[1], out[1])
@@ -82,14 +85,16 @@ def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, segments, mode, monk
 
 
 def test_segments_fall_back_to_one_scan(monkeypatch, launch_spy):
-    """Varlen inputs, and sequences with fewer chunks than segments, run one w/u launch and one scan."""
+    """Varlen inputs, and sequences with fewer than two segments' chunks, run one w/u launch and one scan."""
     xs = _inputs(1, 40, 1, 2, 32, 32)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENTS", 4)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 2)
     scans = launch_spy(fwd, "_scan_kernel")
-    chunk_kda(*xs[:5], initial_state=xs[5][:1], chunk_size=16)  # 3 chunks < 4 segments
+    chunk_kda(*xs[:5], initial_state=xs[5][:1], chunk_size=32)  # 2 chunks: one segment of 2
     chunk_kda(*xs[:5], initial_state=torch.cat([xs[5][:1]] * 2), chunk_size=16,
               cu_seqlens=torch.tensor([0, 15, 40], device=DEV))
     assert len(scans) == 2
+    chunk_kda(*xs[:5], initial_state=xs[5][:1], chunk_size=16)  # 3 chunks: 3 // 2 = 1 segment, still one scan
+    assert len(scans) == 3
 
 
 def test_segment_tables():
@@ -104,24 +109,19 @@ def test_segment_tables():
     assert n == [2, 2, 4]
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
-def test_batch_parts_match_one_forward(parts, h0, monkeypatch, launch_spy):
-    """LAUNCH["streams"]["INFER_BATCH_PARTS"]: an inference forward's batch in parts, each on a stream of its own
-    on a GPU (triton_segments.run_parallel): the same output and final state as one forward, one intra launch per
-    part; a forward with gradients, varlen or the intermediate states asked for is not split."""
-    xs = _inputs(3, 70, 2, 4, 32, 32)
-    kw = {"output_final_state": True, "chunk_size": 32, "safe_gate": True, "lower_bound": -5.0}
-    h = xs[5] if h0 else None
-    ref = chunk_kda(*xs[:5], initial_state=h, **kw)
-    monkeypatch.setitem(fwd.LAUNCH["streams"], "INFER_BATCH_PARTS", parts)
-    intra = launch_spy(fwd, "_intra_sub_kernel")
-    out = chunk_kda(*xs[:5], initial_state=h, **kw)
-    assert len(intra) == parts
-    _same("o", ref[0], out[0])
-    _same("final state", ref[1], out[1])
-    intra.clear()
-    leaves = [x.detach().clone().requires_grad_() for x in xs[:5]]
-    chunk_kda(*leaves, initial_state=h, **kw)  # with gradients
-    chunk_kda(*xs[:5], initial_state=h, return_intermediate_states=True, **kw)
-    assert len(intra) == 2, "a forward with gradients or intermediate states was split"
+def test_scan_segments_rule(monkeypatch):
+    """NT // SEGMENT_CHUNKS segments (at least 2) when the scan runs fewer programs than SEGMENT_BELOW x the
+    multiprocessors of the device (132 here, as an H200's), padded layout only; 0 off with SEGMENT_CHUNKS 0."""
+    monkeypatch.setattr(fwd, "device_sms", lambda dev: 132)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 128)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 1)
+    dev = torch.device("cpu")
+    assert fwd.scan_segments(2, 256, 128, None, dev) == 2  # (2, 16384, 16, 128): 128 programs at V block 32
+    assert fwd.scan_segments(1, 1024, 64, None, dev) == 8  # (1, 65536, 16, 128)
+    assert fwd.scan_segments(1, 1024, 64, torch.tensor([0, 65536]), dev) == 0  # varlen
+    assert fwd.scan_segments(8, 64, 256, None, dev) == 0  # (8, 4096, 16, 128): too few chunks
+    assert fwd.scan_segments(1, 300, 132, None, dev) == 0  # as many programs as multiprocessors
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 2)
+    assert fwd.scan_segments(1, 300, 132, None, dev) == 2
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 0)
+    assert fwd.scan_segments(1, 1024, 64, None, dev) == 0

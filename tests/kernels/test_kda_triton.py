@@ -633,6 +633,36 @@ def test_scan_v_block_splits_when_few_sequences():
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
+
+def test_bwd_scan_launch():
+    """The reverse scan's V block (LAUNCH["bwd_scan"]["BV"] = 128, halved as the forward scans' are) and launch: a
+    block of 128 at 8 warps / 2 stages (WIDE_*), K <= 64 at SMALL_K_STAGES, K > 128 (two K halves) at most 64."""
+    from k3.kernels.kda import triton_chunk_bwd as B
+
+    wide = {"num_warps": B.LAUNCH["bwd_scan"]["WIDE_WARPS"], "num_stages": B.LAUNCH["bwd_scan"]["WIDE_STAGES"]}
+    assert B.bwd_scan_launch(128, 128, 128, 132) == (128, wide)  # (8, T, 16, 128): 128 programs
+    assert B.bwd_scan_launch(128, 128, 64, 132)[0] == 64  # (4, T, 16, 128): 128 programs at 64, not 256
+    assert B.bwd_scan_launch(128, 128, 32, 132) == (32, B._opts("bwd_scan"))  # (2, T, 16, 128), as before
+    small = B.bwd_scan_launch(64, 64, 512, 132)  # (16, T, 32, 64)
+    assert small == (64, {**B._opts("bwd_scan"), "num_stages": B.LAUNCH["bwd_scan"]["SMALL_K_STAGES"]})
+    assert B.bwd_scan_launch(256, 256, 1, 0) == (64, B._opts("bwd_scan"))  # K halves: 64 at most
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_chunk_gradients_with_the_wide_reverse_scan(dtype, monkeypatch, launch_spy):
+    """The reverse scan at V block 128, one program per sequence and head (8 warps, 2 stages; on a GPU the scans
+    halve their block for so few sequences, so the multiprocessor count is hidden here): gradients as the
+    recurrence's. fp32 tiles do not fit 2 stages on an H200: launch_fitting relaunches that one at 1 stage."""
+    from k3.kernels.kda import triton_chunk_bwd as B
+
+    monkeypatch.setattr(B, "device_sms", lambda dev: 0)
+    grids = launch_spy(B, "_bwd_scan_kernel")
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, 128, 128, dtype)
+    ref, out = grads_vs_naive(q, k, v, g, beta, h0)
+    assert grids and {tuple(x) for x in grids} == {(1, 1, 2)}, "one V block of 128"
+    for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
+        assert_close(name, r, x, ratio_for(dtype, ratio))
+
 QK_NORM_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens, K3_KDA_BWD)
     (2, 70, 1, 2, 32, 64, True, None, "triton"),  # GVA, a partial chunk, the whole intra walk
     (1, 45, 1, 1, 60, 32, False, None, "triton"),  # exact diagonal path, K padded (60 -> 64)
