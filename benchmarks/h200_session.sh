@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -603,6 +603,22 @@ s17f)
   timeout 120 python3 benchmarks/kda_grad_error.py --no-fla --shape 8,4096,16,128 > "$OUT/grad.log" 2>&1
   echo "grad error rc=$?"; grep "^|" "$OUT/grad.log"
   ;;
+s18)
+  # prepared in session 17 (CPU): the segments' scans on a high-priority stream (LAUNCH["scan"]["SEGMENT_PRIORITY"],
+  # off as shipped). Session 17 measured the segmented forward at (2,16384,16,128) at 1.575-1.586 ms in four runs and
+  # 1.646 (the unsegmented time) in one: scan s and w/u s + 1 become ready together, and if the w/u programs take the
+  # multiprocessors first the scan's wait for them to drain. First the KDA GPU tests (test_kda_segments.py runs the
+  # priority path), then three forward-only runs each way at the two long shapes, wall-clock, no fla. Prediction:
+  # without priority, some runs near 1.64 ms at (2,16384,16,128); with it, every run at 1.55-1.59
+  kda_gpu_tests
+  for rep in 1 2 3; do
+    for flags in "" "--set scan.SEGMENT_PRIORITY=True"; do
+      timeout 100 python3 benchmarks/kda.py --only 2,16384,16,128 1,65536,16,128 --no-decode --no-fla --fwd-only \
+        $flags > "$OUT/prio.log" 2>&1
+      echo "run $rep [$flags] rc=$?"; grep "^| (" "$OUT/prio.log"
+    done
+  done
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -653,6 +669,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18)" >&2; exit 2
   ;;
 esac

@@ -135,12 +135,14 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # multiprocessors. H200, fwd ms at 0 / 2 / 4 / 8 segments (kda.py --set scan.SEGMENTS, 2026-11-30, RESULTS.md
     # session 17, call 1): (2, 16384, 16, 128), 256 chunks, 128 programs: 1.629 / 1.575 / 1.581 / 1.591;
     # (1, 65536, 16, 128), 1,024 chunks, 64 programs: 3.949 / 3.904 / 3.782 / 3.727; 128 chunks a segment is the
-    # best of both rows
+    # best of both rows. Calls 3-4 measured 1.580 / 1.586 ms at (2, 16384, 16, 128), call 5 1.646 (the unsegmented
+    # time): SEGMENT_PRIORITY (off until timed) puts the scans on a high-priority stream (run_segments says why)
     # An inference forward's batch in 2 / 4 parts on streams of their own (INFER_BATCH_PARTS, session 16) lost: fwd
     # 1.486 -> 1.545 / 1.747 ms at (8, 4096, 16, 128), 1.374 -> 1.403 / 1.721 at (16, 2048, 32, 64) (session 17,
     # call 1): removed
     "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2,
-             "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1},
+             "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1,
+             "SEGMENT_PRIORITY": False},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
@@ -261,7 +263,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
         launch_fitting(_scan_kernel, grid, *scan_ptrs(h_in, h_out), segs[s][1], segs[s][2], T, NT,
                        HAS_H0=h0 is not None or s > 0, VARLEN=2, **scan_kw)
 
-    run_segments(P, dev, wu_segment, scan_segment)
+    run_segments(P, dev, wu_segment, scan_segment, priority=LAUNCH["scan"]["SEGMENT_PRIORITY"])
     return w, u, vnew, hbuf, ht, kg, qg
 
 

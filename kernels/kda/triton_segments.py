@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 _TABLES: dict[tuple, tuple] = {}
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
 def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
@@ -42,17 +42,24 @@ def segment_tables(B: int, T: int, BT: int, P: int, device: torch.device) -> tup
     return _TABLES[key]
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device=device)
-    return _SIDE[device]
+def _side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """A side stream of `device` kept for reuse, one per priority (lower numbers run first: -1 is high, 0 the
+    default of every stream)."""
+    key = (device, priority)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=device, priority=priority)
+    return _SIDE[key]
 
 
-def run_segments(P: int, device: torch.device, launch_wu, launch_scan) -> None:
+def run_segments(P: int, device: torch.device, launch_wu, launch_scan, priority: bool = False) -> None:
     """launch_wu(s) for s < P on a side stream, launch_scan(s) on the current stream once segment s's w/u is done:
     scan s overlaps w/u s + 1. Off CUDA (the interpreter) one after the other. The side stream starts after
     everything queued before (the solve that wrote M); the current stream's last scan waits for the side's last
-    w/u, so later work on it (and the caching allocator's reuse of these tensors) is ordered after both."""
+    w/u, so later work on it (and the caching allocator's reuse of these tensors) is ordered after both.
+    priority: the scans on a high-priority side stream instead (the current one waits for it at the end). Scan s
+    and w/u s + 1 become ready together, when w/u s ends; if the w/u programs take the multiprocessors first (two a
+    multiprocessor by registers), the scan's, each needing most of one, wait until they drain, and the overlap is
+    lost. The block scheduler dispatches a high-priority stream's pending programs first."""
     if device.type != "cuda":
         for s in range(P):
             launch_wu(s)
@@ -66,6 +73,12 @@ def run_segments(P: int, device: torch.device, launch_wu, launch_scan) -> None:
             launch_wu(s)
             done.append(torch.cuda.Event())
             done[-1].record(side)
-    for s in range(P):
-        main.wait_event(done[s])
-        launch_scan(s)
+    scans = _side_stream(device, -1) if priority else main
+    if priority:
+        scans.wait_stream(main)
+    with torch.cuda.stream(scans):
+        for s in range(P):
+            scans.wait_event(done[s])
+            launch_scan(s)
+    if priority:
+        main.wait_stream(scans)
