@@ -618,6 +618,10 @@ s18)
       echo "run $rep [$flags] rc=$?"; grep "^| (" "$OUT/prio.log"
     done
   done
+  # then decode with the in-place anchor (PyTorch's pool.mul_ on a pool of the same size): whether the 0.90-of-copy
+  # goal at B = 256 (141.2 us) is within reach of an in-place update at all. Prediction: the anchor at 135-145 us
+  timeout 120 python3 benchmarks/kda.py --decode-only > "$OUT/decode.log" 2>&1
+  echo "decode rc=$?"; grep "^|\|^(" "$OUT/decode.log"
   ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
