@@ -84,7 +84,6 @@ def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypat
         _same(f"gradient {i}", a, b)
 
 
-
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_segments_on_a_high_priority_stream(mode, monkeypatch, launch_spy):
     """LAUNCH["scan"]["SEGMENT_PRIORITY"]: the segments' scans on a high-priority side stream (a GPU's scheduling
@@ -98,6 +97,7 @@ def test_segments_on_a_high_priority_stream(mode, monkeypatch, launch_spy):
     _same("final state", ref[1], out[1])
     for i, (a, b) in enumerate(zip(ref[2] or (), out[2] or (), strict=True)):
         _same(f"gradient {i}", a, b)
+
 
 def test_segments_fall_back_to_one_scan(monkeypatch, launch_spy):
     """Varlen inputs, and sequences with fewer than two segments' chunks, run one w/u launch and one scan."""

@@ -633,7 +633,6 @@ def test_scan_v_block_splits_when_few_sequences():
     assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
-
 def test_bwd_scan_launch():
     """The reverse scan's V block (LAUNCH["bwd_scan"]["BV"] = 128, halved as the forward scans' are) and launch: a
     block of 128 at 8 warps / 2 stages (WIDE_*), K <= 64 at SMALL_K_STAGES, K > 128 (two K halves) at most 64."""
