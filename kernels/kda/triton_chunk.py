@@ -246,7 +246,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 
     scan_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": BK, "BV": BVs, "BT": BT, "STORE_HT": True, "OUTPUT": fused,
                "STORE_STATES": states, "PREC": prec, **scan_opts(states, BK)}
-    P = scan_segments(N, NT, grid[0] * N * HV, cu_seqlens, dev)
+    P = scan_segments(NT, grid[0] * N * HV, cu_seqlens, dev)
     if not P:
         _wu_kernel[(NT_all, HV)](*wu_ptrs, chunk_indices, cu, float(scale), T, NT, VARLEN=varlen, **wu_kw)
         launch_fitting(_scan_kernel, grid, *scan_ptrs(h0c, ht), cu, chunk_offsets, T, NT, HAS_H0=h0 is not None,
@@ -267,10 +267,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     return w, u, vnew, hbuf, ht, kg, qg
 
 
-def scan_segments(N: int, NT: int, programs: int, cu_seqlens, dev: torch.device) -> int:
+def scan_segments(NT: int, programs: int, cu_seqlens, dev: torch.device) -> int:
     """The number of time segments P for chunk_fwd_states (triton_segments.py: the w/u kernel of segment s + 1
     overlaps the scan of segment s): NT // LAUNCH["scan"]["SEGMENT_CHUNKS"] when that is at least 2, the layout is
-    padded (NT chunks in each of the N sequences) and the scan is chain-bound: fewer scan programs than
+    padded (NT chunks in each sequence) and the scan is chain-bound: fewer scan programs than
     SEGMENT_BELOW x the GPU's multiprocessors (always, off a GPU: the interpreter tests); else 0 (one w/u launch,
     then one scan)."""
     per = LAUNCH["scan"]["SEGMENT_CHUNKS"]

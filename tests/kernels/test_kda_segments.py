@@ -131,12 +131,12 @@ def test_scan_segments_rule(monkeypatch):
     monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 128)
     monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 1)
     dev = torch.device("cpu")
-    assert fwd.scan_segments(2, 256, 128, None, dev) == 2  # (2, 16384, 16, 128): 128 programs at V block 32
-    assert fwd.scan_segments(1, 1024, 64, None, dev) == 8  # (1, 65536, 16, 128)
-    assert fwd.scan_segments(1, 1024, 64, torch.tensor([0, 65536]), dev) == 0  # varlen
-    assert fwd.scan_segments(8, 64, 256, None, dev) == 0  # (8, 4096, 16, 128): too few chunks
-    assert fwd.scan_segments(1, 300, 132, None, dev) == 0  # as many programs as multiprocessors
+    assert fwd.scan_segments(256, 128, None, dev) == 2  # (2, 16384, 16, 128): 128 programs at V block 32
+    assert fwd.scan_segments(1024, 64, None, dev) == 8  # (1, 65536, 16, 128)
+    assert fwd.scan_segments(1024, 64, torch.tensor([0, 65536]), dev) == 0  # varlen
+    assert fwd.scan_segments(64, 256, None, dev) == 0  # (8, 4096, 16, 128): too few chunks
+    assert fwd.scan_segments(300, 132, None, dev) == 0  # as many programs as multiprocessors
     monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 2)
-    assert fwd.scan_segments(1, 300, 132, None, dev) == 2
+    assert fwd.scan_segments(300, 132, None, dev) == 2
     monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 0)
-    assert fwd.scan_segments(1, 1024, 64, None, dev) == 0
+    assert fwd.scan_segments(1024, 64, None, dev) == 0
