@@ -136,13 +136,15 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # session 17, call 1): (2, 16384, 16, 128), 256 chunks, 128 programs: 1.629 / 1.575 / 1.581 / 1.591;
     # (1, 65536, 16, 128), 1,024 chunks, 64 programs: 3.949 / 3.904 / 3.782 / 3.727; 128 chunks a segment is the
     # best of both rows. Calls 3-4 measured 1.580 / 1.586 ms at (2, 16384, 16, 128), call 5 1.646 (the unsegmented
-    # time): SEGMENT_PRIORITY (off until timed) puts the scans on a high-priority stream (run_segments says why)
+    # time). SEGMENT_PRIORITY puts the scans on a high-priority stream (run_segments says why). H200, fwd ms in three
+    # runs each, without / with (session 18, call 1): (2, 16384, 16, 128) 1.584 1.585 1.591 / 1.583 1.584 1.583;
+    # (1, 65536, 16, 128) 3.745 3.750 3.778 / 3.705 3.703 3.701: every run with it at or below the best without
     # An inference forward's batch in 2 / 4 parts on streams of their own (INFER_BATCH_PARTS, session 16) lost: fwd
     # 1.486 -> 1.545 / 1.747 ms at (8, 4096, 16, 128), 1.374 -> 1.403 / 1.721 at (16, 2048, 32, 64) (session 17,
     # call 1): removed
     "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2,
              "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1,
-             "SEGMENT_PRIORITY": False},
+             "SEGMENT_PRIORITY": True},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 

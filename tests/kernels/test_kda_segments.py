@@ -84,13 +84,14 @@ def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypat
         _same(f"gradient {i}", a, b)
 
 
+@pytest.mark.parametrize("priority", [True, False])
 @pytest.mark.parametrize("mode", ["inference", "training"])
-def test_segments_on_a_high_priority_stream(mode, monkeypatch, launch_spy):
-    """LAUNCH["scan"]["SEGMENT_PRIORITY"]: the segments' scans on a high-priority side stream (a GPU's scheduling
-    only; the interpreter runs the same order): the same results as one scan."""
+def test_segments_with_and_without_a_high_priority_stream(mode, priority, monkeypatch, launch_spy):
+    """LAUNCH["scan"]["SEGMENT_PRIORITY"] (on as shipped): the segments' scans on a high-priority side stream, or on
+    the current stream (a GPU's scheduling only; the interpreter runs the same order): the same results as one scan."""
     xs = _inputs(2, 200, 1, 2, 32, 32)
     ref = _run(monkeypatch, launch_spy, xs, 0, BT=32, h0=True, mode=mode)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_PRIORITY", True)
+    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_PRIORITY", priority)
     out = _run(monkeypatch, launch_spy, xs, 2, BT=32, h0=True, mode=mode)
     assert out[3:] == (3, 3), "segment launches"
     _same("o", ref[0], out[0])
