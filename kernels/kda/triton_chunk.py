@@ -202,7 +202,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
 
-    k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] fp32; Gam: [T_all, HV, K] fp32 (log2 units);
+    k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] (any float dtype); Gam: [T_all, HV, K] fp32 (log2 units);
     Mm: [T_all, HV, BT] = (I + L)^-1 per chunk, in the input dtype (the dtype of w, u, v_new); h0: [N, HV, K, V] fp32
     or None. Returns (w [T_all, HV, K], u [T_all, HV, V], vnew [T_all, HV, V] in Mm.dtype, hbuf [NT_all, HV, K, V]
     = state entering each chunk, fp32 if h_fp32 else Mm.dtype, ht [N, HV, K, V] fp32, kg = k e^(Gamma_last - Gamma)
@@ -303,10 +303,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     [T_all, HV, BT], and Lkk None (the solve applies beta to Akk's rows itself); without, Lkk = diag(beta) Akk and
     Akk None. Of either, only the blocks j <= i of each chunk are written. cu_host: cu_seqlens as host ints, or
     None (chunk_layout).
-    g_check: (floor, message) or None: the intra kernel also stores each sub-chunk's minimum of g (gmin, fp32
-    [NT_all * NC, HV], returned), and torch._assert_async fails with `message` unless every g >= floor (on a GPU at
-    the next synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us
-    at (8, 4096, 16, 128) on the H200).
+    g_check: (floor, message) or None: the intra kernel also clears a flag (g_ok, int32 [1], returned) where some
+    g < floor, and torch._assert_async fails with `message` unless the flag is still set (on a GPU at the next
+    synchronisation): the safe gate's bound check without a pass of its own over g (a g.amin() took 69 us at
+    (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
     (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
@@ -345,12 +345,13 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
                  "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
-        gmin = r["gmin"] = torch.empty(NT_all * NC, HV, dtype=f32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, gmin, qg if qg is not None else Lkk,
-                                             chunk_indices, cu, float(scale), shift, T, NT, **intra,
+        g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
+        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg if qg is not None else Lkk,
+                                             chunk_indices, cu, float(scale), shift,
+                                             float(g_check[0]) if g_check else 0.0, T, NT, **intra,
                                              **intra_opts(BK))
         if g_check:
-            torch._assert_async(gmin.amin() >= g_check[0], g_check[1])
+            torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
                                     BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
@@ -497,11 +498,13 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_sta
     HV = v.shape[2]
     # in-kernel steps before the core: q/k L2 norm inside _ChunkKDATriton (one Triton pass each, fp32 inside, stored
     # in their dtype; its backward fused into the backward intra kernel where it can be); the gate as one Triton
-    # pass (fp32 out, autograd-capable); the beta sigmoid as a PyTorch op; g and beta fp32
+    # pass (fp32 out, autograd-capable); the beta sigmoid as a PyTorch op; g fp32. beta as given (the kernels load
+    # it in fp32; its gradient comes back in its dtype): a bf16 beta's cast to fp32 and its gradient's cast back were
+    # two ~3-5 us launches of each fwd+bwd
     if use_gate_in_kernel:  # one Triton pass each way (triton_gate.py; twins: gate.py)
         g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
     g = g.float()
-    beta = torch.sigmoid(beta.float()) if use_beta_sigmoid_in_kernel else beta.float()
+    beta = torch.sigmoid(beta.float()) if use_beta_sigmoid_in_kernel else beta
     safe_shift = g_check = None
     if safe_gate:
         floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound

@@ -383,7 +383,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     if EARLY < 2:
         b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
     b_db += tl.sum(b_dL * b_Akk, axis=1)
-    tl.store(db + (start + o_t) * HV + i_hv, b_db, mask=m_t)
+    tl.store(db + (start + o_t) * HV + i_hv, b_db.to(db.dtype.element_ty), mask=m_t)
     tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])
     tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
 
@@ -402,7 +402,7 @@ def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
                      cu_host=None, states=None, rstd=None):
     """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
-    q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] fp32; h0: [N, HV, K, V] fp32 or None;
+    q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] (any float dtype); h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. states: the forward's
     (w, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
@@ -411,7 +411,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     and dk are then the gradients of its inputs, through the backward intra kernel's NORM epilogue when one of its K
     blocks holds a head (K <= 64 as launched) and q / k heads are not shared (HV = H), else l2norm_bwd_from_y.
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
-    dbeta [B, T, HV] fp32, dh0 [N, HV, K, V] fp32 or None)."""
+    dbeta [B, T, HV] in beta's dtype, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -457,7 +457,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
     dg = torch.empty(T_all, HV, K, dtype=f32, device=dev)
-    db = torch.empty(T_all, HV, dtype=f32, device=dev)
+    db = torch.empty(T_all, HV, dtype=beta.dtype, device=dev)  # stored by the inter kernel in beta's dtype
     if NT_all == 0 or HV == 0:
         dh0.copy_(dht)
         for t in (dq, dk, dv, dg, db):

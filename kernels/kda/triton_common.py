@@ -169,7 +169,7 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_seqlens, scale, shift, T, NT,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
                       CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
@@ -186,16 +186,16 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     diagonal block by `_diag_block`. Each program reads every earlier sub-chunk's g once: 716 us per fwd+bwd at
     (8, 4096, 16, 128) on the H200 against 844 for the former form, which first summed the earlier sub-chunks' g
     into the carry, then read them again (2 warps, kda_tune.py, 2026-11-30).
-    CHECK_G: also store the minimum of the sub-chunk's g into gmin [grid 0, HV] (0 for a sub-chunk past the end), for
-    the safe gate's bound check, which then costs no pass of its own over g.
+    CHECK_G: the safe gate's bound check, which then costs no pass of its own over g: a program whose rows hold a g
+    below g_floor stores 0 into the flag g_ok (int32 [1], 1 before the launch; every such program stores the same
+    value, so the race is harmless). Before, each program stored its rows' minimum and a torch amin reduced them:
+    that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # past the end of a partial chunk: no rows
-        if CHECK_G:
-            tl.store(gmin + tl.program_id(0) * HV + i_hv, 0.0)
         return
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
@@ -208,7 +208,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, gmin, qg, chunk_indices, cu_
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
     b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
     if CHECK_G:  # masked entries read 0, above any lower bound
-        tl.store(gmin + tl.program_id(0) * HV + i_hv, tl.min(tl.min(b_gi, axis=1), axis=0))
+        tl.store(g_ok, tl.full([], 0, tl.int32), mask=tl.min(tl.min(b_gi, axis=1), axis=0) < g_floor)
     # Gamma relative to the anchor n (the sub-chunk's first row, exactly zero there), so the anchor's own Gamma
     # drops out of every exponent below; absolute Gamma is stored once the walk below has the carry
     # g of the anchor row [BK], loaded again (a cache hit) rather than picked out of b_gi by a reduction over rows.

@@ -28,8 +28,9 @@ from k3.kernels.kda import triton_chunk_bwd as B
 from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
-SCALARS = {"scale": "fp32", "shift": "fp32", "lower_bound": "fp32", "T": "i32", "NT": "i32", "T_all": "i32"}
-INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
+           "NT": "i32", "T_all": "i32"}
+INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
     sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
