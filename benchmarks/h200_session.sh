@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -623,6 +623,25 @@ s18)
   timeout 120 python3 benchmarks/kda.py --decode-only > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep "^|\|^(" "$OUT/decode.log"
   ;;
+s18b)
+  # session 18, call 2: q's L2-norm backward inside the backward intra kernel at K = 128 (LAUNCH["bwd_intra"]
+  # ["Q_NORM_OUT"], its row sum from the output: sum(dq q) = sum(do o)), so only k's keeps the norm's own pass; and
+  # the safe-gate check as a flag (no amin), beta in bf16 (no casts). First the KDA GPU tests, then the gradients'
+  # error against float64 with it on / off (and fla's), then kda_tune.py --defaults on / off at (8, 4096, 16, 128),
+  # then issue 4's rows at (8, 4096, 16, 128) and (16, 2048, 32, 64) (k3 and fla in one process). Prediction: bwd
+  # intra +20 to +60 us, the norm pass -95 us, torch ops -10 to -20 more; fwd+bwd 4.995 -> 4.90-4.95 ms at the first
+  # shape, 4.568 -> 4.55 at the fourth; dq's error within 10% of the pass's
+  kda_gpu_tests
+  timeout 150 python3 benchmarks/kda_grad_error.py --shape 1,4096,16,128 --set bwd_intra.Q_NORM_OUT=False \
+    > "$OUT/grad.log" 2>&1
+  echo "grad error rc=$?"; grep "^|" "$OUT/grad.log"
+  for flags in "" "--set bwd_intra.Q_NORM_OUT=False"; do
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape 8,4096,16,128 $flags > "$OUT/t.log" 2>&1
+    echo "kda_tune [$flags] rc=$?"; grep -E "^\| _|^\| torch|^\| total|^# torch ops" "$OUT/t.log" | cut -c1-400
+  done
+  timeout 200 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -673,6 +692,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b)" >&2; exit 2
   ;;
 esac

@@ -201,9 +201,11 @@ def main() -> None:
                               ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
-           {**{k: v for k, v in bwd.items() if k != "V"}, "BK": bki, "BC": 16, "NC": BT // 16, "SAFE": True,
-            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm}, intra_bwd_opts, {})
-          for name, norm in (("", False), ("; the q / k L2 norm's backward in it", True)) if bki >= K or not norm],
+           {**bwd, "BK": bki, "BV": triton.next_power_of_2(V), "BC": 16, "NC": BT // 16, "SAFE": True,
+            "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm, "Q_NORM_OUT": q_out}, intra_bwd_opts, {})
+          for name, norm, q_out in (("", False, False), ("; the q / k L2 norm's backward in it", True, False),
+                                    ("; q's L2-norm backward in it, from the output", False, True))
+          if (bki >= K or not norm) and (bki < K or not q_out)],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")
     print("| kernel | num_warps | registers | spill stores B | spill loads B |")

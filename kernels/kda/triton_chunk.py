@@ -404,8 +404,12 @@ class _ChunkKDATriton(torch.autograd.Function):
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
                                keep_states=ctx.bwd == "triton" and keep_states())
         if ctx.bwd == "triton":
+            from .triton_chunk_bwd import q_norm_from_output  # here: that module imports this one
+
+            # the output too where the backward's intra kernel takes q's norm backward from it
+            ctx.o_saved = bool(norm) and q_norm_from_output(q.shape[2], v.shape[2], q.shape[3])
             ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *norm,
-                                  *(r["states"] or ()))
+                                  *((r["o"],) if ctx.o_saved else ()), *(r["states"] or ()))
             ctx.g_dtype = g.dtype
         elif ctx.bwd == "torch":
             ctx.save_for_backward(q, k, v, g, beta, h0, *norm)
@@ -424,11 +428,12 @@ class _ChunkKDATriton(torch.autograd.Function):
             from .triton_chunk_bwd import chunk_bwd_triton  # imported here: that module imports this one
 
             q, k, v, beta, h0, Gam, Aqk, Akk, Mm, *rest = ctx.saved_tensors
-            norm, states = (rest[:2], rest[2:]) if cfg["l2norm"] else (None, rest)
+            norm, rest = (rest[:2], rest[2:]) if cfg["l2norm"] else (None, rest)
+            o, states = (rest[0], rest[1:]) if ctx.o_saved else (None, rest)
             grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
                                      safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
                                      cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], states=states or None,
-                                     rstd=norm)
+                                     rstd=norm, o=o)
             dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
             out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
             return (*out, None)

@@ -124,7 +124,11 @@ LAUNCH: dict[str, dict[str, int]] = {
     # their parts' column sums behind ready flags) lost: inter 1,342 -> 1,636 us, intra 1,434 -> 1,818 against the
     # 135 us pass at (8, 4096, 16, 128); 1,196 -> 1,351 and 1,530 -> 1,963 at (16, 2048, 32, 64); fwd+bwd 5.58 / 5.05
     # ms against 5.12 / 4.65 (session 17, call 2): removed
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32"},
+    # Q_NORM_OUT: where the norm's backward cannot run in this kernel (K > its K block), q's runs in it all the same
+    # (its row sum from the output: _bwd_intra_rows), and only k's keeps the pass of its own (l2norm_bwd_from_y),
+    # which at (8, 4096, 16, 128) takes ~190 us for both (H200, kda_tune.py's torch ops, session 17). ptxas (sm_90a,
+    # K = 128): 255 registers either way, spills 24 -> 32 bytes a thread
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": True},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -133,6 +137,13 @@ LAUNCH: dict[str, dict[str, int]] = {
 
 def _opts(name: str) -> dict[str, int]:
     return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+
+
+def q_norm_from_output(H: int, HV: int, K: int) -> bool:
+    """Whether the backward intra kernel takes q's L2-norm backward from the forward's output (Q_NORM_OUT): on, with
+    q / k heads not shared, where its K block does not hold a head (else the whole norm runs there, NORM)."""
+    BK = max(16, triton.next_power_of_2(K))
+    return bool(LAUNCH["bwd_intra"]["Q_NORM_OUT"]) and H == HV and intra_launch(BK)[0] < K
 
 
 def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
@@ -400,7 +411,7 @@ def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
 
 
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
-                     cu_host=None, states=None, rstd=None):
+                     cu_host=None, states=None, rstd=None, o=None):
     """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] (any float dtype); h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
@@ -409,7 +420,9 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
     rstd: None, or (rq, rk) [B T H] fp32 when q and k are the outputs of the L2 norm (triton_l2norm.l2norm_fwd): dq
     and dk are then the gradients of its inputs, through the backward intra kernel's NORM epilogue when one of its K
-    blocks holds a head (K <= 64 as launched) and q / k heads are not shared (HV = H), else l2norm_bwd_from_y.
+    blocks holds a head (K <= 64 as launched) and q / k heads are not shared (HV = H), else l2norm_bwd_from_y; but
+    with the forward's output `o` [B, T, HV, V] and LAUNCH["bwd_intra"]["Q_NORM_OUT"], q's in the intra kernel
+    whatever its K block (heads not shared).
     Returns (dq, dk [B, T, H, K] in q.dtype, dv [B, T, HV, V] in v.dtype, dg [B, T, HV, K] fp32,
     dbeta [B, T, HV] in beta's dtype, dh0 [N, HV, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -453,6 +466,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     G = HV // H  # GVA: a q/k head's gradient sums over the value heads that share it
     BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
     norm_fused = rstd is not None and G == 1 and BKi >= K  # the L2 norm's backward in the intra kernel
+    q_norm_out = rstd is not None and o is not None and q_norm_from_output(H, HV, K)  # q's alone there
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
@@ -478,9 +492,11 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
-                 "NORM": norm_fused, **opts}
-        rq, rk = rstd if norm_fused else (dq, dk)  # unused placeholders without NORM
-        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, chunk_indices, cu, float(scale), shift, T, NT)
+                 "NORM": norm_fused, "Q_NORM_OUT": q_norm_out, "V": V, "BV": triton.next_power_of_2(V), **opts}
+        rq, rk = rstd if norm_fused or q_norm_out else (dq, dk)  # unused placeholders without NORM
+        oo = o.contiguous() if q_norm_out else dq  # (placeholders)
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, oo, do if q_norm_out else dq, chunk_indices,
+                cu, float(scale), shift, T, NT)
         _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
@@ -490,6 +506,8 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     else:
         dq, dk = dq.view(B, T, H, G, K).sum(3).to(dt), dk.view(B, T, H, G, K).sum(3).to(dt)
     if rstd is not None and not (norm_fused and NT_all):
-        dq, dk = l2norm_bwd_from_y(q.view(dq.shape), rstd[0], dq), l2norm_bwd_from_y(k.view(dk.shape), rstd[1], dk)
+        if not (q_norm_out and NT_all):
+            dq = l2norm_bwd_from_y(q.view(dq.shape), rstd[0], dq)
+        dk = l2norm_bwd_from_y(k.view(dk.shape), rstd[1], dk)
     return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),
             dh0 if h0 is not None else None)

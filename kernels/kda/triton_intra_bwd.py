@@ -12,10 +12,11 @@ from .triton_common import _chunk_bounds, _dot
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, chunk_indices, cu_seqlens,
-                      scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr,
-                      VARLEN: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, o, do, chunk_indices,
+                      cu_seqlens, scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      NC: tl.constexpr, SAFE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                      OFF: tl.constexpr, NORM: tl.constexpr, Q_NORM_OUT: tl.constexpr):
     # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
     # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
     # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row
@@ -27,18 +28,23 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
-    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i,
-                                       i_kb, i_hv, scale, shift, H, HV, K, BK, BT, BC, SAFE, PREC, OFF, NORM)
+    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, start,
+                                       n_valid, i_i, i_kb, i_hv, scale, shift, H, HV, K, V, BK, BV, BT, BC, SAFE,
+                                       PREC, OFF, NORM, Q_NORM_OUT)
     tl.store(dG_out + p_ik, b_dG, mask=m_ik)
 
 
 @triton.jit
-def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, start, n_valid, i_i, i_kb, i_hv, scale,
-                    shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr):
+def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, start, n_valid, i_i, i_kb, i_hv,
+                    scale, shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
+                    PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr, Q_NORM_OUT: tl.constexpr):
     """The backward intra step for the BC rows of sub-chunk i_i (which must start before the chunk's n_valid rows
     end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
-    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block); returns dGamma
+    input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block. Q_NORM_OUT: q's alone,
+    with any K block, its row sum from the output: o_t = scale S_t^T q_t is linear in the normalized q_t (S_t
+    depends on k, v, g, beta only), so sum(dq_t q_t) = sum(do_t o_t), from o, do [T_all, HV, V] (BV = next_pow2(V)),
+    where the K blocks' partial sums would need each other; k stays the caller's pass); returns dGamma
     [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
     [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
@@ -50,6 +56,12 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
     m_ik = m_i[:, None] & m_k[None, :]
     p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
+    if Q_NORM_OUT:  # sum(do o) of these rows [BC], loaded first: nothing else waits on it
+        o_v = tl.arange(0, BV)
+        m_iv = m_i[:, None] & (o_v < V)[None, :]
+        p_iv = ((start + r_i[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_s = tl.sum(tl.load(o + p_iv, mask=m_iv, other=0.0).to(tl.float32)
+                     * tl.load(do + p_iv, mask=m_iv, other=0.0).to(tl.float32), axis=1)
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
     b_G = tl.load(Gam + p_ik, mask=m_ik, other=0.0)
@@ -131,6 +143,9 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, s
             b_dq - b_yq * tl.sum(b_dq * b_yq, axis=1)[:, None])
         b_dk = tl.load(rk + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
             b_dk - b_k * tl.sum(b_dk * b_k, axis=1)[:, None])
+    elif Q_NORM_OUT:
+        b_dq = tl.load(rq + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None] * (
+            b_dq - b_q * (1.0 / scale) * b_s[:, None])
     tl.store(dq_out + p_ik, b_dq.to(dq_out.dtype.element_ty), mask=m_ik)
     tl.store(dk_out + p_ik, b_dk.to(dk_out.dtype.element_ty), mask=m_ik)
     # Gamma_i enters with + (rows: query side of q and k), Gamma_j with - (columns: key side)

@@ -688,17 +688,20 @@ def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, 
 
 
 @pytest.mark.parametrize("D", [32, 60], ids=["K32", "K60"])
-@pytest.mark.parametrize("intra_bk", [64, 16], ids=["fused", "k-blocks"])
+@pytest.mark.parametrize("intra_bk,q_out", [(64, False), (16, False), (16, True)],
+                         ids=["fused", "k-blocks", "k-blocks-q-from-output"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, D, varlen, monkeypatch, launch_spy):
+def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, q_out, D, varlen, monkeypatch, launch_spy):
     """The L2 norm's backward runs as the backward intra kernel's epilogue (NORM) when one of its K blocks holds the
     head and q / k heads are not shared; with the head in K blocks (K block 16 at K = 32 and 60, the last block
-    partial at 60) it runs its own pass, from the normalized q, k the Function keeps. Both: gradients of the raw q,
-    k as the recurrence's (a partial chunk; varlen with an empty sequence)."""
+    partial at 60) it runs its own pass, from the normalized q, k the Function keeps, or with Q_NORM_OUT q's runs in
+    the intra kernel all the same (its row sum from the output and its gradient) and k's alone in the pass. All:
+    gradients of the raw q, k as the recurrence's (a partial chunk; varlen with an empty sequence)."""
     from k3.kernels.kda import triton_chunk_bwd, triton_l2norm
 
     monkeypatch.setenv("K3_KDA_BWD", "triton")
     monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "BK", intra_bk)
+    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "Q_NORM_OUT", q_out)
     fwd_grids = launch_spy(triton_l2norm, "_l2norm_fwd_kernel")
     bwd_grids = launch_spy(triton_l2norm, "_l2norm_bwd_kernel")
     cu = [0, 20, 20, 45] if varlen else None
@@ -707,7 +710,7 @@ def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, D, varlen, monke
     ref, out = grads_vs_naive(q, k, v, g.clamp_min(-5.0), beta, h0, cu=cu, qk_norm=True)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, VARLEN_RATIOS if varlen else GRAD_RATIOS, strict=True):
         assert_close(name, r, x, ratio)
-    assert len(fwd_grids) == 2 and len(bwd_grids) == (2 if intra_bk < D else 0)
+    assert len(fwd_grids) == 2 and len(bwd_grids) == (0 if intra_bk >= D else 1 if q_out else 2)
 
 
 @pytest.mark.parametrize("D", [32, 60], ids=["K32", "K60"])
