@@ -643,8 +643,9 @@ s18b)
   echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
   ;;
 s18c)
-  # session 18, call 3: q's norm row sums taken by the inter kernel with its do tiles (Q_NORM_OUT 2, as the code
-  # now ships) against the intra kernel loading o and do (1: call 2's +75 us in that kernel). The KDA GPU tests, the
+  # session 18, call 3 (at commit 4ff5f05; Q_NORM_OUT 2 lost and was removed, so run it there): q's norm row sums
+  # taken by the inter kernel with its do tiles (Q_NORM_OUT 2) against the intra kernel loading o and do (1: call
+  # 2's +75 us in that kernel). The KDA GPU tests, the
   # gradients' error against float64 at 2 and 1, kda_tune.py --defaults at (8, 4096, 16, 128) at 2 and 1, then issue
   # 4's whole table (four shapes and decode, k3 and fla in one process) at the lower of the two totals. Prediction:
   # inter kernel +15 to +40 us, intra back to ~1,430; total 4,947 -> 4,900-4,930 us

@@ -195,18 +195,16 @@ def main() -> None:
          bwd_opts, {}),
         *[(f"bwd inter ({B._prec('bwd_inter', torch.bfloat16)}{name})", B._bwd_inter_kernel,
            {**{k: v for k, v in bwd.items() if k != "BK"}, "BKB": min(BK, B.LAUNCH["bwd_inter"]["BK"]),
-            "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early,
-            "Q_SUM": q_sum}, B._opts("bwd_inter"), {})
-          for name, early, q_sum in (("; EARLY 0", 0, False), ("; EARLY 1: key-side tiles before the V loop", 1, False),
-                                     ("; EARLY 2: also v and Akk sooner", 2, False),
-                                     ("; EARLY 2, q's norm row sums (Q_SUM)", 2, True))],
+            "BV": B._bv("bwd_inter", V), "PREC": B._prec("bwd_inter", torch.bfloat16), "EARLY": early},
+           B._opts("bwd_inter"), {})
+          for name, early in (("; EARLY 0", 0), ("; EARLY 1: key-side tiles before the V loop", 1),
+                              ("; EARLY 2: also v and Akk sooner", 2))],
         *[(f"bwd intra (K block {bki}, off-diagonal {B._prec('bwd_intra', torch.bfloat16)}{name})",
            B._bwd_intra_kernel,
            {**bwd, "BK": bki, "BV": triton.next_power_of_2(V), "BC": 16, "NC": BT // 16, "SAFE": True,
             "OFF": B._prec("bwd_intra", torch.bfloat16), "NORM": norm, "Q_NORM_OUT": q_out}, intra_bwd_opts, {})
-          for name, norm, q_out in (("", False, 0), ("; the q / k L2 norm's backward in it", True, 0),
-                                    ("; q's L2-norm backward in it, sums from o, do", False, 1),
-                                    ("; q's L2-norm backward in it, sums from the inter kernel", False, 2))
+          for name, norm, q_out in (("", False, False), ("; the q / k L2 norm's backward in it", True, False),
+                                    ("; q's L2-norm backward in it, from the output", False, True))
           if (bki >= K or not norm) and (bki < K or not q_out)],
     ]
     print(f"# Triton {triton.__version__}, sm_90a, K={K}, V={V}, BT={BT}, bf16 inputs; bytes per thread")

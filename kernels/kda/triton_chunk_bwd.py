@@ -124,14 +124,15 @@ LAUNCH: dict[str, dict[str, int]] = {
     # their parts' column sums behind ready flags) lost: inter 1,342 -> 1,636 us, intra 1,434 -> 1,818 against the
     # 135 us pass at (8, 4096, 16, 128); 1,196 -> 1,351 and 1,530 -> 1,963 at (16, 2048, 32, 64); fwd+bwd 5.58 / 5.05
     # ms against 5.12 / 4.65 (session 17, call 2): removed
-    # Q_NORM_OUT (0 off): where the norm's backward cannot run in this kernel (K > its K block), q's runs in it all
-    # the same (its row sum from the output: _bwd_intra_rows), and only k's keeps the pass of its own
-    # (l2norm_bwd_from_y), which at (8, 4096, 16, 128) takes ~190 us for both (H200, kda_tune.py's torch ops,
-    # session 17). 1: this kernel loads o and do for the row sums; H200, us per fwd+bwd at (8, 4096, 16, 128)
-    # (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 2), off / 1: this kernel 1,429 / 1,504, torch
+    # Q_NORM_OUT: where the norm's backward cannot run in this kernel (K > its K block), q's runs in it all the same
+    # (its row sums from the output and its gradient, loaded here: _bwd_intra_rows), and only k's keeps the pass of
+    # its own (l2norm_bwd_from_y), which at (8, 4096, 16, 128) takes ~190 us for both. H200, us per fwd+bwd there
+    # (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 2), off / on: this kernel 1,429 / 1,504, torch
     # ops 327 / 233, total 4,972 / 4,947; dq's error against float64 3.64e-3 / 3.24e-3 (fla-core 0.6.0: 3.24e-3).
-    # 2: the inter kernel takes the sums with its do tiles (its Q_SUM) and this kernel loads them
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": 2},
+    # ptxas (sm_90a, K = 128): 255 registers either way, spills 24 -> 32 bytes a thread. The row sums taken by the
+    # inter kernel with its do tiles instead (call 3) spilled there (124 -> 176 bytes) and lost: inter 1,349 -> 1,516
+    # us, this kernel 1,510 -> 1,464, total 4,969 -> 5,092: removed
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": True},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
@@ -146,7 +147,7 @@ def q_norm_from_output(H: int, HV: int, K: int) -> bool:
     """Whether the backward intra kernel takes q's L2-norm backward from the forward's output (Q_NORM_OUT): on, with
     q / k heads not shared, where its K block does not hold a head (else the whole norm runs there, NORM)."""
     BK = max(16, triton.next_power_of_2(K))
-    return LAUNCH["bwd_intra"]["Q_NORM_OUT"] in (1, 2) and H == HV and intra_launch(BK)[0] < K
+    return bool(LAUNCH["bwd_intra"]["Q_NORM_OUT"]) and H == HV and intra_launch(BK)[0] < K
 
 
 def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
@@ -307,10 +308,10 @@ def _bwd_scan_step(b_dh, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, o_k
 
 
 @triton.jit
-def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db, o, sq,
+def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs, dkk, dG, db,
                       chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr, EARLY: tl.constexpr, Q_SUM: tl.constexpr):
+                      PREC: tl.constexpr, EARLY: tl.constexpr):
     """Runtime loops over K blocks of BKB (outer) and V blocks of BV (inner). The per-key accumulators (dqg, dkg,
     dkb) then live as [BT, BKB] tiles: with BKB = 64 at K = 128 half the registers of one [BT, K] pass, at the cost
     of re-reading the V-side tiles once per K block. The V-side results (dv, dAqk, d(beta) from v, dL = -dvb v_new^T:
@@ -319,8 +320,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     their latency overlaps other work instead of adding to it, at the cost of registers live longer: >= 1, a K
     block's key-side tiles (Gamma, k, q) before its V loop rather than after it; 2, also v with the V loop's other
     tiles and Akk before the K loop (ptxas, sm_90a, 8 warps, bytes spilled a thread at K = 64 / 128: 0 / 0 at 0,
-    0 / 76 at 1, 12 / 124 at 2). Q_SUM: also sq = sum(do o) per row [T_all, HV] fp32 from the forward's output o,
-    with do's tiles of the first K pass (the intra kernel's Q_NORM_OUT 2)."""
+    0 / 76 at 1, 12 / 124 at 2)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -332,7 +332,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
-    b_s = tl.zeros([BT], dtype=tl.float32)
     p_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
     if EARLY >= 2:
         b_Akk = tl.load(Akk + p_tt, mask=m_t[:, None] & (o_t[None, :] < o_t[:, None]), other=0.0)
@@ -376,8 +375,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
                 if EARLY < 2:
                     b_vr = tl.load(v + p_tv, mask=m_tv, other=0.0)
                 b_db += tl.sum(b_dvb * b_vr.to(tl.float32), axis=1)
-                if Q_SUM:
-                    b_s += tl.sum(b_do * tl.load(o + p_tv, mask=m_tv, other=0.0).to(tl.float32), axis=1)
         if EARLY < 1:  # this K block's key-side tiles, loaded only after its V loop (fewer live registers)
             b_G = tl.load(Gam + p_tk, mask=m_tk, other=0.0)
             b_kr = tl.load(k + p_qk, mask=m_tk, other=0.0)
@@ -402,8 +399,6 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
         b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
     b_db += tl.sum(b_dL * b_Akk, axis=1)
     tl.store(db + (start + o_t) * HV + i_hv, b_db.to(db.dtype.element_ty), mask=m_t)
-    if Q_SUM:
-        tl.store(sq + (start + o_t) * HV + i_hv, b_s, mask=m_t)
     tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])
     tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
 
@@ -476,9 +471,6 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     BKi, opts = intra_launch(BK)  # the intra kernel's K block: one program per block
     norm_fused = rstd is not None and G == 1 and BKi >= K  # the L2 norm's backward in the intra kernel
     q_norm_out = rstd is not None and o is not None and q_norm_from_output(H, HV, K)  # q's alone there
-    q_mode = LAUNCH["bwd_intra"]["Q_NORM_OUT"] if q_norm_out else 0  # 2: the row sums from the inter kernel
-    sq = torch.empty(T_all, HV, dtype=f32, device=dev) if q_mode == 2 else dG  # (a placeholder)
-    oo = o.contiguous() if q_norm_out else dG  # (a placeholder)
     # dq and dk are written once per element (final without GVA: stored in q's dtype); dg (dGamma, then its
     # in-chunk reverse cumsum in place) stays fp32
     dq, dk = (torch.empty(T_all, HV, K, dtype=dt if G == 1 else f32, device=dev) for _ in range(2))
@@ -498,17 +490,17 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         del kg, qg
         BVi, iprec = _bv("bwd_inter", V), _prec("bwd_inter", dt)  # not `prec`: the intra kernel's diagonal dots
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
-                                        dkk, dG, db, oo, sq, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV,
-                                        K=K, V=V, Q_SUM=q_mode == 2,
+                                        dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, iprec), BV=BVi, BT=BT, VARLEN=varlen, PREC=iprec,
                                         EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
                  "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
-                 "NORM": norm_fused, "Q_NORM_OUT": q_mode, "V": V, "BV": triton.next_power_of_2(V), **opts}
+                 "NORM": norm_fused, "Q_NORM_OUT": q_norm_out, "V": V, "BV": triton.next_power_of_2(V), **opts}
         rq, rk = rstd if norm_fused or q_norm_out else (dq, dk)  # unused placeholders without NORM
-        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, oo, do, sq, chunk_indices, cu, float(scale),
-                shift, T, NT)
+        oo = o.contiguous() if q_norm_out else dq  # (placeholders)
+        args = (q, k, Gam, dAq, dAk, dqs, dkk, dG, dq, dk, dg, rq, rk, oo, do if q_norm_out else dq, chunk_indices,
+                cu, float(scale), shift, T, NT)
         _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,

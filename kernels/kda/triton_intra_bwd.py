@@ -12,7 +12,7 @@ from .triton_common import _chunk_bounds, _dot
 
 
 @triton.jit
-def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, o, do, sq, chunk_indices,
+def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out, rq, rk, o, do, chunk_indices,
                       cu_seqlens, scale, shift, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       NC: tl.constexpr, SAFE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -28,14 +28,14 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # a sub-chunk past the end of a partial chunk: no rows
         return
-    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, sq, start,
+    b_dG, p_ik, m_ik = _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, start,
                                        n_valid, i_i, i_kb, i_hv, scale, shift, H, HV, K, V, BK, BV, BT, BC, SAFE,
                                        PREC, OFF, NORM, Q_NORM_OUT)
     tl.store(dG_out + p_ik, b_dG, mask=m_ik)
 
 
 @triton.jit
-def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, sq, start, n_valid, i_i, i_kb, i_hv,
+def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o, do, start, n_valid, i_i, i_kb, i_hv,
                     scale, shift, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
                     PREC: tl.constexpr, OFF: tl.constexpr, NORM: tl.constexpr, Q_NORM_OUT: tl.constexpr):
@@ -43,9 +43,8 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
     end) and K block i_kb of one chunk and value head: stores their dq and dk (NORM: those of the q / k L2 norm's
     input, from q, k as its output and the rows' rstd rq, rk [T_all * H]; needs one K block. Q_NORM_OUT: q's alone,
     with any K block, its row sum from the output: o_t = scale S_t^T q_t is linear in the normalized q_t (S_t
-    depends on k, v, g, beta only), so sum(dq_t q_t) = sum(do_t o_t), where the K blocks' partial sums would need
-    each other; 1: from o, do [T_all, HV, V] (BV = next_pow2(V)); 2: sq [T_all, HV] fp32, the sums the inter kernel
-    took from the same tiles (k's stays the caller's pass)); returns dGamma
+    depends on k, v, g, beta only), so sum(dq_t q_t) = sum(do_t o_t), from o, do [T_all, HV, V] (BV = next_pow2(V)),
+    where the K blocks' partial sums would need each other; k stays the caller's pass); returns dGamma
     [BC, BK] fp32 (before the in-chunk reverse cumsum; 0 in masked rows) and the rows' pointers and mask into
     [T_all, HV, K]."""
     i_h = i_hv // (HV // H)
@@ -57,9 +56,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
     m_ik = m_i[:, None] & m_k[None, :]
     p_ik = ((start + r_i[:, None]) * HV + i_hv) * K + o_k[None, :]
     p_iq = ((start + r_i[:, None]) * H + i_h) * K + o_k[None, :]
-    if Q_NORM_OUT == 2:
-        b_s = tl.load(sq + (start + r_i) * HV + i_hv, mask=m_i, other=0.0)
-    elif Q_NORM_OUT == 1:  # sum(do o) of these rows [BC], loaded first: nothing else waits on it
+    if Q_NORM_OUT:  # sum(do o) of these rows [BC], loaded first: nothing else waits on it
         o_v = tl.arange(0, BV)
         m_iv = m_i[:, None] & (o_v < V)[None, :]
         p_iv = ((start + r_i[:, None]) * HV + i_hv) * V + o_v[None, :]

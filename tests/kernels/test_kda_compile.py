@@ -53,16 +53,15 @@ for varlen in (False, True):
                 compile_(B._bwd_scan_kernel, {**kv, "BK": 16 if split else 32, "SPLIT": split}, 4, states,
                          num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
             for early in (0, 1, 2):  # loads issued sooner (the kernel's EARLY)
-                for q_sum in (False, True) if early == 2 else (False,):  # with the row sums of q's norm
-                    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
-                                                   "EARLY": early, "Q_SUM": q_sum}, 4, states)
+                compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
+                                               "EARLY": early}, 4, states)
         for safe in (True, False):
             for bk in (16, 32):  # two K blocks of K = 32, or one
                 intra_bwd = {**shape, "V": 32, "BK": bk, "BV": 32, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
                              "PREC": "bf16x3", "OFF": prec}
                 opts = B._opts("bwd_intra")
                 # the L2 norm's backward: whole with one K block (NORM), q's from the output with two (Q_NORM_OUT)
-                for norm, q_out in ((False, 0), (True, 0)) if bk == 32 else ((False, 0), (False, 1), (False, 2)):
+                for norm, q_out in ((False, False), (True, False)) if bk == 32 else ((False, False), (False, True)):
                     compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm, "Q_NORM_OUT": q_out}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
              B.LAUNCH["bwd_dg"]["num_warps"])
@@ -96,12 +95,12 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False}, 4, num_stages=B.LAUNCH["bwd_scan"]["num_stages"],
              all_fp32=True)
-    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0,
-                                   "Q_SUM": True}, 8, all_fp32=True)
+    compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0}, 8,
+             all_fp32=True)
     for bk, norm in ((32, True), (16, False)):  # NORM, then Q_NORM_OUT
         compile_(B._bwd_intra_kernel, {**shape, "V": 32, "BK": bk, "BV": 32, "BC": 16, "NC": 4, "SAFE": True,
                                        "VARLEN": False, "PREC": prec, "OFF": prec, "NORM": norm,
-                                       "Q_NORM_OUT": 0 if norm else 2}, 1, all_fp32=True)
+                                       "Q_NORM_OUT": not norm}, 1, all_fp32=True)
     compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
     compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)

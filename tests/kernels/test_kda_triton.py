@@ -688,15 +688,14 @@ def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, 
 
 
 @pytest.mark.parametrize("D", [32, 60], ids=["K32", "K60"])
-@pytest.mark.parametrize("intra_bk,q_out", [(64, 0), (16, 0), (16, 1), (16, 2)],
-                         ids=["fused", "k-blocks", "k-blocks-q-sums-intra", "k-blocks-q-sums-inter"])
+@pytest.mark.parametrize("intra_bk,q_out", [(64, False), (16, False), (16, True)],
+                         ids=["fused", "k-blocks", "k-blocks-q-from-output"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, q_out, D, varlen, monkeypatch, launch_spy):
     """The L2 norm's backward runs as the backward intra kernel's epilogue (NORM) when one of its K blocks holds the
     head and q / k heads are not shared; with the head in K blocks (K block 16 at K = 32 and 60, the last block
     partial at 60) it runs its own pass, from the normalized q, k the Function keeps, or with Q_NORM_OUT q's runs in
-    the intra kernel all the same (its row sums from the output and its gradient, taken by the intra kernel (1) or
-    the inter kernel (2)) and k's alone in the pass. All:
+    the intra kernel all the same (its row sum from the output and its gradient) and k's alone in the pass. All:
     gradients of the raw q, k as the recurrence's (a partial chunk; varlen with an empty sequence)."""
     from k3.kernels.kda import triton_chunk_bwd, triton_l2norm
 
