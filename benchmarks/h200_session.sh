@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -665,6 +665,31 @@ s18c)
   timeout 300 python3 benchmarks/kda.py --set bwd_intra.Q_NORM_OUT=$best > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s18d)
+  # session 18, call 4: the training solve with beta scaling its loaded diagonal blocks once (LAUNCH["solve"]
+  # ["BETA_TILE"], on as the code now ships) against beta loaded in each substitution step; and the reverse scan
+  # without the zero-filled final-state gradient or the unused dh0 (HAS_DHT / STORE_DH0). The KDA GPU tests, then
+  # kda_tune.py --defaults at the two shapes short of 1.5x fwd+bwd, BETA_TILE on / off, then issue 4's whole table
+  # at the setting with the lower sum of the two totals. Prediction: training solve 151 -> 125-140 us at
+  # (16, 2048, 32, 64), 80 -> 70-75 at (8, 4096, 16, 128); fwd+bwd -15 to -30 us there
+  kda_gpu_tests
+  declare -A tot
+  for tile in True False; do
+    tot[$tile]=0
+    for shape in 16,2048,32,64 8,4096,16,128; do
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --set solve.BETA_TILE=$tile \
+        > "$OUT/t.log" 2>&1
+      echo "kda_tune $shape BETA_TILE=$tile rc=$?"
+      grep -E "^\| _|^\| torch|^\| total|^# torch ops" "$OUT/t.log" | cut -c1-300
+      t=$(grep "^| total" "$OUT/t.log" | awk -F'|' '{gsub(/[* ]/, "", $3); print int($3)}')
+      tot[$tile]=$(( ${tot[$tile]} + ${t:-999999} ))
+    done
+  done
+  best=True; [ "${tot[False]}" -lt "${tot[True]}" ] && best=False
+  echo "totals: True ${tot[True]}, False ${tot[False]}; table at BETA_TILE=$best"
+  timeout 300 python3 benchmarks/kda.py --set solve.BETA_TILE=$best > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -715,6 +740,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d)" >&2; exit 2
   ;;
 esac

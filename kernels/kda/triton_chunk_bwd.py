@@ -231,8 +231,11 @@ def _operand(x, PREC: tl.constexpr):
 def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, VARLEN: tl.constexpr,
-                     PREC: tl.constexpr):
-    """SPLIT (heads with K > 128: BK = next_pow2(K) / 2 then): the state gradient held as two [BK, BV] K halves,
+                     PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+    """HAS_DHT: the final state's gradient dht is given (else zero: no zero-filled buffer read); STORE_DH0: the
+    initial state's gradient dh0 is stored (only with an initial state). At (8, 4096, 16, 128) each was an 8 MB
+    fp32 buffer filled or written and thrown away on every backward without states (~3 us each on the H200).
+    SPLIT (heads with K > 128: BK = next_pow2(K) / 2 then): the state gradient held as two [BK, BV] K halves,
     each with its own key-side tiles and dots, so that no [BT, 2 BK] operand is staged in shared memory whole. In one
     piece an fp32 reverse scan at K = 256 asked for 233,472 bytes of shared memory at 1 stage, above the H200's
     232,448 (2026-11-30, RESULTS.md session 13)."""
@@ -243,9 +246,11 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
     m_v = o_v < V
     o_t = tl.arange(0, BT)
     # gradient of the state leaving the chunk, first K half (the whole K without SPLIT) and second half
-    b_dh = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :], o_k, m_v, K)
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :], o_k, m_v, K)
     b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if SPLIT:
+    if SPLIT and HAS_DHT:
         b_dh2 = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + BK + o_k[:, None]) * V + o_v[None, :], BK + o_k, m_v,
                                 K)
     # reverse over the sequence's chunks; tl.range, not while, so a GPU compile software-pipelines the loads (as in
@@ -277,9 +282,10 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
             b_dh2 = _bwd_scan_step(b_dh2, qg, w, Gam, b_do, b_dvn, start, n_valid, m_t, i_hv, BK + o_k, HV, K, BT,
                                    PREC)
     p_state = ((i_n * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    tl.store(dh0 + p_state, b_dh, mask=(o_k < K)[:, None] & m_v[None, :])
-    if SPLIT:
-        tl.store(dh0 + p_state + BK * V, b_dh2, mask=(BK + o_k < K)[:, None] & m_v[None, :])
+    if STORE_DH0:
+        tl.store(dh0 + p_state, b_dh, mask=(o_k < K)[:, None] & m_v[None, :])
+        if SPLIT:
+            tl.store(dh0 + p_state + BK * V, b_dh2, mask=(BK + o_k < K)[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -456,12 +462,13 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     T_all = B * T
     f32 = torch.float32
     do = do.contiguous()
-    dht = torch.zeros(N, HV, K, V, dtype=f32, device=dev) if dht is None else dht.float().contiguous()
+    has_dht = dht is not None
+    dht = dht.float().contiguous() if has_dht else None
     # dv_new (scan -> inter kernel, where its one use is a dot operand rounded to bf16 under bf16 dots): stored in
     # bf16 with the states, the same values at half the bytes
     dvn = torch.empty(T_all, HV, V, dtype=h_dtype, device=dev)
     dhs = torch.empty(NT_all, HV, K, V, dtype=hbuf.dtype, device=dev)
-    dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev)
+    dh0 = torch.empty(N, HV, K, V, dtype=f32, device=dev) if h0 is not None else None
     dv = torch.empty(T_all, HV, V, dtype=v.dtype, device=dev)  # final: stored in v's dtype by the kernel
     dAq = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
     dAk = torch.empty(T_all, HV, BT, dtype=f32, device=dev)
@@ -477,15 +484,20 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     dg = torch.empty(T_all, HV, K, dtype=f32, device=dev)
     db = torch.empty(T_all, HV, dtype=beta.dtype, device=dev)  # stored by the inter kernel in beta's dtype
     if NT_all == 0 or HV == 0:
-        dh0.copy_(dht)
+        if dh0 is not None and has_dht:
+            dh0.copy_(dht)
+        elif dh0 is not None:
+            dh0.zero_()
         for t in (dq, dk, dv, dg, db):
             t.zero_()
     else:
         BVs, scan_opts = bwd_scan_launch(V, BK, N * HV, device_sms(dev))
-        scan_args = (qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu, chunk_offsets, T, NT)
+        # placeholders (dvn) for the state gradients not read (no dht) or not written (no h0)
+        scan_args = (qg, kg, w, Gam, Aqk, do, dht if has_dht else dvn, dvn, dhs, dh0 if dh0 is not None else dvn, cu,
+                     chunk_offsets, T, NT)
         split = BK > 128  # the state gradient in two K halves (the kernel's SPLIT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "SPLIT": split, "VARLEN": varlen,
-                "PREC": _prec("bwd_scan", dt), **scan_opts}
+                "PREC": _prec("bwd_scan", dt), "HAS_DHT": has_dht, "STORE_DH0": dh0 is not None, **scan_opts}
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
         BVi, iprec = _bv("bwd_inter", V), _prec("bwd_inter", dt)  # not `prec`: the intra kernel's diagonal dots
@@ -514,4 +526,4 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
             dq = l2norm_bwd_from_y(q.view(dq.shape), rstd[0], dq)
         dk = l2norm_bwd_from_y(k.view(dk.shape), rstd[1], dk)
     return (dq, dk, dv.view(B, T, HV, V).to(v.dtype), dg.view(B, T, HV, K), db.view(B, T, HV),
-            dh0 if h0 is not None else None)
+            dh0)
