@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -666,8 +666,9 @@ s18c)
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
 s18d)
-  # session 18, call 4: the training solve with beta scaling its loaded diagonal blocks once (LAUNCH["solve"]
-  # ["BETA_TILE"], on as the code now ships) against beta loaded in each substitution step; and the reverse scan
+  # session 18, call 4 (at commit 53616c4; BETA_TILE lost and was removed, so run it there): the training solve
+  # with beta scaling its loaded diagonal blocks once (LAUNCH["solve"]["BETA_TILE"]) against beta loaded in each
+  # substitution step; and the reverse scan
   # without the zero-filled final-state gradient or the unused dh0 (HAS_DHT / STORE_DH0). The KDA GPU tests, then
   # kda_tune.py --defaults at the two shapes short of 1.5x fwd+bwd, BETA_TILE on / off, then issue 4's whole table
   # at the setting with the lower sum of the two totals. Prediction: training solve 151 -> 125-140 us at
@@ -689,6 +690,40 @@ s18d)
   echo "totals: True ${tot[True]}, False ${tot[False]}; table at BETA_TILE=$best"
   timeout 300 python3 benchmarks/kda.py --set solve.BETA_TILE=$best > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s18e)
+  # session 18, call 5: launch settings for the two shapes short of 1.5x fwd+bwd ((16, 2048, 32, 64) needs -23 us,
+  # (8, 4096, 16, 128) is at 1.500): the backward intra kernel at 4 stages or 4 warps (both shapes), the forward
+  # intra kernel at 2 warps for K <= 64 (the fourth shape). kda_tune.py --defaults per setting; a setting is kept
+  # when it lowers the sum of the totals of the shapes it touches by more than 10 us (of the two backward intra
+  # ones, the lower). Then, with the kept ones: the KDA GPU tests (K3_TEST_KDA_LAUNCH) and issue 4's rows at the two
+  # shapes. Prediction: at most -20 us each; more likely none kept
+  tune_tot() {  # $1 shape, rest: flags -> prints the total (us)
+    local shape=$1; shift
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape "$shape" "$@" > "$OUT/t.log" 2>&1
+    echo "kda_tune $shape $* rc=$?" >&2
+    grep -E "^\| _intra|^\| _bwd_intra|^\| total" "$OUT/t.log" | tr '\n' ' ' >&2; echo >&2
+    grep "^| total" "$OUT/t.log" | awk -F'|' '{gsub(/[* ]/, "", $3); print int($3)}'
+  }
+  b16=$(tune_tot 16,2048,32,64); b8=$(tune_tot 8,4096,16,128)
+  a16=$(tune_tot 16,2048,32,64 --set bwd_intra.num_stages=4); a8=$(tune_tot 8,4096,16,128 --set bwd_intra.num_stages=4)
+  w16=$(tune_tot 16,2048,32,64 --set bwd_intra.num_warps=4); w8=$(tune_tot 8,4096,16,128 --set bwd_intra.num_warps=4)
+  c16=$(tune_tot 16,2048,32,64 --set intra.SMALL_K_WARPS=2)
+  dA=$(( a16 + a8 - b16 - b8 )); dW=$(( w16 + w8 - b16 - b8 )); dC=$(( c16 - b16 ))
+  echo "deltas (us): bwd_intra 4 stages $dA, bwd_intra 4 warps $dW, intra SMALL_K_WARPS 2 $dC"
+  keep=()
+  if [ "$dA" -lt -10 ] && [ "$dA" -le "$dW" ]; then keep+=(bwd_intra.num_stages=4); fi
+  if [ "$dW" -lt -10 ] && [ "$dW" -lt "$dA" ]; then keep+=(bwd_intra.num_warps=4); fi
+  if [ "$dC" -lt -10 ]; then keep+=(intra.SMALL_K_WARPS=2); fi
+  echo "kept: ${keep[*]:-none}"
+  if [ ${#keep[@]} -gt 0 ]; then
+    export K3_TEST_KDA_LAUNCH=$(IFS=,; echo "${keep[*]}")
+    KDA_TEST_LIMIT=170 kda_gpu_tests
+    sets=(); for x in "${keep[@]}"; do sets+=(--set "$x"); done
+    timeout 120 python3 benchmarks/kda.py --only 8,4096,16,128 16,2048,32,64 --no-decode "${sets[@]}" \
+      > "$OUT/kda.log" 2>&1
+    echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
+  fi
   ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
@@ -740,6 +775,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e)" >&2; exit 2
   ;;
 esac

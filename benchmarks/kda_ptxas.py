@@ -174,11 +174,8 @@ def main() -> None:
                                                    "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
           for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
-         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32",
-          "BETA_TILE": F.LAUNCH["solve"]["BETA_TILE"]}, F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("solve (training, beta scaling the loaded diagonal blocks: BETA_TILE)", F._solve_kernel,
-         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32",
-          "BETA_TILE": True}, F.launch_opts("solve"), {"Mout": "*bf16"}),
+         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
+         F.launch_opts("solve"), {"Mout": "*bf16"}),
         ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),

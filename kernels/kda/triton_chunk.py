@@ -92,10 +92,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
-    # BETA_TILE: a training solve (from Akk and beta) scales the diagonal blocks' rows by beta once as loaded, not
-    # in each row step of the substitution (triton_solve._solve_kernel): ptxas (sm_90a) 133 -> 109 registers. Being
-    # timed (session 18, call 4)
-    "solve": {"num_warps": 1, "num_stages": 1, "BETA_TILE": True},
+    "solve": {"num_warps": 1, "num_stages": 1},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
@@ -356,8 +353,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         if g_check:
             torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
-                                    BETA=store_akk, BETA_TILE=LAUNCH["solve"]["BETA_TILE"], **common,
-                                    **launch_opts("solve"))
+                                    BETA=store_akk, **common, **launch_opts("solve"))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
         scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)

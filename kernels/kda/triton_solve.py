@@ -73,26 +73,23 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 @triton.jit
 def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  BETA_TILE: tl.constexpr):
+                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
     of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
     inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30). Lkk: L itself, or with BETA
     Akk = k k^T with decay (a training forward's intra kernel writes that one buffer), whose rows the solve scales
     by beta [T_all, HV]: the row sums of the substitution and the merges (_times_beta). Only the blocks j <= i are
-    read. BETA_TILE (with BETA): the diagonal blocks' rows scaled by beta once, as loaded ([NC, BC, 1] beta tile),
-    so that the substitution walk loads nothing (with BETA alone each of its BC - 1 row steps loads that row's beta
-    of every block, [NC])."""
+    read. Scaling the diagonal blocks' rows by beta once as loaded, so that the substitution walk loads nothing
+    (ptxas, sm_90a: 133 -> 109 registers), lost on the H200: training solve 149 -> 178 us at (16, 2048, 32, 64),
+    78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
     rows = o_b * BC + tl.arange(0, BC)[None, :, None]
     p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
     b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0)
-    if BETA and BETA_TILE:
-        b_Ld = b_Ld * tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)
-    b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA and not BETA_TILE)
+    b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)
     if NC > 1:  # M_ij = -M_ii (beta_i * sum_m Akk_im M_mj) with BETA, else -M_ii sum_m L_im M_mj

@@ -107,3 +107,28 @@ def launch_spy(monkeypatch):
         return grids
 
     return spy
+
+
+@pytest.fixture(autouse=True, scope="session")
+def kda_launch_overrides():
+    """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton_chunk or
+    triton_chunk_bwd, as benchmarks/kda_tune.py --set takes them) for the whole test run, so that the GPU tests can
+    run a candidate launch before it ships (benchmarks/h200_session.sh). Unset: nothing changes."""
+    raw = os.environ.get("K3_TEST_KDA_LAUNCH", "").strip()
+    if not raw:
+        yield
+        return
+    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
+
+    saved = []
+    for item in raw.split(","):
+        name_key, _, value = item.partition("=")
+        name, _, key = name_key.strip().partition(".")
+        table = next((m.LAUNCH[name] for m in (triton_chunk, triton_chunk_bwd) if name in m.LAUNCH), None)
+        if table is None or key not in table or not value:
+            raise ValueError(f"K3_TEST_KDA_LAUNCH: {item!r} is not NAME.KEY=VALUE with a known LAUNCH entry")
+        saved.append((table, key, table[key]))
+        table[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    yield
+    for table, key, old in reversed(saved):
+        table[key] = old

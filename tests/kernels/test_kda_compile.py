@@ -90,9 +90,9 @@ for varlen in (False, True):
         if not varlen:  # a time segment of each sequence (bounds as pairs: triton_segments.py)
             compile_(F._scan_kernel, {**scan, "VARLEN": 2}, F.LAUNCH["scan"]["num_warps"], halves,
                      F.LAUNCH["scan"]["num_stages"])
-    for beta_rows, tile in ((True, False), (True, True), (False, False)):  # from Akk (training) or from L
+    for beta_rows in (True, False):  # from Akk (a training forward) or from L
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
-                                   "PREC": "tf32", "BETA_TILE": tile}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
+                                   "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
 for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every pointer fp32, every dot at prec
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False, "HAS_DHT": True, "STORE_DH0": True}, 4,
@@ -108,8 +108,8 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
     compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
                                    "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
-    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec,
-                               "BETA_TILE": F.LAUNCH["solve"]["BETA_TILE"]}, 1, all_fp32=True)
+    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec}, 1,
+             all_fp32=True)
 print("compiled")
 """
 

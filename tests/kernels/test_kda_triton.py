@@ -823,11 +823,9 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
 @pytest.mark.parametrize("from_akk", [False, True], ids=["L", "Akk-beta"])
 @pytest.mark.parametrize("BT,lens", [(64, [64, 70]), (32, [45]), (16, [24]), (64, [15, 0, 65])],
                          ids=["BT64-partial", "BT32", "BT16", "BT64-varlen"])
-@pytest.mark.parametrize("beta_tile", [False, True], ids=["beta-per-row-step", "beta-tile"])
-def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk, beta_tile):
+def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
     """The solve kernel writes M = (I + L)^-1 of every chunk's strictly lower-triangular L, as the float64 inverse,
-    from L itself or (a training forward) from Akk = L / beta, whose rows it scales by beta (in each substitution
-    step, or with BETA_TILE once on the loaded diagonal blocks); the blocks above the
+    from L itself or (a training forward) from Akk = L / beta, whose rows it scales by beta; the blocks above the
     diagonal blocks are NaN in its input (never read), the output is NaN-poisoned (every block j <= i must be
     written); a partial chunk's M is the inverse of its valid rows and columns."""
     from k3.kernels.kda import triton_chunk
@@ -860,8 +858,7 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk, beta_tile):
     if NT_all:
         triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
                                                  HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk, VARLEN=True,
-                                                 PREC="ieee", BETA_TILE=beta_tile,
-                                                 **triton_chunk.launch_opts("solve"))
+                                                 PREC="ieee", **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
     for c0, n, h, M in want:
