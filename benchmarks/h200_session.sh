@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -725,6 +725,25 @@ s18e)
     echo "kda rc=$?"; grep "^|\|^# [0-9]" "$OUT/kda.log"
   fi
   ;;
+s18f)
+  # session 18, call 6 (exploratory, the last 385 s of device time): warps of the kernels not swept since their
+  # launches settled, at (16, 2048, 32, 64) (-23 us short of 1.5x fwd+bwd): the backward inter kernel at 4 warps
+  # (255 registers at 8 warps there: one program per multiprocessor), the reverse scan at 8 warps (V block 64, 2
+  # stages), the forward scan at 8 warps (also at (8, 4096, 16, 128), whose scan shares the launch). kda_tune.py
+  # --defaults totals only; nothing ships from this call without the GPU tests. Prediction: each within +-30 us
+  tune_tot() {  # as s18e's
+    local shape=$1; shift
+    timeout 50 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape "$shape" "$@" > "$OUT/t.log" 2>&1
+    echo "kda_tune $shape $* rc=$?"
+    grep -E "^\| _scan|^\| _bwd_scan|^\| _bwd_inter|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
+  }
+  tune_tot 16,2048,32,64
+  tune_tot 16,2048,32,64 --set bwd_inter.num_warps=4
+  tune_tot 16,2048,32,64 --set bwd_scan.num_warps=8
+  tune_tot 16,2048,32,64 --set scan.num_warps=8
+  tune_tot 8,4096,16,128
+  tune_tot 8,4096,16,128 --set scan.num_warps=8
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -775,6 +794,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f)" >&2; exit 2
   ;;
 esac
