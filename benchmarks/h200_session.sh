@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -744,6 +744,18 @@ s18f)
   tune_tot 8,4096,16,128
   tune_tot 8,4096,16,128 --set scan.num_warps=8
   ;;
+s18g)
+  # session 18, call 7 (the last ~270 s of device time): the decode step in one pass (triton_recurrent.LAUNCH
+  # ["ONE_PASS"], off as committed): the error and the output from the state before the step, the update after,
+  # so the output's reduction no longer waits for the updated tile. The recurrent GPU tests (which run the one-pass
+  # form too), then kda.py --decode-only --no-fla --decode-forms: both forms alternating, twice. Prediction: B = 256
+  # 145.7 -> 139-144 us
+  timeout 90 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_recurrent_compile.py \
+    -k recurrent -p no:cacheprovider -n 8 > "$OUT/rtests.log" 2>&1
+  echo "recurrent tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/rtests.log" | tail -5
+  timeout 90 python3 benchmarks/kda.py --decode-only --no-fla --decode-forms > "$OUT/decode.log" 2>&1
+  echo "decode rc=$?"; grep "^|" "$OUT/decode.log"
+  ;;
 s16d)
   # session 16, the last call: the KDA GPU tests at the shipped code, then launch settings at the two fwd+bwd shapes
   # short of 1.5x, each kept when it lowers the sum of both kda_tune totals by more than 10 us; then issue 4's table
@@ -794,6 +806,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g)" >&2; exit 2
   ;;
 esac
