@@ -44,9 +44,12 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # cap 128: BV 32, 2 warps 145.2 / 144.6 / 162.6; BV 64, 4 warps 145.2 / 145.3 / 185.9), and one program per (head,
 # sequence) looping over the V blocks with the next state tile prefetched (best 146.6 against 145.3 us).
 # Tried and removed: a persistent decode step, at best 187.9 against 146.3 us (H200, B = 256; RESULTS.md session 11)
-# ONE_PASS: the output and the error from the state before the step, in one pass (the kernel's comment); untimed,
-# off: ptxas (sm_90a) 166 registers against 165 at BV 64 / 4 warps
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "ONE_PASS": False}
+# ONE_PASS: the output and the error from the state before the step, the update after (the kernel's comment), so
+# the output's reduction does not wait for the updated tile. H200, us per step in a CUDA graph, off / on, twice each
+# alternating in one process (kda.py --decode-only --no-fla --decode-forms, 2026-11-30, RESULTS.md session 18, call
+# 7): B = 256 146.0 / 139.6 and 146.0 / 139.4 (0.87 -> 0.91 of copy bandwidth), B = 64 44.0 / 41.3, B = 1 7.5 / 7.6.
+# ptxas (sm_90a): 166 registers against 165 at BV 64 / 4 warps
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "ONE_PASS": True}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
