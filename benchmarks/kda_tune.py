@@ -28,7 +28,6 @@ import datetime
 import itertools
 import math
 import os
-import re
 
 os.environ["K3_KERNELS"] = "triton"
 os.environ["K3_KDA_BWD"] = "triton"
@@ -70,16 +69,14 @@ def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
 
 
 def set_launch(ap: argparse.ArgumentParser, item: str) -> None:
-    """Apply one `--set NAME.KEY=VALUE`: an int, True / False, or a string (a dot precision)."""
-    m = re.fullmatch(r"(\w+)\.(\w+)=(\S+)", item)
-    mods = [mod for mod in (fwd_mod, bwd_mod) if m and m[1] in mod.LAUNCH]
-    if not mods or m[2] not in mods[0].LAUNCH[m[1]]:
-        known = sorted(f"{n}.{k}" for mod in (fwd_mod, bwd_mod) for n, e in mod.LAUNCH.items() for k in e)
-        ap.error(f"--set {item!r}: expected NAME.KEY=VALUE with NAME.KEY one of {known}")
-    raw = m[3]
-    value = {"True": True, "False": False}.get(raw, int(raw) if raw.lstrip("-").isdigit() else raw)
-    mods[0].LAUNCH[m[1]][m[2]] = value
-    print(f"# LAUNCH[{m[1]!r}][{m[2]!r}] = {value!r}")
+    """Apply one `--set NAME.KEY=VALUE` (triton_chunk_bwd.set_launch_entry: an int, True / False, or a string such as
+    a dot precision); a bad one is a usage error."""
+    try:
+        table, key, _ = bwd_mod.set_launch_entry(item)
+    except ValueError as e:
+        ap.error(f"--set {e}")
+    name = next(n for mod in (fwd_mod, bwd_mod) for n, t in mod.LAUNCH.items() if t is table)
+    print(f"# LAUNCH[{name!r}][{key!r}] = {table[key]!r}")
 
 
 def label(cfg) -> str:

@@ -46,12 +46,15 @@ bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal bloc
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
 
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
+from .triton_chunk import LAUNCH as FWD_LAUNCH
 from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
 from .triton_intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
@@ -137,6 +140,22 @@ LAUNCH: dict[str, dict[str, int]] = {
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
     "bwd_dg": {"num_warps": 4, "BK": 64},
 }
+
+
+def set_launch_entry(item: str) -> tuple[dict, str, object]:
+    """Apply one "NAME.KEY=VALUE" to the chunk kernels' launch settings (NAME a key of triton_chunk.LAUNCH or of this
+    module's LAUNCH; VALUE an int, True / False, or a string such as a dot precision) and return (that entry's dict,
+    KEY, the value it replaced), so a caller can restore it. benchmarks/kda_tune.py --set and the tests'
+    K3_TEST_KDA_LAUNCH take this form. ValueError names the known NAME.KEY pairs."""
+    m = re.fullmatch(r"(\w+)\.(\w+)=(\S+)", item.strip())
+    tables = [t[m[1]] for t in (FWD_LAUNCH, LAUNCH) if m and m[1] in t]
+    if not tables or m[2] not in tables[0]:
+        known = sorted(f"{n}.{k}" for t in (FWD_LAUNCH, LAUNCH) for n, e in t.items() for k in e)
+        raise ValueError(f"{item!r}: expected NAME.KEY=VALUE with NAME.KEY one of {known}")
+    raw, table = m[3], tables[0]
+    old = table[m[2]]
+    table[m[2]] = {"True": True, "False": False}.get(raw, int(raw) if raw.lstrip("-").isdigit() else raw)
+    return table, m[2], old
 
 
 def _opts(name: str) -> dict[str, int]:

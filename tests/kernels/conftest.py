@@ -118,17 +118,9 @@ def kda_launch_overrides():
     if not raw:
         yield
         return
-    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
+    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
 
-    saved = []
-    for item in raw.split(","):
-        name_key, _, value = item.partition("=")
-        name, _, key = name_key.strip().partition(".")
-        table = next((m.LAUNCH[name] for m in (triton_chunk, triton_chunk_bwd) if name in m.LAUNCH), None)
-        if table is None or key not in table or not value:
-            raise ValueError(f"K3_TEST_KDA_LAUNCH: {item!r} is not NAME.KEY=VALUE with a known LAUNCH entry")
-        saved.append((table, key, table[key]))
-        table[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    saved = [set_launch_entry(item) for item in raw.split(",")]  # ValueError names the known entries
     yield
     for table, key, old in reversed(saved):
         table[key] = old

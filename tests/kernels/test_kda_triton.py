@@ -916,6 +916,26 @@ def test_intra_kernel_gate_bound_check():
         triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
 
 
+def test_set_launch_entry_parses_and_restores(monkeypatch):
+    """set_launch_entry("NAME.KEY=VALUE") (kda_tune.py --set, K3_TEST_KDA_LAUNCH): an entry of either module's LAUNCH
+    set to an int, a bool or a string, the replaced value returned for restoring; an unknown entry is a ValueError
+    that names the known ones."""
+    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
+    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
+
+    intra, scan = triton_chunk_bwd.LAUNCH["bwd_intra"], triton_chunk.LAUNCH["scan"]
+    monkeypatch.setitem(intra, "num_stages", 3)  # (restored after the test, as the values set below)
+    monkeypatch.setitem(intra, "PREC", "tf32")
+    monkeypatch.setitem(scan, "SEGMENT_PRIORITY", True)
+    assert set_launch_entry("bwd_intra.num_stages=4") == (intra, "num_stages", 3) and intra["num_stages"] == 4
+    assert set_launch_entry(" scan.SEGMENT_PRIORITY=False") == (scan, "SEGMENT_PRIORITY", True)
+    assert scan["SEGMENT_PRIORITY"] is False
+    assert set_launch_entry("bwd_intra.PREC=bf16")[2] == "tf32" and intra["PREC"] == "bf16"
+    for bad in ("bwd_intra.nope=1", "nope.num_warps=1", "bwd_intra.num_warps"):
+        with pytest.raises(ValueError, match="bwd_intra.num_warps"):
+            set_launch_entry(bad)
+
+
 def test_launch_fitting_falls_back_to_one_stage(monkeypatch):
     """A pipelined launch whose shared memory does not fit the device (Triton's OutOfResources, raised when it loads
     the kernel, before anything runs) is relaunched at 1 stage, and that signature goes straight to 1 stage after;
