@@ -745,8 +745,9 @@ s18f)
   tune_tot 8,4096,16,128 --set scan.num_warps=8
   ;;
 s18g)
-  # session 18, call 7 (the last ~270 s of device time): the decode step in one pass (triton_recurrent.LAUNCH
-  # ["ONE_PASS"], off as committed): the error and the output from the state before the step, the update after,
+  # session 18, call 7 (at commit 4b1850d: the two-pass form and --decode-forms were removed once the one-pass form
+  # won, so run it there; the last ~270 s of device time): the decode step in one pass (triton_recurrent.LAUNCH
+  # ["ONE_PASS"], off as committed then): the error and the output from the state before the step, the update after,
   # so the output's reduction no longer waits for the updated tile. The recurrent GPU tests (which run the one-pass
   # form too), then kda.py --decode-only --no-fla --decode-forms: both forms alternating, twice. Prediction: B = 256
   # 145.7 -> 139-144 us

@@ -1,9 +1,8 @@
 """KDA kernel benchmark on one GPU: k3's Triton kernels vs fla-core 0.6.0 (Triton path) vs SDPA causal.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|small] [--no-fla]
-[--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--decode-forms]
-[--bwd-inter-bk 256 64] [--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel]
-[--set NAME.KEY=VALUE ...]`.
+[--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64]
+[--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel] [--set NAME.KEY=VALUE ...]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
 of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
 per dot precision of the backward scan and inter kernels, in the same process, one table row per combination;
@@ -221,36 +220,6 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
     triton_recurrent.LAUNCH.update(saved)
 
 
-def decode_forms(bw: float, H: int = 16, D: int = 128, rounds: int = 2) -> None:
-    """The decode step in its two forms (triton_recurrent.LAUNCH["ONE_PASS"] off / on), alternating `rounds` times
-    at B = 1, 64 and 256, one process; each row with the rel_rms of the one-pass form's output and pool against the
-    default's on the same inputs."""
-    from k3.kernels.kda import triton_recurrent
-
-    saved = dict(triton_recurrent.LAUNCH)
-
-    def step(B, one_pass):  # one decode step on decode_inputs (seeded): (output, pool after the step)
-        triton_recurrent.LAUNCH["ONE_PASS"] = one_pass
-        xs, kw = decode_inputs(B, H, D)
-        return fused_recurrent_kda(*xs, **kw)[0], kw["initial_state"]
-
-    print(f"\n## decode forms: k3 fused_recurrent_kda, H={H}, D={D}, us per step (fraction of copy bandwidth)")
-    print("| B | round | default | one pass | rel_rms o / pool, one pass vs default |")
-    print("|---|---|---|---|---|")
-    for B in (1, 64, 256):
-        err = [rel_rms(r, x) for r, x in zip(step(B, False), step(B, True), strict=True)]
-        for r in range(rounds):
-            t = []
-            for one_pass in (False, True):
-                triton_recurrent.LAUNCH["ONE_PASS"] = one_pass
-                t.append(time_decode(fused_recurrent_kda, B, H, D))
-            frac = [2 * B * H * D * D * 4 / (x * 1e-6) / bw for x in t]
-            print(f"| {B} | {r + 1} | {t[0]:.1f} ({frac[0]:.2f}) | {t[1]:.1f} ({frac[1]:.2f}) | "
-                  f"{err[0]:.1e} / {err[1]:.1e} |", flush=True)
-    triton_recurrent.LAUNCH.clear()
-    triton_recurrent.LAUNCH.update(saved)
-
-
 def floor_ms(B, T, H, D, bw, mm, bwd):
     K = V = D
     tok = B * T * H
@@ -270,8 +239,6 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--decode-sweep", action="store_true", help="also sweep the decode kernel's V block and warps")
-    ap.add_argument("--decode-forms", action="store_true", help="also time the decode step in both forms "
-                    "(triton_recurrent.LAUNCH['ONE_PASS'] off / on), alternating")
     ap.add_argument("--no-decode", action="store_true", help="time the chunk shapes only (no decode table)")
     ap.add_argument("--decode-only", action="store_true", help="time decode only (no chunk shapes: fla autotunes "
                     "every new chunk shape for minutes)")
@@ -390,8 +357,6 @@ def main():
               f"{tbs[1] / 1e9:.0f} | {tbs[0] / bw:.2f} | {t_in / t_k3:.2f} |")
     if args.decode_sweep:
         decode_sweep(bw)
-    if args.decode_forms:
-        decode_forms(bw)
 
 
 if __name__ == "__main__":

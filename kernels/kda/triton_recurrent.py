@@ -44,12 +44,7 @@ WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 a
 # cap 128: BV 32, 2 warps 145.2 / 144.6 / 162.6; BV 64, 4 warps 145.2 / 145.3 / 185.9), and one program per (head,
 # sequence) looping over the V blocks with the next state tile prefetched (best 146.6 against 145.3 us).
 # Tried and removed: a persistent decode step, at best 187.9 against 146.3 us (H200, B = 256; RESULTS.md session 11)
-# ONE_PASS: the output and the error from the state before the step, the update after (the kernel's comment), so
-# the output's reduction does not wait for the updated tile. H200, us per step in a CUDA graph, off / on, twice each
-# alternating in one process (kda.py --decode-only --no-fla --decode-forms, 2026-11-30, RESULTS.md session 18, call
-# 7): B = 256 146.0 / 139.6 and 146.0 / 139.4 (0.87 -> 0.91 of copy bandwidth), B = 64 44.0 / 41.3, B = 1 7.5 / 7.6.
-# ptxas (sm_90a): 166 registers against 165 at BV 64 / 4 warps
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None, "ONE_PASS": True}
+LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
@@ -68,7 +63,7 @@ def _recurrent_kda_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr, ONE_PASS: tl.constexpr,
+    POOL: tl.constexpr, PER_TOKEN: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
@@ -122,19 +117,16 @@ def _recurrent_kda_kernel(
             b_g = tl.where(m_k, b_g, 0.0)
         if BETA_SIGMOID:
             b_b = tl.sigmoid(b_b)
-        if ONE_PASS:
-            # both products from the state before the step: with the decay d = e^g, S'^T k = S^T (d k), and
-            # o = (S' + beta k err^T)^T (scale q) = S^T (d scale q) + (beta scale k.q) err; the update
-            # S' + beta k err^T = d S + beta k err^T then one multiply-add per element, off the output's path
-            b_d = tl.exp(b_g)
-            b_err = b_vt - tl.sum(b_h * (b_d * b_k)[:, None], axis=0)  # v_t - S'^T k_t   [BV]
-            b_o = tl.sum(b_h * (b_d * scale * b_q)[:, None], axis=0) + tl.sum(b_b * scale * b_k * b_q) * b_err
-            b_h = b_h * b_d[:, None] + (b_b * b_k)[:, None] * b_err[None, :]
-        else:
-            b_h = b_h * tl.exp(b_g)[:, None]  # decay first
-            b_err = b_vt - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - S'^T k_t   [BV]
-            b_h = b_h + (b_b * b_k)[:, None] * b_err[None, :]
-            b_o = tl.sum(b_h * (scale * b_q)[:, None], axis=0)  # [BV]
+        # both products from the state before the step: with the decay d = e^g, S'^T k = S^T (d k), and
+        # o = (S' + beta k err^T)^T (scale q) = S^T (d scale q) + (beta scale k.q) err; the update
+        # S' + beta k err^T = d S + beta k err^T then one multiply-add per element, off the output's path. Decaying,
+        # updating, then reducing the updated tile for o (the step as written) took 146.0 us against 139.5 at B = 256,
+        # 44.0 against 41.3 at B = 64 (H200, one step in a CUDA graph, H = 16, K = V = 128, both forms alternating in
+        # one process, 2026-11-30, RESULTS.md session 18, call 7; the same registers, 165 / 166 at BV 64, 4 warps)
+        b_d = tl.exp(b_g)
+        b_err = b_vt - tl.sum(b_h * (b_d * b_k)[:, None], axis=0)  # v_t - S'^T k_t   [BV]
+        b_o = tl.sum(b_h * (b_d * scale * b_q)[:, None], axis=0) + tl.sum(b_b * scale * b_k * b_q) * b_err  # [BV]
+        b_h = b_h * b_d[:, None] + (b_b * b_k)[:, None] * b_err[None, :]
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
             s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
@@ -224,7 +216,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
             L2NORM=use_qk_l2norm_in_kernel, GATE=use_gate_in_kernel, LOWER_BOUND_GATE=lower_bound is not None,
             HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pooled, PER_TOKEN=per_token is not None,
-            VARLEN=cu_seqlens is not None, ONE_PASS=bool(LAUNCH["ONE_PASS"]),
+            VARLEN=cu_seqlens is not None,
             num_warps=LAUNCH["num_warps"] or (4 if BK * BV >= 4096 else 2),
         )
     return o, ht

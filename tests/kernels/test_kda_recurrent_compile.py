@@ -24,14 +24,13 @@ fn = R._recurrent_kda_kernel
 TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "o": "*bf16", "cu_seqlens": "*i64",
          "slots": "*i32", "per_token": "*i32", "scale": "fp32", "lower_bound": "fp32"}
 cases = list(itertools.product([(128, 128, 32), (100, 60, 32)], (True, False), ("pool", "per_token", "h0", "none")))
-for (K, V, BV), t1, states, one_pass in ([(*c, False) for c in cases] + [((128, 128, 64), True, "pool", False),
-                                                                       ((128, 128, 64), True, "pool", True)]):
+for (K, V, BV), t1, states in cases + [((128, 128, 64), True, "pool")]:  # + the decode step at BV 64
     varlen = v_first = states in ("per_token", "h0")
     pool = states in ("pool", "per_token")
     consts = {"H": 1, "HV": 2, "K": K, "V": V, "BK": 128, "BV": BV, "L2NORM": K == 128, "GATE": K == 128,
               "LOWER_BOUND_GATE": not t1, "HAS_A_LOG": t1, "HAS_DT_BIAS": True, "BETA_SIGMOID": K == 128,
               "HAS_H0": states != "none", "STORE_HT": not t1, "POOL": pool, "PER_TOKEN": states == "per_token",
-              "VARLEN": varlen, "ONE_PASS": one_pass}  # (+ the decode step at BV 64, both forms)
+              "VARLEN": varlen}
     if t1:  # a GPU launch turns integer arguments equal to 1 into constants: T at decode, the unit state stride
         consts["T"] = 1
     if states != "none":

@@ -117,13 +117,10 @@ def test_recurrent_matches_naive(B, T, H, HV, D, dtype):
 
 
 @pytest.mark.parametrize("B,T,H,HV,D", REC_CASES, ids=[case_id(*c) for c in REC_CASES])
-def test_recurrent_one_pass_form_matches_naive(B, T, H, HV, D, monkeypatch):
-    """triton_recurrent.LAUNCH["ONE_PASS"]: the error and the output from the state before each step (o = S^T (d q)
-    + (beta k.q) err), then the update: outputs and final state as the float64 recurrence's, with and without an
-    initial state, and through a pool by slot."""
-    from k3.kernels.kda import triton_recurrent
-
-    monkeypatch.setitem(triton_recurrent.LAUNCH, "ONE_PASS", True)
+def test_recurrent_one_pass_form_matches_naive(B, T, H, HV, D):
+    """The kernel's step takes the error and the output from the state before it (o = S^T (d q) + (beta k.q) err),
+    then updates: outputs and final state as the float64 recurrence's, with and without an initial state, and
+    through a pool by slot, fp32."""
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
     ro, rs = naive64(q, k, v, g, beta, h0)
     o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
