@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19a | s19b | s19c | s19d | s19e | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -757,6 +757,87 @@ s18g)
   timeout 90 python3 benchmarks/kda.py --decode-only --no-fla --decode-forms > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep "^|" "$OUT/decode.log"
   ;;
+s19a)
+  # session 19: the intra kernel storing kg and kbg = beta k exp2(Gamma) (LAUNCH["intra"]["KG_INFER" / "KG_TRAIN"]),
+  # so the w/u kernel reads neither k nor the fp32 Gamma: per kernel, on / off, inference forward then fwd+bwd, at
+  # the two short shapes; then issue 4's chunk table with both on
+  for shape in 8,4096,16,128 16,2048,32,64; do
+    for kg in True False; do
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only --shape $shape \
+        --set intra.KG_INFER=$kg > "$OUT/t.log" 2>&1
+      echo "fwd-only $shape KG_INFER=$kg rc=$?"; grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log"
+    done
+    for kg in True False; do
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --set intra.KG_TRAIN=$kg \
+        > "$OUT/t.log" 2>&1
+      echo "fwd+bwd $shape KG_TRAIN=$kg rc=$?"; grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log"
+    done
+  done
+  timeout 240 python3 benchmarks/kda.py --no-decode > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s19b)
+  # session 19, scratch (the working tree of the call, not committed): what each piece of s19a's intra-kernel change
+  # costs in it, inference forward: intra.KG_INFER as a bit mask (1 kbg, 2 kg with the walk over later sub-chunks),
+  # intra.GL=1 Gamma stored at the chunks' last rows only (the w/u kernel then computes on unwritten values: times only)
+  for shape in 8,4096,16,128 16,2048,32,64; do
+    for sets in "0 0" "0 1" "1 0" "2 0" "1 1" "0 0"; do
+      set -- $sets
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only --shape $shape \
+        --set intra.KG_INFER=$1 --set intra.GL=$2 > "$OUT/t.log" 2>&1
+      echo "fwd-only $shape KG_INFER=$1 GL=$2 rc=$?"; grep -E "^\| _intra|^\| _wu|^\| total" "$OUT/t.log" | tr '\n' ' '
+      echo
+    done
+  done
+  ;;
+s19c)
+  # session 19: register caps (LAUNCH[...]["maxnreg"], Triton's maxnreg: fewer registers, some spills, more programs
+  # per multiprocessor) on the latency-bound kernels, per kernel (kda_tune.py --defaults, fwd+bwd and inference
+  # forward), at the two short shapes: the defaults, then two sets of caps (each kernel's cap in a set is read from
+  # its own row)
+  A="--set intra.maxnreg=200 --set wu.maxnreg=168 --set bwd_intra.maxnreg=200 --set scan.maxnreg=168"
+  B="--set intra.maxnreg=168 --set wu.maxnreg=128 --set bwd_intra.maxnreg=168 --set bwd_inter.maxnreg=128"
+  for shape in 8,4096,16,128 16,2048,32,64; do
+    for mode in "" "--fwd-only"; do
+      for sets in "" "$A" "$B"; do
+        timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape $mode $sets > "$OUT/t.log" 2>&1
+        echo "$shape ${mode:-fwd+bwd} ${sets:-defaults} rc=$?"
+        grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log" | grep -v nan | tr '\n' ' '; echo
+      done
+    done
+  done
+  ;;
+s19d)
+  # session 19: the w/u kernel's register cap (call 3: 168 took it 308 -> 279 us at (8,4096,16,128)) with its other
+  # launch settings, inference forward at (8,4096,16,128); then the cap at the long shape, whose w/u segments overlap
+  # the scan
+  for sets in "" "--set wu.maxnreg=168" "--set wu.maxnreg=168 --set wu.num_stages=1" \
+      "--set wu.maxnreg=168 --set wu.num_stages=3" "--set wu.maxnreg=168 --set wu.BV=128" \
+      "--set wu.maxnreg=168 --set wu.BV=32" "--set wu.maxnreg=128 --set wu.num_warps=8" \
+      "--set wu.maxnreg=200" "--set wu.maxnreg=144"; do
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only $sets > "$OUT/t.log" 2>&1
+    echo "8,4096,16,128 fwd-only ${sets:-defaults} rc=$?"
+    grep -E "^\| _wu|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
+  done
+  for sets in "" "--set wu.maxnreg=168"; do
+    timeout 90 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only --shape 2,16384,16,128 $sets \
+      > "$OUT/t.log" 2>&1
+    echo "2,16384,16,128 fwd-only ${sets:-defaults} rc=$?"
+    grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log" | grep -v nan | tr '\n' ' '; echo
+  done
+  ;;
+s19e)
+  # session 19's last call: the KDA GPU tests at the shipped code, beside every CUDA serving test (the decode step
+  # changed in session 18; needs the fastapi / openai wheels in .whl), then issue 4's whole table (four shapes and
+  # decode, k3 and fla in one process) once both are done
+  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
+    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+  serve_tests=$!
+  kda_gpu_tests
+  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+  timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s19)
   # prepared in session 18 for the next session's first call: the KDA GPU tests at the shipped code (session 18 ran
   # the chunk tests at 53616c4 and the recurrent ones at b3e1bab, not all at one commit), then issue 4's whole table
@@ -816,6 +897,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19a|s19b|s19c|s19d|s19e)" >&2; exit 2
   ;;
 esac

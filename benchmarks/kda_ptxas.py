@@ -145,7 +145,11 @@ def main() -> None:
                     "intra kernel's off-diagonal blocks (default: triton_chunk_bwd.LAUNCH)")
     ap.add_argument("--decode", action="store_true", help="instead: the recurrent decode kernel at the decode step "
                     "of benchmarks/kda.py")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one chunk kernel's LAUNCH "
+                    "entry (as kda_tune.py --set), e.g. intra.maxnreg=200; repeatable")
     args = ap.parse_args()
+    for item in args.set:
+        B.set_launch_entry(item)
     if args.decode:
         decode_table()
         return
@@ -176,7 +180,8 @@ def main() -> None:
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.launch_opts("solve"), {"Mout": "*bf16"}),
-        ("w, u", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": False}, F.launch_opts("wu"), {}),
+        ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
+         F.wu_launch(V, BK, True)[1], {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)

@@ -88,11 +88,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # (13), rows scaled by precomputed inverse norms at inference (14: this kernel +66-86 us, the norm passes -63),
     # every loaded row normalised here with rstd stored and k's rows scaled in the w/u kernel (16: this kernel +225 /
     # +266 us at K = 128 / 64 against the 146 us pass saved)
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1},
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
-    "solve": {"num_warps": 1, "num_stages": 1},
+    "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 0},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
@@ -101,7 +101,13 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # (call 3): within noise; and at K block 16 (K = 32, V = 32) the 8-warp launch hit an illegal memory access on the
     # H200 (GPU test test_chunk_gradients_with_the_wu_kernel_in_k_blocks, call 3), a compiler fault like the small V
     # blocks' below (v_block): 4 warps kept
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128},
+    # FWD_MAXNREG / FWD_BV: the forward's launch (no qg) at K block 128 (wu_launch): ptxas's register cap (180 -> 168
+    # registers, 28 bytes spilled: three 4-warp programs per multiprocessor in place of two) and its V block.
+    # H200, inference forward at (8, 4096, 16, 128), this kernel (kda_tune.py --fwd-only, 2026-11-30, RESULTS.md
+    # session 19): 308 us uncapped; capped at 168: 281 at V block 64 (also at 1 or 3 stages, or V block 32), 262 at
+    # V block 128; capped at 200: 308, at 144: 294, at 128 with 8 warps: 285; 452 -> 421 at (2, 16384, 16, 128) (in
+    # time segments). At K = 64 (96 registers) a cap changes nothing (292 against 289 at (16, 2048, 32, 64))
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
     # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
     # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
@@ -144,14 +150,21 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # call 1): removed
     "scan": {"num_warps": 4, "num_stages": 3, "BV": 64, "OUTPUT_FROM": 0, "INFER_SMALL_K_STAGES": 2,
              "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1,
-             "SEGMENT_PRIORITY": True},
-    "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
+             "SEGMENT_PRIORITY": True, "maxnreg": 0},
+    "output": {"num_warps": 4, "num_stages": 1, "BV": 64, "maxnreg": 0},
 }
 
 
 def launch_opts(name: str) -> dict[str, int]:
-    """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes)."""
-    return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+    """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes), and its register cap where set."""
+    return register_cap(LAUNCH[name], {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")})
+
+
+def register_cap(entry: dict, opts: dict) -> dict:
+    """`opts` with Triton's `maxnreg` (ptxas's register cap per thread) where the LAUNCH entry's "maxnreg" is set (0:
+    none, ptxas's own choice). A cap under a kernel's need spills to local memory but fits more programs on a
+    multiprocessor, which pays in the latency-bound kernels that run few warps at up to 255 registers."""
+    return {**opts, "maxnreg": entry["maxnreg"]} if entry.get("maxnreg") else opts
 
 
 def scan_opts(states: bool, BK: int) -> dict[str, int]:
@@ -181,6 +194,19 @@ def v_block(name: str, V: int, BK: int) -> int:
     if name == "wu":
         return max(bv, min(64, triton.next_power_of_2(V)))
     return min(bv, 32) if BK > 128 else bv
+
+
+def wu_launch(V: int, BK: int, forward: bool) -> tuple[int, dict[str, int]]:
+    """(V block, launch options) of the w/u kernel at value dim V, padded key dim BK: v_block and launch_opts, but
+    the forward's launch (`forward`: no qg stored) at K block 128 takes LAUNCH["wu"]'s FWD_BV and register cap
+    FWD_MAXNREG (0: none), the launch measured with them (LAUNCH's comment). The backward's recompute (qg too, 245
+    registers) keeps the plain launch."""
+    bv, opts = v_block("wu", V, BK), launch_opts("wu")
+    cap = LAUNCH["wu"]["FWD_MAXNREG"]
+    if forward and cap and min(BK, LAUNCH["wu"]["BK"]) == 128:
+        bv = max(bv, min(LAUNCH["wu"]["FWD_BV"], triton.next_power_of_2(V)))
+        opts = {**opts, "maxnreg": cap}
+    return bv, opts
 
 
 def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
@@ -236,8 +262,9 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     varlen, prec = cu_seqlens is not None, fp32_dot_precision() if dt == torch.float32 else "tf32"
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
     wu_ptrs = (k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg)
-    wu_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": min(BK, LAUNCH["wu"]["BK"]), "BV": v_block("wu", V, BK), "BT": BT,
-             "STORE_QG": q is not None, "PREC": prec, **launch_opts("wu")}
+    wu_bv, wu_opts = wu_launch(V, BK, forward=q is None)
+    wu_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": min(BK, LAUNCH["wu"]["BK"]), "BV": wu_bv, "BT": BT,
+             "STORE_QG": q is not None, "PREC": prec, **wu_opts}
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)

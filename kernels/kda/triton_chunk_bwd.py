@@ -55,7 +55,7 @@ import triton.language as tl
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import LAUNCH as FWD_LAUNCH
-from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, scan_v_block
+from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, register_cap, scan_v_block
 from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
 from .triton_intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
 from .triton_l2norm import l2norm_bwd_from_y
@@ -83,7 +83,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     # at 2, two). At (16, 2048, 32, 64), fwd+bwd 4.611 ms at 3 / 3 stages (this scan / the forward's), 4.584 at 2 / 3,
     # 4.596 at 3 / 2, 4.568 at 2 / 2 (kda.py, 2026-11-30, RESULTS.md session 17, call 5)
     "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 128, "PREC": "bf16", "WIDE_WARPS": 8, "WIDE_STAGES": 2,
-                 "SMALL_K_STAGES": 2},
+                 "SMALL_K_STAGES": 2, "maxnreg": 0},
     # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
     # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
     # HALF_PARTIALS: its partial dq and dk (dqs, dkk [T_all, HV, K], read back by the intra kernel) stored in the
@@ -99,7 +99,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py (RESULTS.md session 16,
     # call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 / 1,348 / 1,196 at (16, 2048, 32, 64)
     "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
-                  "EARLY_LOADS": 2},
+                  "EARLY_LOADS": 2, "maxnreg": 0},
     # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
     # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
     # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
@@ -135,10 +135,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # ptxas (sm_90a, K = 128): 255 registers either way, spills 24 -> 32 bytes a thread. The row sums taken by the
     # inter kernel with its do tiles instead (call 3) spilled there (124 -> 176 bytes) and lost: inter 1,349 -> 1,516
     # us, this kernel 1,510 -> 1,464, total 4,969 -> 5,092: removed
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": True},
+    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": True, "maxnreg": 0},
     # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
     # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
-    "bwd_dg": {"num_warps": 4, "BK": 64},
+    "bwd_dg": {"num_warps": 4, "BK": 64, "maxnreg": 0},
 }
 
 
@@ -159,7 +159,7 @@ def set_launch_entry(item: str) -> tuple[dict, str, object]:
 
 
 def _opts(name: str) -> dict[str, int]:
-    return {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")}
+    return register_cap(LAUNCH[name], {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")})
 
 
 def q_norm_from_output(H: int, HV: int, K: int) -> bool:
@@ -184,7 +184,8 @@ def bwd_scan_launch(V: int, BK: int, seq_heads: int, sms: int) -> tuple[int, dic
     bv = scan_v_block(min(bv, 64) if BK > 128 else bv, V, seq_heads, sms)
     opts = _opts("bwd_scan")
     if bv >= 128:
-        opts = {"num_warps": LAUNCH["bwd_scan"]["WIDE_WARPS"], "num_stages": LAUNCH["bwd_scan"]["WIDE_STAGES"]}
+        opts = register_cap(LAUNCH["bwd_scan"], {"num_warps": LAUNCH["bwd_scan"]["WIDE_WARPS"],
+                                                 "num_stages": LAUNCH["bwd_scan"]["WIDE_STAGES"]})
     elif BK <= 64:
         opts = {**opts, "num_stages": LAUNCH["bwd_scan"]["SMALL_K_STAGES"]}
     return bv, opts

@@ -638,6 +638,52 @@ def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
     assert fwd.v_block("scan", 128, 256) == 32
 
 
+def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch):
+    """wu_launch: the forward's w/u launch (no qg) at K block 128 takes FWD_BV and the register cap FWD_MAXNREG; the
+    backward's recompute, K <= 64, or a cap of 0 keep v_block and launch_opts. A LAUNCH entry's own "maxnreg" (0 by
+    default) reaches its kernel's options (register_cap), forward and backward. And the forward passes wu_launch's
+    block and cap to the kernel (a launch that records its keywords; the interpreter ignores maxnreg)."""
+    from k3.kernels.kda import triton_chunk as fwd
+    from k3.kernels.kda import triton_chunk_bwd as bwd
+
+    plain = fwd.launch_opts("wu")
+    assert "maxnreg" not in plain
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 168)
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_BV", 128)
+    assert fwd.wu_launch(128, 128, True) == (128, {**plain, "maxnreg": 168})
+    assert fwd.wu_launch(60, 128, True) == (64, {**plain, "maxnreg": 168})  # at most next_pow2(V)
+    assert fwd.wu_launch(128, 256, True)[1]["maxnreg"] == 168  # K = 256: two K blocks of 128
+    assert fwd.wu_launch(128, 128, False) == (fwd.v_block("wu", 128, 128), plain)  # the recompute (qg)
+    assert fwd.wu_launch(64, 64, True) == (64, plain)  # K block 64
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 0)
+    assert fwd.wu_launch(128, 128, True) == (fwd.v_block("wu", 128, 128), plain)
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "maxnreg", 200)
+    monkeypatch.setitem(bwd.LAUNCH["bwd_intra"], "maxnreg", 192)
+    assert fwd.intra_opts(128)["maxnreg"] == 200 and fwd.intra_opts(32)["maxnreg"] == 200
+    assert bwd.intra_launch(128)[1]["maxnreg"] == 192
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "maxnreg", 0)
+    assert "maxnreg" not in fwd.intra_opts(128)
+
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 168)
+    seen, real = [], fwd._wu_kernel
+
+    class Spy:
+        __name__ = "_wu_kernel"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BV"], kw.get("maxnreg"), kw["STORE_QG"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(fwd, "_wu_kernel", Spy())
+    q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 128, 128, torch.float32)
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
+    ro, _ = naive_recurrent_kda(*(x.double().cpu() for x in (q, k, v, g, beta)), initial_state=h0.double().cpu())
+    assert seen == [(128, 168, False)]
+    assert_close("o", ro, o, 0.005)
+
+
 def test_scan_v_block_splits_when_few_sequences():
     """The state scans halve their V block (down to 16) while N * HV * V / BV programs, halved, stay below the
     multiprocessor count."""
