@@ -835,6 +835,10 @@ s19e)
   serve_tests=$!
   kda_gpu_tests
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+  for sets in "" "--set solve.maxnreg=96" "--set solve.maxnreg=112"; do  # the solve's register cap (1 warp, 133)
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape 16,2048,32,64 $sets > "$OUT/t.log" 2>&1
+    echo "16,2048,32,64 fwd+bwd ${sets:-defaults} rc=$?"; grep -E "^\| _solve|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
+  done
   timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
