@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19a | s19b | s19c | s19d | s19e | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19a | s19b | s19c | s19d | s19e | s19f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -842,6 +842,25 @@ s19e)
   timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s19f)
+  # session 19: the KDA GPU tests with the solve capped at 112 registers (as shipped next), beside every CUDA serving
+  # test (now with opentelemetry-api in .whl, which fastapi 0.165 imports); the solve's cap per kernel; then issue
+  # 4's whole table
+  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
+    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+  serve_tests=$!
+  kda_gpu_tests
+  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+  for shape in 16,2048,32,64 8,4096,16,128; do
+    for cap in 0 104 112; do
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --set solve.maxnreg=$cap \
+        > "$OUT/t.log" 2>&1
+      echo "$shape fwd+bwd solve.maxnreg=$cap rc=$?"; grep -E "^\| _solve|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
+    done
+  done
+  timeout 300 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s19)
   # prepared in session 18 for the next session's first call: the KDA GPU tests at the shipped code (session 18 ran
   # the chunk tests at 53616c4 and the recurrent ones at b3e1bab, not all at one commit), then issue 4's whole table
@@ -901,6 +920,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19a|s19b|s19c|s19d|s19e)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19a|s19b|s19c|s19d|s19e|s19f)" >&2; exit 2
   ;;
 esac
