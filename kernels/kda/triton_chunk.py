@@ -93,8 +93,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
     # maxnreg 112: the training solve (133 registers at 1 warp) fits in 112 without spills (ptxas, sm_90a), 18
-    # programs per multiprocessor in place of 15. H200, (16, 2048, 32, 64) fwd+bwd, this kernel (kda_tune.py, 2026-11-30,
-    # RESULTS.md session 19): 150 us uncapped, 138 at 112, 162 at 96 (8 bytes spilled)
+    # programs per multiprocessor in place of 15. H200, (16, 2048, 32, 64) fwd+bwd, this kernel (kda_tune.py,
+    # 2026-11-30, RESULTS.md session 19): 150 us uncapped, 138 at 112, 162 at 96 (8 bytes spilled)
     "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 112},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
