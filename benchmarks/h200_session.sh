@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19a | s19b | s19c | s19d | s19e | s19f | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -757,39 +757,6 @@ s18g)
   timeout 90 python3 benchmarks/kda.py --decode-only --no-fla --decode-forms > "$OUT/decode.log" 2>&1
   echo "decode rc=$?"; grep "^|" "$OUT/decode.log"
   ;;
-s19a)
-  # session 19: the intra kernel storing kg and kbg = beta k exp2(Gamma) (LAUNCH["intra"]["KG_INFER" / "KG_TRAIN"]),
-  # so the w/u kernel reads neither k nor the fp32 Gamma: per kernel, on / off, inference forward then fwd+bwd, at
-  # the two short shapes; then issue 4's chunk table with both on
-  for shape in 8,4096,16,128 16,2048,32,64; do
-    for kg in True False; do
-      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only --shape $shape \
-        --set intra.KG_INFER=$kg > "$OUT/t.log" 2>&1
-      echo "fwd-only $shape KG_INFER=$kg rc=$?"; grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log"
-    done
-    for kg in True False; do
-      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --set intra.KG_TRAIN=$kg \
-        > "$OUT/t.log" 2>&1
-      echo "fwd+bwd $shape KG_TRAIN=$kg rc=$?"; grep -E "^\| _|^\| torch|^\| total" "$OUT/t.log"
-    done
-  done
-  timeout 240 python3 benchmarks/kda.py --no-decode > "$OUT/kda.log" 2>&1
-  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
-  ;;
-s19b)
-  # session 19, scratch (the working tree of the call, not committed): what each piece of s19a's intra-kernel change
-  # costs in it, inference forward: intra.KG_INFER as a bit mask (1 kbg, 2 kg with the walk over later sub-chunks),
-  # intra.GL=1 Gamma stored at the chunks' last rows only (the w/u kernel then computes on unwritten values: times only)
-  for shape in 8,4096,16,128 16,2048,32,64; do
-    for sets in "0 0" "0 1" "1 0" "2 0" "1 1" "0 0"; do
-      set -- $sets
-      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --fwd-only --shape $shape \
-        --set intra.KG_INFER=$1 --set intra.GL=$2 > "$OUT/t.log" 2>&1
-      echo "fwd-only $shape KG_INFER=$1 GL=$2 rc=$?"; grep -E "^\| _intra|^\| _wu|^\| total" "$OUT/t.log" | tr '\n' ' '
-      echo
-    done
-  done
-  ;;
 s19c)
   # session 19: register caps (LAUNCH[...]["maxnreg"], Triton's maxnreg: fewer registers, some spills, more programs
   # per multiprocessor) on the latency-bound kernels, per kernel (kda_tune.py --defaults, fwd+bwd and inference
@@ -920,6 +887,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19a|s19b|s19c|s19d|s19e|s19f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f)" >&2; exit 2
   ;;
 esac
