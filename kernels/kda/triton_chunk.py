@@ -93,8 +93,9 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
     # maxnreg 112: the training solve (133 registers at 1 warp) fits in 112 without spills (ptxas, sm_90a), 18
-    # programs per multiprocessor in place of 15. H200, (16, 2048, 32, 64) fwd+bwd, this kernel (kda_tune.py,
-    # 2026-11-30, RESULTS.md session 19): 150 us uncapped, 138 at 112, 162 at 96 (8 bytes spilled)
+    # programs per multiprocessor in place of 15 (the inference solve, from L, needs fewer: the cap leaves it
+    # alone). H200, (16, 2048, 32, 64) fwd+bwd, this kernel (kda_tune.py, 2026-11-30, RESULTS.md session 19): 150 us
+    # uncapped, 138 at 112 (139 in a second run, 145 at 104), 162 at 96 (8 bytes spilled)
     "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 112},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
@@ -165,8 +166,9 @@ def launch_opts(name: str) -> dict[str, int]:
 
 def register_cap(entry: dict, opts: dict) -> dict:
     """`opts` with Triton's `maxnreg` (ptxas's register cap per thread) where the LAUNCH entry's "maxnreg" is set (0:
-    none, ptxas's own choice). A cap under a kernel's need spills to local memory but fits more programs on a
-    multiprocessor, which pays in the latency-bound kernels that run few warps at up to 255 registers."""
+    none, ptxas's own choice). A cap fits more programs on a multiprocessor; under a kernel's need it spills to local
+    memory. H200 (RESULTS.md session 19): it paid where the kernel fits without spills (the solve) or moves bytes
+    (the w/u kernel, wu_launch), and lost 50-1,500 us in the instruction-bound intra, scan and gradient kernels."""
     return {**opts, "maxnreg": entry["maxnreg"]} if entry.get("maxnreg") else opts
 
 
