@@ -92,11 +92,12 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
-    # maxnreg 112: the training solve (133 registers at 1 warp) fits in 112 without spills (ptxas, sm_90a), 18
-    # programs per multiprocessor in place of 15 (the inference solve, from L, needs fewer: the cap leaves it
-    # alone). H200, (16, 2048, 32, 64) fwd+bwd, this kernel (kda_tune.py, 2026-11-30, RESULTS.md session 19): 150 us
-    # uncapped, 138 at 112 (139 in a second run, 145 at 104), 162 at 96 (8 bytes spilled)
-    "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 112},
+    # TRAIN_MAXNREG: the training solve's register cap (solve_opts; from Akk and beta, 133 registers at 1 warp): 112
+    # fits without spills (ptxas, sm_90a), 18 programs per multiprocessor in place of 15. H200, (16, 2048, 32, 64)
+    # fwd+bwd, this kernel (kda_tune.py, 2026-11-30, RESULTS.md session 19): 150 us uncapped, 138 at 112 (139 in a
+    # second run, 145 at 104), 162 at 96 (8 bytes spilled). The inference solve (from L) takes 102 registers
+    # uncapped, 19 programs; a cap of 112 would grow it to 112 (ptxas), so it runs uncapped
+    "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 0, "TRAIN_MAXNREG": 112},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
     # 9); heads with K > 128 go in blocks of 128
@@ -170,6 +171,13 @@ def register_cap(entry: dict, opts: dict) -> dict:
     memory. H200 (RESULTS.md session 19): it paid where the kernel fits without spills (the solve) or moves bytes
     (the w/u kernel, wu_launch), and lost 50-1,500 us in the instruction-bound intra, scan and gradient kernels."""
     return {**opts, "maxnreg": entry["maxnreg"]} if entry.get("maxnreg") else opts
+
+
+def solve_opts(from_akk: bool) -> dict[str, int]:
+    """Launch options of the solve: launch_opts, and with `from_akk` (a training forward: Akk and beta) the register
+    cap TRAIN_MAXNREG (0: none)."""
+    cap = LAUNCH["solve"]["TRAIN_MAXNREG"]
+    return {**launch_opts("solve"), "maxnreg": cap} if from_akk and cap else launch_opts("solve")
 
 
 def scan_opts(states: bool, BK: int) -> dict[str, int]:
@@ -385,7 +393,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         if g_check:
             torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
-                                    BETA=store_akk, **common, **launch_opts("solve"))
+                                    BETA=store_akk, **common, **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
         scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)

@@ -684,6 +684,35 @@ def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch):
     assert_close("o", ro, o, 0.005)
 
 
+def test_solve_register_cap_only_in_a_training_forward(monkeypatch):
+    """solve_opts: the register cap TRAIN_MAXNREG goes to the training solve (from Akk and beta) only; the inference
+    solve (from L) takes launch_opts. chunk_fwd_pipeline launches each accordingly (a spy on the launch keywords)."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    monkeypatch.setitem(fwd.LAUNCH["solve"], "TRAIN_MAXNREG", 112)
+    assert fwd.solve_opts(True) == {**fwd.launch_opts("solve"), "maxnreg": 112}
+    assert fwd.solve_opts(False) == fwd.launch_opts("solve") and "maxnreg" not in fwd.solve_opts(False)
+    seen, real = [], fwd._solve_kernel
+
+    class Spy:
+        __name__ = "_solve_kernel"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BETA"], kw.get("maxnreg")))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(fwd, "_solve_kernel", Spy())
+    q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
+    kw = {"scale": 32**-0.5, "safe_shift": None, "chunk_size": 64, "cu_seqlens": None, "h_fp32": False}
+    for store_akk in (True, False):
+        fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, store_akk=store_akk, **kw)
+    assert seen == [(True, 112), (False, None)]
+    monkeypatch.setitem(fwd.LAUNCH["solve"], "TRAIN_MAXNREG", 0)
+    assert "maxnreg" not in fwd.solve_opts(True)
+
+
 def test_scan_v_block_splits_when_few_sequences():
     """The state scans halve their V block (down to 16) while N * HV * V / BV programs, halved, stay below the
     multiprocessor count."""
