@@ -713,6 +713,30 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch):
     assert "maxnreg" not in fwd.solve_opts(True)
 
 
+@pytest.mark.skipif(not CUDA, reason="torch.compile traces the Triton launches only as GPU (JIT) kernels")
+def test_chunk_kda_under_torch_compile_matches_eager():
+    """chunk_kda inside torch.compile (as `k3 pretrain` with train.compile): dynamo traces the autograd Function and its
+    Triton launches, including the launch options beyond num_warps / num_stages (the w/u kernel's and the training
+    solve's register caps, `maxnreg`). Output, final state and every gradient equal the eager call's (bf16, K = 128,
+    safe gate, l2norm in kernel: the launches with caps)."""
+    torch._dynamo.reset()
+    q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 2, 128, 128, torch.bfloat16)
+    g = g.clamp_min(-5.0)
+
+    def step(q, k, v, g, beta, h0):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,
+                         lower_bound=-5.0, use_qk_l2norm_in_kernel=True)
+        return (o.float() ** 2).sum() + s.sum()
+
+    grads = []
+    for fn in (step, torch.compile(step)):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        loss = fn(*leaves)
+        grads.append([loss.detach(), *torch.autograd.grad(loss, leaves)])
+    for name, a, b in zip(("loss", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *grads, strict=True):
+        assert_close(f"{name} (compiled vs eager)", a.double(), b.double(), 1e-3)
+
+
 def test_scan_v_block_splits_when_few_sequences():
     """The state scans halve their V block (down to 16) while N * HV * V / BV programs, halved, stay below the
     multiprocessor count."""
