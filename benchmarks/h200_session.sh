@@ -53,6 +53,15 @@ kda_gpu_tests() {
     -n 8 > "$OUT/ktests.log" 2>&1
   echo "kda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -12
 }
+# the KDA GPU tests beside every CUDA serving test (-n 3; needs the serving wheels in .whl: fastapi,
+# opentelemetry-api, openai, httpx2, ...), the serving log's summary after both
+kda_and_serve_tests() {
+  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
+    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+  local serve_tests=$!
+  kda_gpu_tests
+  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+}
 # at the two long shapes (or $SHAPES), kda_tune.py --defaults once per argument (each a set of extra flags; "" for as
 # shipped): the intra, w/u, scan, output and backward kernels and the total, us per fwd+bwd
 long_shapes_tune() {
@@ -797,11 +806,7 @@ s19e)
   # session 19's last call: the KDA GPU tests at the shipped code, beside every CUDA serving test (the decode step
   # changed in session 18; needs the fastapi / openai wheels in .whl), then issue 4's whole table (four shapes and
   # decode, k3 and fla in one process) once both are done
-  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
-    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
-  serve_tests=$!
-  kda_gpu_tests
-  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+  kda_and_serve_tests
   for sets in "" "--set solve.maxnreg=96" "--set solve.maxnreg=112"; do  # the solve's register cap (1 warp, 133)
     timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape 16,2048,32,64 $sets > "$OUT/t.log" 2>&1
     echo "16,2048,32,64 fwd+bwd ${sets:-defaults} rc=$?"; grep -E "^\| _solve|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
@@ -813,11 +818,7 @@ s19f)
   # session 19: the KDA GPU tests with the solve capped at 112 registers (as shipped next), beside every CUDA serving
   # test (now with opentelemetry-api in .whl, which fastapi 0.165 imports); the solve's cap per kernel; then issue
   # 4's whole table
-  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
-    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
-  serve_tests=$!
-  kda_gpu_tests
-  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
+  kda_and_serve_tests
   for shape in 16,2048,32,64 8,4096,16,128; do
     for cap in 0 104 112; do
       timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 3 --shape $shape --set solve.maxnreg=$cap \
@@ -835,11 +836,7 @@ s20)
   # (call 7); then test_decode_compile.py's CUDA tests in one process (flaky, or order-dependent?). Needs the fastapi,
   # opentelemetry-api, openai, httpx2, httpcore2 and truststore wheels in .whl. (2) SMALL_K_GAMMA_FROM_G off / on
   # twice, inference forward at (16,2048,32,64) (prediction: intra -25 us, w/u +0 to +15). (3) Issue 4's table
-  K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
-    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
-  serve_tests=$!
-  kda_gpu_tests
-  wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -6
+  kda_and_serve_tests
   K3_KERNELS=triton timeout -s INT -k 10 120 python3 -m pytest tests/serve/test_decode_compile.py -q \
     -p no:cacheprovider -rfs -k cuda > "$OUT/serve_compile.log" 2>&1
   echo "test_decode_compile.py in one process rc=$?"; grep -E "^FAILED|passed|failed|capture failed" \
