@@ -10,6 +10,8 @@ import triton.language as tl
 
 from .triton_common import _chunk_bounds, _seq_bounds
 
+RCP_LN2: tl.constexpr = tl.constexpr(1.4426950408889634)  # 1 / ln 2 (triton_chunk.RCP_LN2, which imports this module)
+
 
 @triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
@@ -36,9 +38,9 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
         b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_k = b_k.to(tl.float32)
         b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if FROM_G:  # rows past the end read g = 0: the sums stop at the last valid row
-            b_Gl = tl.sum(b_G, axis=0) * 1.4426950408889634
-            b_G = tl.cumsum(b_G, axis=0) * 1.4426950408889634
+        if FROM_G:  # rows past the end read g = 0: the sums stop at the last valid row; log2 units (x 1 / ln 2)
+            b_Gl = tl.sum(b_G, axis=0) * RCP_LN2
+            b_G = tl.cumsum(b_G, axis=0) * RCP_LN2
         else:
             b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # last row
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
