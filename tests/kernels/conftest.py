@@ -109,6 +109,27 @@ def launch_spy(monkeypatch):
     return spy
 
 
+@pytest.fixture
+def launch_kwargs(monkeypatch):
+    """spy(module, name, keys): replace kernel `name` of `module` by a wrapper that records, per launch, the tuple of
+    the given launch keywords (None for one not passed: e.g. `maxnreg` where no register cap is set), then launches
+    it; returns the list the tuples go to (restored after the test)."""
+    def spy(module, name, keys):
+        seen, real = [], getattr(module, name)
+
+        def launcher(grid):
+            def launch(*args, **kw):
+                seen.append(tuple(kw.get(k) for k in keys))
+                return real[grid](*args, **kw)
+            return launch
+
+        monkeypatch.setattr(module, name, type("Spy", (), {"__name__": name,
+                                                           "__getitem__": lambda _, grid: launcher(grid)})())
+        return seen
+
+    return spy
+
+
 @pytest.fixture(autouse=True, scope="session")
 def kda_launch_overrides():
     """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton_chunk or

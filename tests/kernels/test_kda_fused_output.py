@@ -173,27 +173,12 @@ def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy, recompute):
     assert_close("ht (V block 16 vs recurrence)", rs, s_4, 0.005)
 
 
-def _kwarg_spy(monkeypatch, name, keys):
-    """Replace triton_chunk's kernel `name` by a wrapper that records the given launch keywords of each launch."""
-    seen, real = [], getattr(fwd, name)
-
-    class Spy:
-        __name__ = name
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(tuple(kw[k] for k in keys))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(fwd, name, Spy())
-    return seen
-
 
 @pytest.mark.parametrize("T,H,HV,K,V,BT,safe,h0,cu", CASES, ids=[
     f"T{c[0]}-H{c[1]}-HV{c[2]}-K{c[3]}-V{c[4]}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-h0' if c[7] else ''}"
     f"{'-varlen' if c[8] else ''}" for c in CASES])
-def test_gamma_from_g_matches_recurrence(T, H, HV, K, V, BT, safe, h0, cu, monkeypatch, launch_spy):
+def test_gamma_from_g_matches_recurrence(T, H, HV, K, V, BT, safe, h0, cu, monkeypatch, launch_spy,
+                                         launch_kwargs):
     """LAUNCH["wu"]["SMALL_K_GAMMA_FROM_G"]: at K <= 64 an inference forward whose w/u kernel takes Gamma from g
     (FROM_G) while the intra kernel stores Gamma at the chunks' last rows only (GAM_LAST; the other rows stay
     NaN-poisoned, so a read of them would show) gives the float64 recurrence's output and final state, and the
@@ -201,8 +186,8 @@ def test_gamma_from_g_matches_recurrence(T, H, HV, K, V, BT, safe, h0, cu, monke
     xs = _inputs(T, H, HV, K, V, 1 if cu is None else len(cu) - 1)
     o_d, s_d, _, _ = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=safe, h0=h0, cu=cu)
     monkeypatch.setitem(fwd.LAUNCH["wu"], "SMALL_K_GAMMA_FROM_G", True)
-    intra = _kwarg_spy(monkeypatch, "_intra_sub_kernel", ("GAM_LAST",))
-    wu = _kwarg_spy(monkeypatch, "_wu_kernel", ("FROM_G",))
+    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("GAM_LAST",))
+    wu = launch_kwargs(fwd, "_wu_kernel", ("FROM_G",))
     o_g, s_g, _, _ = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=safe, h0=h0, cu=cu)
     on = max(16, 1 << (K - 1).bit_length()) <= 64  # the padded key dim
     assert intra == [(on,)] and wu and set(wu) == {(on,)}
@@ -213,14 +198,14 @@ def test_gamma_from_g_matches_recurrence(T, H, HV, K, V, BT, safe, h0, cu, monke
     assert_close("ht (Gamma from g vs stored)", s_d, s_g, 1e-5)
 
 
-def test_gamma_from_g_leaves_training_unchanged(monkeypatch, launch_spy):
+def test_gamma_from_g_leaves_training_unchanged(monkeypatch, launch_spy, launch_kwargs):
     """A training forward keeps all of Gamma for its backward: SMALL_K_GAMMA_FROM_G changes neither its launches nor
     any output or gradient (bit for bit)."""
     xs = _inputs(70, 1, 2, 32, 32, 1)
     o_d, s_d, _, g_d = _run(monkeypatch, launch_spy, xs, 0, BT=64, safe=True, h0=True, cu=None, grad=True)
     monkeypatch.setitem(fwd.LAUNCH["wu"], "SMALL_K_GAMMA_FROM_G", True)
-    intra = _kwarg_spy(monkeypatch, "_intra_sub_kernel", ("GAM_LAST",))
-    wu = _kwarg_spy(monkeypatch, "_wu_kernel", ("FROM_G",))
+    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("GAM_LAST",))
+    wu = launch_kwargs(fwd, "_wu_kernel", ("FROM_G",))
     o_g, s_g, _, g_g = _run(monkeypatch, launch_spy, xs, 0, BT=64, safe=True, h0=True, cu=None, grad=True)
     assert intra == [(False,)] and set(wu) == {(False,)}
     assert torch.equal(o_d, o_g) and torch.equal(s_d, s_g)

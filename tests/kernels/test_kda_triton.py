@@ -638,7 +638,7 @@ def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
     assert fwd.v_block("scan", 128, 256) == 32
 
 
-def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch):
+def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch, launch_kwargs):
     """wu_launch: the forward's w/u launch (no qg) at K block 128 takes FWD_BV and the register cap FWD_MAXNREG; the
     backward's recompute, K <= 64, or a cap of 0 keep v_block and launch_opts. A LAUNCH entry's own "maxnreg" (0 by
     default) reaches its kernel's options (register_cap), forward and backward. And the forward passes wu_launch's
@@ -665,18 +665,7 @@ def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch):
     assert "maxnreg" not in fwd.intra_opts(128)
 
     monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 168)
-    seen, real = [], fwd._wu_kernel
-
-    class Spy:
-        __name__ = "_wu_kernel"
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["BV"], kw.get("maxnreg"), kw["STORE_QG"]))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(fwd, "_wu_kernel", Spy())
+    seen = launch_kwargs(fwd, "_wu_kernel", ("BV", "maxnreg", "STORE_QG"))
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 128, 128, torch.float32)
     o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
     ro, _ = naive_recurrent_kda(*(x.double().cpu() for x in (q, k, v, g, beta)), initial_state=h0.double().cpu())
@@ -684,7 +673,7 @@ def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch):
     assert_close("o", ro, o, 0.005)
 
 
-def test_solve_register_cap_only_in_a_training_forward(monkeypatch):
+def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwargs):
     """solve_opts: the register cap TRAIN_MAXNREG goes to the training solve (from Akk and beta) only; the inference
     solve (from L) takes launch_opts. chunk_fwd_pipeline launches each accordingly (a spy on the launch keywords)."""
     from k3.kernels.kda import triton_chunk as fwd
@@ -692,18 +681,7 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch):
     monkeypatch.setitem(fwd.LAUNCH["solve"], "TRAIN_MAXNREG", 112)
     assert fwd.solve_opts(True) == {**fwd.launch_opts("solve"), "maxnreg": 112}
     assert fwd.solve_opts(False) == fwd.launch_opts("solve") and "maxnreg" not in fwd.solve_opts(False)
-    seen, real = [], fwd._solve_kernel
-
-    class Spy:
-        __name__ = "_solve_kernel"
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["BETA"], kw.get("maxnreg")))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(fwd, "_solve_kernel", Spy())
+    seen = launch_kwargs(fwd, "_solve_kernel", ("BETA", "maxnreg"))
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
     kw = {"scale": 32**-0.5, "safe_shift": None, "chunk_size": 64, "cu_seqlens": None, "h_fp32": False}
     for store_akk in (True, False):
