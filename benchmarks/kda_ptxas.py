@@ -175,8 +175,7 @@ def main() -> None:
                   ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "GAM_LAST": False}, F.intra_opts(intra["BK"]),
-           {"beta": "*fp32"})
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
           for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
@@ -184,11 +183,10 @@ def main() -> None:
         ("solve (inference: from L)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32"},
          F.solve_opts(False), {"Mout": "*bf16"}),
-        *[(f"w, u (forward{name})", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0],
-                                                    "STORE_QG": False, "FROM_G": from_g},
-           F.wu_launch(V, BK, True)[1], {}) for name, from_g in (("", False), ("; Gamma from g", True))],
-        ("w, u (backward recompute: qg too)", F._wu_kernel,
-         {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True, "FROM_G": False}, F.launch_opts("wu"), {}),
+        ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
+         F.wu_launch(V, BK, True)[1], {}),
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
+         F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
            {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, "STORE_STATES": st},

@@ -112,14 +112,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # session 19): 308 us uncapped; capped at 168: 281 at V block 64 (also at 1 or 3 stages, or V block 32), 262 at
     # V block 128; capped at 200: 308, at 144: 294, at 128 with 8 warps: 285; 452 -> 421 at (2, 16384, 16, 128) (in
     # time segments). At K = 64 (96 registers) a cap changes nothing (292 against 289 at (16, 2048, 32, 64))
-    # SMALL_K_GAMMA_FROM_G: at K <= 64, an inference forward with the output fused in the scan has this kernel take
-    # Gamma from g itself (its FROM_G: the same bytes as Gamma) and the intra kernel store Gamma at the chunks' last
-    # rows only (GAM_LAST), which took the intra kernel 561 -> 536 us at (16, 2048, 32, 64) (H200, kda_tune.py
-    # --fwd-only, RESULTS.md session 19, call 2, without this kernel's side): off until timed. Not at K = 128: the
-    # intra kernel gained 7 us there (669 -> 662), and this kernel's forward launch would spill 192 bytes (ptxas at
-    # its cap of 168, against 28)
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128,
-           "SMALL_K_GAMMA_FROM_G": False},
+    # Gamma from g here at K <= 64 (tl.cumsum and tl.sum over the chunk's rows, for an inference forward whose intra
+    # kernel then stores Gamma at the chunks' last rows only) lost: H200, (16, 2048, 32, 64) inference forward,
+    # intra / this kernel / total us, twice each (kda_tune.py --fwd-only, 2026-11-30, RESULTS.md session 20): 565 /
+    # 291 / 1,344 and 565 / 292 / 1,343 without, 538 / 341 / 1,365 and 538 / 341 / 1,366 with: removed
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
     # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
     # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
@@ -243,7 +240,7 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False, g=None):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -256,9 +253,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`.
-    With g (the gate [B, T, HV, K] fp32, log units): the w/u kernel takes Gamma from g (FROM_G), and Gam needs only
-    each chunk's last valid row (the scan's decay)."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -283,10 +278,10 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
         return w, u, vnew, hbuf, ht, kg, qg
     varlen, prec = cu_seqlens is not None, fp32_dot_precision() if dt == torch.float32 else "tf32"
     qc = kg if q is None else q.contiguous()  # placeholder pointers without q (STORE_QG off)
-    wu_ptrs = (k, v, beta, Gam if g is None else g.contiguous(), Mm, w, u, kg, qc, qg if q is not None else kg)
+    wu_ptrs = (k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg)
     wu_bv, wu_opts = wu_launch(V, BK, forward=q is None)
     wu_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": min(BK, LAUNCH["wu"]["BK"]), "BV": wu_bv, "BT": BT,
-             "STORE_QG": q is not None, "FROM_G": g is not None, "PREC": prec, **wu_opts}
+             "STORE_QG": q is not None, "PREC": prec, **wu_opts}
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
@@ -347,8 +342,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                        cu_host=None, g_check=None, keep_states=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
-    (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32; Gam holds only each chunk's last
-    valid row in an inference forward whose w/u kernel takes Gamma from g, LAUNCH["wu"]["SMALL_K_GAMMA_FROM_G"]);
+    (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
     with `store_akk` (a training forward: the backward reads it) Akk = k k^T with decay, no beta, fp32
     [T_all, HV, BT], and Lkk None (the solve applies beta to Akk's rows itself); without, Lkk = diag(beta) Akk and
     Akk None. Of either, only the blocks j <= i of each chunk are written. cu_host: cu_seqlens as host ints, or
@@ -385,8 +379,6 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
     qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused else None
-    # an inference forward whose w/u kernel takes Gamma from g: Gam then holds the chunks' last rows only
-    gamma_from_g = fused and not store_akk and BK <= 64 and bool(LAUNCH["wu"]["SMALL_K_GAMMA_FROM_G"])
     if keep_states and fused:
         from .triton_chunk_bwd import recompute_dtypes  # here: that module imports this one
 
@@ -396,8 +388,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None,
-                 "GAM_LAST": gamma_from_g, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg if qg is not None else Lkk,
                                              chunk_indices, cu, float(scale), shift,
@@ -409,8 +400,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                                     BETA=store_akk, **common, **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states,
-        g=g if gamma_from_g else None)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
     r["states"] = (r["w"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None  # not u: the backward reads v_new
     if launch and not fused:
         BVo = v_block("output", V, BK)

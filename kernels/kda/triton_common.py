@@ -172,8 +172,7 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, GAM_LAST: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -192,9 +191,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     value, so the race is harmless). Before, each program stored its rows' minimum and a torch amin reduced them:
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
-    and Gamma this program holds anyway.
-    GAM_LAST: store Gamma at each chunk's last valid row only, the row the scan's decay reads (an inference forward
-    whose w/u kernel takes Gamma from g itself: triton_chunk.LAUNCH["wu"]["SMALL_K_GAMMA_FROM_G"])."""
+    and Gamma this program holds anyway."""
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -255,7 +252,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
             tl.store(Lkk + p_b, b_L * b_b[:, None], mask=m_i[:, None])
     # absolute Gamma = carry + cumsum, the carry into sub-chunk i being b_cj now
     b_Ga = b_G + ((b_cj + b_gn) * log2e)[None, :]
-    tl.store(Gam + p_ik, b_Ga, mask=(m_ik & (r_i == n_valid - 1)[:, None]) if GAM_LAST else m_ik)
+    tl.store(Gam + p_ik, b_Ga, mask=m_ik)
     if STORE_QG:  # computed as the w/u kernel's recompute does (the backward may read either), bit for bit
         tl.store(qg + p_ik, (b_q * tl.exp2(b_Ga)).to(qg.dtype.element_ty), mask=m_ik)
     b_Ad, b_Ld = _diag_block(b_q, b_k, b_G, e_q, shift, BC, SAFE, PREC)

@@ -10,17 +10,11 @@ import triton.language as tl
 
 from .triton_common import _chunk_bounds, _seq_bounds
 
-RCP_LN2: tl.constexpr = tl.constexpr(1.4426950408889634)  # 1 / ln 2 (triton_chunk.RCP_LN2, which imports this module)
-
 
 @triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, FROM_G: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
-    # FROM_G: `Gam` is the gate g (log units, fp32): Gamma = the chunk's cumsum of g / ln 2, Gamma_last its column
-    # sum over the valid rows, computed here from the bytes the kernel would read as Gamma (LAUNCH["wu"]
-    # ["SMALL_K_GAMMA_FROM_G"]; the intra kernel then stores Gamma at the chunks' last rows only)
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -38,16 +32,12 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
         b_k = tl.load(k + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
         b_k = b_k.to(tl.float32)
         b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if FROM_G:  # rows past the end read g = 0: the sums stop at the last valid row; log2 units (x 1 / ln 2)
-            b_Gl = tl.sum(b_G, axis=0) * RCP_LN2
-            b_G = tl.cumsum(b_G, axis=0) * RCP_LN2
-        else:
-            b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # last row
         p_tk = ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
         # kg = k e^(Gamma_last - Gamma), the keys the state scan adds to the state: computed here, where every chunk
         # is a program of its own, instead of inside the scan's sequential loop (which then loads kg in place of k
         # and the fp32 Gamma tile: 16 KB per step instead of 48 at BT = 64, K = 128, and no exponentials). Stored
         # before the w dot, so that k and Gamma are dead across it
+        b_Gl = tl.load(Gam + ((start + n_valid - 1) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)  # Gamma_last
         tl.store(kg + p_tk, (b_k * tl.exp2(b_Gl[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
         if STORE_QG:  # the backward's recompute: qg = scale q e^Gamma for its reverse scan, the same way
             b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
