@@ -123,14 +123,19 @@ def profile_once(xs, do, iters: int, fwd_only: bool = False) -> dict[str, float]
     return per
 
 
-def profile_fla(xs, do, iters: int) -> list[tuple[str, float, float]]:
-    """fla-core's chunk_kda fwd+bwd on the same inputs: [(kernel, us per fwd+bwd, calls per fwd+bwd)], slowest
-    first (fla's autotuning runs in the warm-up, outside the profile)."""
+def profile_fla(xs, do, iters: int, fwd_only: bool = False) -> list[tuple[str, float, float]]:
+    """fla-core's chunk_kda fwd+bwd (or with `fwd_only` its forward under no_grad, as k3's --fwd-only) on the same
+    inputs: [(kernel, us per step, calls per step)], slowest first (fla's autotuning runs in the warm-up, outside
+    the profile)."""
     from fla.ops.kda import chunk_kda as fla_chunk
 
     leaves = [x.detach().clone().requires_grad_() for x in xs]
 
     def step():
+        if fwd_only:
+            with torch.no_grad():
+                fla_chunk(*xs, **KW)
+            return
         for x in leaves:
             x.grad = None
         fla_chunk(*leaves, **KW)[0].backward(do)
@@ -187,8 +192,8 @@ def main():
                     "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
     ap.add_argument("--bwd-intra-bk", type=int, default=None, help="K block of the backward intra kernel (one "
                     "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
-    ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda fwd+bwd on the same inputs "
-                    "(installed in the benchmark environment only): its kernels, us per fwd+bwd")
+    ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda on the same inputs (installed in "
+                    "the benchmark environment only), fwd+bwd or with --fwd-only its forward: its kernels, us per step")
     ap.add_argument("--bwd-prec", default=bwd_mod.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
                     f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
     ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
@@ -273,8 +278,9 @@ def main():
         print("\n# torch ops of the last configuration, us per fwd+bwd: " + "; ".join(
             f"{name[:60]} {us:.0f}" for name, us in OTHER_OPS[-1].most_common(10)))
     if args.fla:  # where fla's time goes, same inputs and process: the side-by-side per stage
-        rows = profile_fla(xs, do, args.iters)
-        print(f"\n## fla-core chunk_kda fwd+bwd by kernel, us per fwd+bwd (total {sum(r[1] for r in rows):.0f})")
+        rows = profile_fla(xs, do, args.iters, args.fwd_only)
+        what = "inference forward" if args.fwd_only else "fwd+bwd"
+        print(f"\n## fla-core chunk_kda {what} by kernel, us per step (total {sum(r[1] for r in rows):.0f})")
         print("| kernel (name cut to 90) | calls | us |")
         print("|---|---:|---:|")
         for name, us, calls in rows:
