@@ -56,7 +56,15 @@ from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import LAUNCH as FWD_LAUNCH
 from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, register_cap, scan_v_block
-from .triton_common import _chunk_bounds, _dot, _seq_bounds, chunk_layout, fp32_dot_precision, launch_fitting
+from .triton_common import (
+    _chunk_bounds,
+    _dot,
+    _load_tril,
+    _seq_bounds,
+    chunk_layout,
+    fp32_dot_precision,
+    launch_fitting,
+)
 from .triton_intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
 from .triton_l2norm import l2norm_bwd_from_y
 
@@ -354,13 +362,13 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     m_t = o_t < n_valid
     p_tt = ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :]
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_M = tl.load(Mm + p_tt, mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0).to(tl.float32)
+    b_M = _load_tril(Mm + p_tt, o_t, m_t, False).to(tl.float32)
     b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     p_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
     if EARLY >= 2:
-        b_Akk = tl.load(Akk + p_tt, mask=m_t[:, None] & (o_t[None, :] < o_t[:, None]), other=0.0)
+        b_Akk = _load_tril(Akk + p_tt, o_t, m_t, True)
     for i_k in range(0, K, BKB):  # runtime loops, not unrolled: fewer live registers
         o_k = i_k + tl.arange(0, BKB)
         m_k = o_k < K
@@ -422,7 +430,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     m_strict = m_t[:, None] & (o_t[None, :] < o_t[:, None])
     b_dL = tl.where(m_strict, b_dL, 0.0)
     if EARLY < 2:
-        b_Akk = tl.load(Akk + p_tt, mask=m_strict, other=0.0)
+        b_Akk = _load_tril(Akk + p_tt, o_t, m_t, True)
     b_db += tl.sum(b_dL * b_Akk, axis=1)
     tl.store(db + (start + o_t) * HV + i_hv, b_db.to(db.dtype.element_ty), mask=m_t)
     tl.store(dAq + p_tt, tl.where(o_t[None, :] <= o_t[:, None], b_dAq, 0.0), mask=m_t[:, None])

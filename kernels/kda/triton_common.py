@@ -116,6 +116,17 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 
 @triton.jit
+def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
+    """A chunk's lower-triangular [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows): j <= i (j < i
+    with STRICT) as stored, 0 elsewhere and in rows past the end. Loaded with a mask of whole 16 x 16 blocks (the
+    blocks j // 16 <= i // 16, which the intra kernel and the solve write), then cut to the triangle in registers:
+    the element mask left each thread 2- or 4-byte loads (ptxas, sm_90a: 32 ld.global.b16 a thread in the w/u
+    kernel), the block mask 16-byte ones. What the upper part of a diagonal block holds (even NaN) is discarded."""
+    b = tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // 16) <= (o_t[:, None] // 16)), other=0.0)
+    return tl.where((o_t[None, :] < o_t[:, None]) if STRICT else (o_t[None, :] <= o_t[:, None]), b, 0.0)
+
+
+@triton.jit
 def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
     """(first token, end token, index of its first chunk among all chunks, number of chunks) of sequence i_n, for the
     state scans that walk one sequence's chunks in order (forward) or in reverse (backward). VARLEN 2: cu_seqlens

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds, _seq_bounds
+from .triton_common import _chunk_bounds, _load_tril, _seq_bounds
 
 
 @triton.jit
@@ -21,8 +21,7 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
     # M is lower-triangular: read only j <= i (the blocks the solve wrote)
-    b_M = tl.load(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
-                  mask=m_t[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.0)
+    b_M = _load_tril(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t, False)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
     # one block at K <= 128 with the default BK)
