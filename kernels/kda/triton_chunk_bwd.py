@@ -59,6 +59,7 @@ from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, register_cap, s
 from .triton_common import (
     _chunk_bounds,
     _dot,
+    _f32,
     _load_tril,
     _seq_bounds,
     chunk_layout,
@@ -355,6 +356,7 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     block's key-side tiles (Gamma, k, q) before its V loop rather than after it; 2, also v with the V loop's other
     tiles and Akk before the K loop (ptxas, sm_90a, 8 warps, bytes spilled a thread at K = 64 / 128: 0 / 0 at 0,
     0 / 76 at 1, 12 / 124 at 2)."""
+    scale = _f32(scale)  # fp64 when inductor launches us
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)

@@ -116,6 +116,14 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 
 @triton.jit
+def _f32(x):
+    """A float scalar argument as fp32. Triton's launcher passes a Python float as fp32, but inductor, launching a
+    kernel inside torch.compile, as fp64 (torch 2.11, H200 2026-11-30), and an fp64 scalar makes the tiles it
+    touches fp64 or fails the compile ("Both operands must be same dtype")."""
+    return tl.full([], x, tl.float32)
+
+
+@triton.jit
 def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
     """A chunk's lower-triangular [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows): j <= i (j < i
     with STRICT) as stored, 0 elsewhere and in rows past the end. Loaded with a mask of whole 16 x 16 blocks (the
@@ -203,6 +211,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway."""
+    scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds, _load_tril, _seq_bounds
+from .triton_common import _chunk_bounds, _f32, _load_tril, _seq_bounds
 
 
 @triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    scale = _f32(scale)  # fp64 when inductor launches us
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
@@ -111,6 +112,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
 def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    scale = _f32(scale)  # fp64 when inductor launches us
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)

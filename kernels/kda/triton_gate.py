@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .gate import check_gate_args
+from .triton_common import _f32
 
 BT_GATE = 64  # tokens per program
 
@@ -61,6 +62,7 @@ def _gate_value(x, a, lower_bound, LOWER: tl.constexpr):
 @triton.jit
 def _gate_fwd_kernel(z, A_log, dt_bias, g, lower_bound, T_all, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                      BT: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, LOWER: tl.constexpr):
+    lower_bound = _f32(lower_bound)  # fp64 when inductor launches us
     p, m, _, x, a, _ = _gate_tile(z, A_log, dt_bias, T_all, HV, K, BK, BT, HAS_A, HAS_BIAS)
     tl.store(g + p, _gate_value(x, a, lower_bound, LOWER), mask=m)
 
@@ -69,6 +71,7 @@ def _gate_fwd_kernel(z, A_log, dt_bias, g, lower_bound, T_all, HV: tl.constexpr,
 def _gate_bwd_kernel(z, A_log, dt_bias, dg, dz, dA_part, db_part, lower_bound, T_all, HV: tl.constexpr,
                      K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      LOWER: tl.constexpr):
+    lower_bound = _f32(lower_bound)  # fp64 when inductor launches us
     p, m, m_k, x, a, i_b = _gate_tile(z, A_log, dt_bias, T_all, HV, K, BK, BT, HAS_A, HAS_BIAS)
     i_hv = tl.program_id(1)
     b_dg = tl.load(dg + p, mask=m, other=0.0).to(tl.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds, _dot
+from .triton_common import _chunk_bounds, _dot, _f32
 
 
 @triton.jit
@@ -17,6 +17,7 @@ def _bwd_intra_kernel(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, dG_out,
                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       NC: tl.constexpr, SAFE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                       OFF: tl.constexpr, NORM: tl.constexpr, Q_NORM_OUT: tl.constexpr):
+    scale, shift = _f32(scale), _f32(shift)  # fp64 when inductor launches us
     # one program per (chunk, sub-chunk i, K block of BK columns, value head), those of a chunk adjacent in launch
     # order (they read the same dAq / dAk rows). Output columns k read only column k of q, k, Gamma, dqs, dkk, dG (the
     # dots contract over time), so K blocks are independent; and the program owns its BC rows' outputs: their row

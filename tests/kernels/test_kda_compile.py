@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 _COMPILE = r"""
-import itertools, sys
+import itertools, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -32,8 +32,8 @@ SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "
            "NT": "i32", "T_all": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
-def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
-    sig = {a: "constexpr" if a in consts else SCALARS.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
+def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS):
+    sig = {a: "constexpr" if a in consts else scalars.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
            and (a in HALF or a in half) else "*fp32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
     # the cp.async path the GPU runs (without the hint they compile as at 1 stage)
@@ -43,6 +43,7 @@ def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False):
     opts = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     assert f".entry {fn.__name__}" in ptx, fn.__name__
+    return ptx
 
 shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
@@ -110,6 +111,24 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
                                    "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
     compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec}, 1,
              all_fp32=True)
+# float scalars as fp64, as inductor launches a kernel inside torch.compile (torch 2.11): each kernel takes them as
+# fp32 at entry (_f32), so it compiles (the intra kernel's diagonal block failed, "Both operands must be same dtype",
+# H200 2026-11-30) and no tile arithmetic runs in fp64
+F64 = {**SCALARS, "scale": "fp64", "shift": "fp64", "g_floor": "fp64", "lower_bound": "fp64"}
+kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": "tf32"}
+gate = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": True, "HAS_BIAS": True, "LOWER": True}
+for fn, consts, warps in ((F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
+                                                 "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": "tf32"}, 1),
+                          (F._wu_kernel, {**kv, "STORE_QG": True}, 4), (F._output_kernel, kv, 4),
+                          (B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
+                                                 "EARLY": 0}, 8),
+                          (B._bwd_intra_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "BC": 16, "NC": 4,
+                                                 "SAFE": True, "VARLEN": False, "PREC": "tf32", "OFF": "tf32",
+                                                 "NORM": True, "Q_NORM_OUT": False}, 1),
+                          (G._gate_fwd_kernel, gate, 4), (G._gate_bwd_kernel, gate, 4)):
+    ptx = compile_(fn, consts, warps, scalars=F64)
+    f64 = re.findall(r"\b(?:add|sub|mul|fma|div|ex2)\.[\w.]*f64", ptx)
+    assert not f64, (fn.__name__, f64[:5])
 print("compiled")
 """
 

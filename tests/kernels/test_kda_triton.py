@@ -692,11 +692,13 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwarg
 
 
 @pytest.mark.skipif(not CUDA, reason="torch.compile traces the Triton launches only as GPU (JIT) kernels")
-def test_chunk_kda_under_torch_compile_matches_eager():
+def test_chunk_kda_under_torch_compile_matches_eager(monkeypatch):
     """chunk_kda inside torch.compile (as `k3 pretrain` with train.compile): dynamo traces the autograd Function and its
     Triton launches, including the launch options beyond num_warps / num_stages (the w/u kernel's and the training
     solve's register caps, `maxnreg`). Output, final state and every gradient equal the eager call's (bf16, K = 128,
     safe gate, l2norm in kernel: the launches with caps)."""
+    # inductor fails on the conftest's NaN-poisoned allocations (test_decode_compile says how): the real torch.empty
+    monkeypatch.setattr(torch, "empty", getattr(torch.empty, "real", torch.empty))
     torch._dynamo.reset()
     q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 2, 128, 128, torch.bfloat16)
     g = g.clamp_min(-5.0)
