@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -856,6 +856,60 @@ s20c)
   timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s20d)
+  # session 20: the w/u kernel's M and the backward inter kernel's M and Akk loaded with a block mask (16-byte loads)
+  # and cut to the triangle in registers (_load_tril): ab/new holds the three kernel files with it, ab/base without
+  # (untracked, carried with the working tree, which has it):
+  # the KDA GPU tests with it beside the serving CUDA tests (test_decode_compile's without its own torch.empty
+  # workaround), then kda_tune with / without it, alternating
+  kda_and_serve_tests
+  tune_ab() {  # $1 label, rest: kda_tune flags
+    local label=$1; shift
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 5 "$@" > "$OUT/t.log" 2>&1
+    echo "$label $* rc=$?"; grep -E "^\| _intra|^\| _solve|^\| _wu|^\| _scan|^\| _bwd_inter|^\| total" "$OUT/t.log" \
+      | tr '\n' ' '; echo
+  }
+  for round in 1 2; do
+    tune_ab with --fwd-only --shape 16,2048,32,64
+    cp ab/base/*.py kernels/kda/
+    tune_ab without --fwd-only --shape 16,2048,32,64
+    cp ab/new/*.py kernels/kda/
+  done
+  for shape in 16,2048,32,64 8,4096,16,128; do
+    tune_ab with --shape $shape
+    cp ab/base/*.py kernels/kda/
+    tune_ab without --shape $shape
+    cp ab/new/*.py kernels/kda/
+  done
+  tune_ab with --fwd-only --shape 8,4096,16,128
+  cp ab/base/*.py kernels/kda/
+  tune_ab without --fwd-only --shape 8,4096,16,128
+  cp ab/new/*.py kernels/kda/
+  ;;
+s20e)
+  # session 20: the GPU tests again with conftest's NaN-poisoned torch.empty as a new NaN tensor (no in-place fill
+  # to trace), beside the serving CUDA tests; then _load_tril (ab/new) against without (ab/base) in the training
+  # path at (16,2048,32,64), two more rounds; then issue 4's table with it
+  kda_and_serve_tests
+  for round in 1 2; do
+    for side in new base; do
+      cp ab/$side/*.py kernels/kda/
+      timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 5 --shape 16,2048,32,64 > "$OUT/t.log" 2>&1
+      echo "$side rc=$?"; grep -E "^\| _wu|^\| _bwd_inter|^\| _bwd_intra|^\| total" "$OUT/t.log" | tr '\n' ' '; echo
+    done
+  done
+  cp ab/new/*.py kernels/kda/
+  timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s20f)
+  # session 20: the GPU tests with the chunk kernels taking their float scalars as fp32 at entry (_f32: inductor
+  # passes fp64) and the compile tests on the real torch.empty, beside the serving CUDA tests; then issue 4's table
+  # at the commit to ship (_load_tril in the w/u and backward inter kernels)
+  kda_and_serve_tests
+  timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s19)
   # prepared in session 18 for the next session's first call: the KDA GPU tests at the shipped code (session 18 ran
   # the chunk tests at 53616c4 and the recurrent ones at b3e1bab, not all at one commit), then issue 4's whole table
@@ -915,6 +969,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f)" >&2; exit 2
   ;;
 esac

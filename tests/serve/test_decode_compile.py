@@ -46,8 +46,12 @@ def test_compiled_decode_matches_eager(ckpt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_compiled_graphs_match_eager(ckpt):
+def test_cuda_compiled_graphs_match_eager(ckpt, monkeypatch):
     """On a GPU: the compiled decode step captured in CUDA graphs gives the eager engine's greedy tokens (bf16)."""
+    # the conftest's NaN-poisoned torch.empty traced as empty + full(nan) + copy_, which inductor's re-inplacing pass
+    # rejects (AssertionError "n=copy_, n.args[0]=empty", H200 2026-11-29); as a new NaN tensor (full_like) inductor
+    # failed on it too (KeyError 'op4', 2026-11-30): the served step allocates with the real one
+    monkeypatch.setattr(torch, "empty", getattr(torch.empty, "real", torch.empty))
     model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
     tok = K3Tokenizer.from_file(ckpt)
     outs = []
@@ -68,9 +72,10 @@ def test_cuda_compiled_graphs_match_eager(ckpt):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_steps_run_on_the_compiled_bucket(ckpt):
+def test_cuda_steps_run_on_the_compiled_bucket(ckpt, monkeypatch):
     """On a GPU with compile on and batches [1, 4]: steps of 2 and 3 sequences replay the compiled bucket 4 (no plain
     graph of bucket 2 is ever captured), and the greedy tokens equal the eager engine's (bf16)."""
+    monkeypatch.setattr(torch, "empty", getattr(torch.empty, "real", torch.empty))  # see the test above
     model, _ = load_model(ckpt, device="cuda", dtype="bfloat16")
     tok = K3Tokenizer.from_file(ckpt)
     prompts = [tok.encode(p) for p in ("def main():\n    ", "import os\n", "class A:\n    def f(self):")]
