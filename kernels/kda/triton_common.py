@@ -129,7 +129,9 @@ def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
     with STRICT) as stored, 0 elsewhere and in rows past the end. Loaded with a mask of whole 16 x 16 blocks (the
     blocks j // 16 <= i // 16, which the intra kernel and the solve write), then cut to the triangle in registers:
     the element mask left each thread 2- or 4-byte loads (ptxas, sm_90a: 32 ld.global.b16 a thread in the w/u
-    kernel), the block mask 16-byte ones. What the upper part of a diagonal block holds (even NaN) is discarded."""
+    kernel), the block mask 16-byte ones. What the upper part of a diagonal block holds (even NaN) is discarded.
+    H200 (kda_tune.py, 2026-11-30, RESULTS.md session 20): backward inter kernel 1,200 -> 1,115 us at (16, 2048, 32,
+    64) in three A/B rounds, 1,354 -> 1,341 at (8, 4096, 16, 128); the w/u kernel unchanged (294 / 264 us)."""
     b = tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // 16) <= (o_t[:, None] // 16)), other=0.0)
     return tl.where((o_t[None, :] < o_t[:, None]) if STRICT else (o_t[None, :] <= o_t[:, None]), b, 0.0)
 
