@@ -17,6 +17,11 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .chunk import SUB_CHUNK
+
+# the 16 x 16 blocks (BC = chunk.SUB_CHUNK) in which the intra kernel and the solve write the triangular [BT, BT] tiles
+BLOCK: tl.constexpr = tl.constexpr(SUB_CHUNK)
+
 
 @functools.cache
 def sm_count(index: int) -> int:
@@ -132,7 +137,7 @@ def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
     kernel), the block mask 16-byte ones. What the upper part of a diagonal block holds (even NaN) is discarded.
     H200 (kda_tune.py, 2026-11-30, RESULTS.md session 20): backward inter kernel 1,200 -> 1,115 us at (16, 2048, 32,
     64) in three A/B rounds, 1,354 -> 1,341 at (8, 4096, 16, 128); the w/u kernel unchanged (294 / 264 us)."""
-    b = tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // 16) <= (o_t[:, None] // 16)), other=0.0)
+    b = tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // BLOCK) <= (o_t[:, None] // BLOCK)), other=0.0)
     return tl.where((o_t[None, :] < o_t[:, None]) if STRICT else (o_t[None, :] <= o_t[:, None]), b, 0.0)
 
 
