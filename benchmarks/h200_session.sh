@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -910,6 +910,13 @@ s20f)
   timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s20g)
+  # session 20, last call: the forward kernels' num_warps x num_stages at (16,2048,32,64), inference forward (the
+  # w/u kernel trails fla's there by 32 us: 294 against 262, call 2)
+  timeout 200 python3 benchmarks/kda_tune.py --fwd-only --shape 16,2048,32,64 --warps 2,4,8 --stages 1,2,3 --bv 64 \
+    --iters 5 > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -E "^\||^#" "$OUT/sweep.log" | head -40
+  ;;
 s19)
   # prepared in session 18 for the next session's first call: the KDA GPU tests at the shipped code (session 18 ran
   # the chunk tests at 53616c4 and the recurrent ones at b3e1bab, not all at one commit), then issue 4's whole table
@@ -969,6 +976,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g)" >&2; exit 2
   ;;
 esac
