@@ -122,9 +122,10 @@ def _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT: tl.constexpr, VARLE
 
 @triton.jit
 def _f32(x):
-    """A float scalar argument as fp32. Triton's launcher passes a Python float as fp32, but inductor, launching a
-    kernel inside torch.compile, as fp64 (torch 2.11, H200 2026-11-30), and an fp64 scalar makes the tiles it
-    touches fp64 or fails the compile ("Both operands must be same dtype")."""
+    """A float scalar argument as fp32 (every chunk, gate, L2-norm and decode kernel takes its float scalars through
+    this at entry). Triton's launcher passes a Python float as fp32, but inductor, launching a kernel inside
+    torch.compile, as fp64 (torch 2.11, H200 2026-11-30), and an fp64 scalar makes the tiles it touches fp64 or fails
+    the compile ("Both operands must be same dtype")."""
     return tl.full([], x, tl.float32)
 
 
@@ -174,7 +175,7 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
     o_c = tl.arange(0, BC)
     if SAFE:
         # exp2(Gamma_i - C) = exp2(Gamma_i - Gamma_n) exp2(shift): one multiply in place of a tile of exponentials
-        e_r = b_en * tl.exp2(tl.full([], shift, tl.float32))
+        e_r = b_en * tl.exp2(shift)
         b_kd = b_k * tl.exp2(-shift - b_Gs)
         b_Ad = tl.dot(b_q * e_r, tl.trans(b_kd), input_precision=PREC)
         b_Ld = tl.dot(b_k * e_r, tl.trans(b_kd), input_precision=PREC)

@@ -92,7 +92,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
         # multiplies in place of two tiles of exponentials, as in the forward's intra kernel (which gained 698 ->
         # 676 us from its one). PTX (sm_90a, 1 warp, K block 32): 3,214 instructions against 3,269, 66 ex2 against
         # 96; ptxas spills 52 bytes against 64. H200: 1,468 -> 1,447 us at (8, 4096, 16, 128) (RESULTS.md session 13)
-        rf = e_q * tl.exp2(tl.full([], shift, tl.float32))
+        rf = e_q * tl.exp2(shift)
         cf = tl.exp2(tl.where(m_ik, b_C[None, :] - b_G, float("-inf")))
         b_kcf = b_k * cf
         b_dqr += rf * _dot(b_dAq_d, b_kcf, PREC)

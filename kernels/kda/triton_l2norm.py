@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .gate import L2NORM_EPS
+from .triton_common import _f32
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR
     m = (o_r < R)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + tl.full([], eps, tl.float32))  # [BR]; eps is fp64 when inductor launches us
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + _f32(eps))  # [BR]; eps is fp64 when inductor launches us
     tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < R)
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..dispatch import check_device, inputs_trusted
 from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
+from .triton_common import _f32
 from .triton_gate import _gate_value
 
 BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
@@ -68,7 +69,7 @@ def _recurrent_kda_kernel(
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # float arguments arrive as fp64 scalars when inductor launches this kernel (torch.compile of the decode step):
     # cast them, else the state would turn fp64 and the loop below would not compile
-    scale, lower_bound = tl.full([], scale, tl.float32), tl.full([], lower_bound, tl.float32)
+    scale, lower_bound = _f32(scale), _f32(lower_bound)
     i_h = i_hv // (HV // H)  # GVA: value head i_hv reads q/k head i_hv // (HV / H)
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
