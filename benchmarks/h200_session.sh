@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -73,6 +73,13 @@ long_shapes_tune() {
         "$OUT/kda_tune_long.log"
     done
   done
+}
+# session 21's A/B runs: $1 a label, the rest kda_tune.py flags; the chunk kernels' times and the total on one line
+tune21() {
+  local label=$1; shift
+  timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 5 "$@" > "$OUT/t.log" 2>&1
+  echo "$label $* rc=$?"; grep -E "^\| _intra|^\| _solve|^\| _wu|^\| _scan|^\| _bwd_scan|^\| total" "$OUT/t.log" \
+    | tr '\n' ' '; echo
 }
 # issue 4's whole table (four shapes and decode, k3 and fla in one process), then the model's call (raw z, the gate
 # in kernel, both libraries) at the first shape
@@ -902,6 +909,59 @@ s20e)
   timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s21a)
+  # session 21: the KDA GPU tests with three forward changes on (the tree's defaults: the solve's diagonal blocks as
+  # a product of powers on the tensor cores, POW; Aqk's blocks above the diagonal left unwritten, AQK_ZEROS off; L in
+  # fp16 at inference, L_FP16), then each against the old form (kda_tune --set), inference forward and fwd+bwd.
+  # Ran on an uncommitted tree: POW and AQK_ZEROS were removed after it (RESULTS.md session 21), so it no longer runs
+  kda_gpu_tests
+  old=(--set solve.POW=False --set intra.AQK_ZEROS=True --set intra.L_FP16=False)
+  for shape in 16,2048,32,64 8,4096,16,128; do
+    for round in 1 2; do
+      tune21 old --fwd-only --shape $shape "${old[@]}"
+      tune21 new --fwd-only --shape $shape
+    done
+    tune21 pow-only --fwd-only --shape $shape --set intra.AQK_ZEROS=True --set intra.L_FP16=False
+    tune21 nozeros-only --fwd-only --shape $shape --set solve.POW=False --set intra.L_FP16=False
+    tune21 fp16L-only --fwd-only --shape $shape --set solve.POW=False --set intra.AQK_ZEROS=True
+    tune21 old-train --shape $shape "${old[@]}"
+    tune21 new-train --shape $shape
+  done
+  ;;
+s21b)
+  # session 21, call 2: the KDA GPU tests at the tree's defaults (L in fp16 at inference, Aqk's upper blocks left
+  # unwritten, Gamma summed by dots in the w/u kernel at K <= 64); each against the old form at (16,2048,32,64)
+  # and (8,4096,16,128), inference forward; then issue 4's table. Ran on an uncommitted tree: AQK_ZEROS and
+  # SMALL_K_GAMMA_BY_DOT were removed after it (RESULTS.md session 21), so it no longer runs
+  kda_gpu_tests
+  old=(--set intra.L_FP16=False --set intra.AQK_ZEROS=True --set wu.SMALL_K_GAMMA_BY_DOT=0)
+  for round in 1 2; do
+    tune21 old --fwd-only --shape 16,2048,32,64 "${old[@]}"
+    tune21 new --fwd-only --shape 16,2048,32,64
+  done
+  tune21 no-by-dot --fwd-only --shape 16,2048,32,64 --set wu.SMALL_K_GAMMA_BY_DOT=0
+  tune21 by-dot-bf16 --fwd-only --shape 16,2048,32,64 --set wu.SMALL_K_GAMMA_BY_DOT=bf16
+  tune21 zeros --fwd-only --shape 16,2048,32,64 --set intra.AQK_ZEROS=True
+  tune21 old --fwd-only --shape 8,4096,16,128 "${old[@]}"
+  tune21 new --fwd-only --shape 8,4096,16,128
+  tune21 zeros --fwd-only --shape 8,4096,16,128 --set intra.AQK_ZEROS=True
+  timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s21c)
+  # session 21, call 3: the KDA GPU tests beside the serving CUDA tests at the code to ship (L in fp16 at inference
+  # with the L2 norm, Aqk's blocks above the diagonal never written); the inference forward with and without fp16 L
+  # at both short shapes; then issue 4's table
+  kda_and_serve_tests
+  for round in 1 2; do
+    for shape in 16,2048,32,64 8,4096,16,128; do
+      tune21 fp16-L --fwd-only --shape $shape
+      tune21 fp32-L --fwd-only --shape $shape --set intra.L_FP16=False
+    done
+  done
+  timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s20f)
   # session 20: the GPU tests with the chunk kernels taking their float scalars as fp32 at entry (_f32: inductor
   # passes fp64) and the compile tests on the real torch.empty, beside the serving CUDA tests; then issue 4's table
@@ -976,6 +1036,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c)" >&2; exit 2
   ;;
 esac

@@ -167,6 +167,7 @@ def main() -> None:
     bki, intra_bwd_opts = B.intra_launch(BK)
     bki = max(16, min(BK, args.intra_bk)) if args.intra_bk else bki
     bkw = min(BK, F.LAUNCH["wu"]["BK"])  # the w/u kernel's K block
+    lfp16 = F.LAUNCH["intra"]["L_FP16"]  # an inference forward's L (with the q / k L2 norm)
     bwd_bv, bwd_opts = B.bwd_scan_launch(V, BK, 1 << 20, 0)  # the reverse scan with many sequences (no halving)
     # the forward's intra kernel in each use: (name, SAFE, STORE_AKK, CHECK_G, STORE_QG)
     intra_uses = [("safe gate (inference: qg for the output fused in the scan)", True, False, True, True),
@@ -175,14 +176,15 @@ def main() -> None:
                   ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]), {"beta": "*fp32"})
+                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]),
+           {"beta": "*fp32", "Lkk": "*fp16" if lfp16 and not akk else "*fp32"})
           for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
          F.solve_opts(True), {"Mout": "*bf16"}),
         ("solve (inference: from L)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32"},
-         F.solve_opts(False), {"Mout": "*bf16"}),
+         F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16" if lfp16 else "*fp32"}),
         ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
          F.wu_launch(V, BK, True)[1], {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},

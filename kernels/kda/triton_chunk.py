@@ -31,8 +31,9 @@ Pipeline (kda.md section 3.2; equations of section 3.1 in log2 units, Gamma = ch
    (fuse_output; not with return_intermediate_states), inside the scan's loop from the state in registers: the
    intra kernel stores qg = scale q exp2(Gamma), and neither h[c] nor v_new is written or read back (unless a
    training forward keeps them for its backward: keep_states).
-Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), L, Gamma and the states
-in fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32).
+Intermediates (Aqk, M, w, u, v_new) are stored in the input dtype (fp32 for fp32 inputs), Gamma and the states in
+fp32 except h[c], which is stored in the input dtype unless `return_intermediate_states` asks for it (fp32); L in
+fp32, or in fp16 at inference on bf16 / fp16 inputs with the q / k L2 norm (l_in_fp16).
 
 Backward: `_ChunkKDATriton.backward` runs the Triton backward (triton_chunk_bwd.py). A forward that needs gradients
 (grad mode on and an input requiring grad) has the intra kernel store Akk = k k^T with decay (no beta, fp32) in place
@@ -88,7 +89,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # (13), rows scaled by precomputed inverse norms at inference (14: this kernel +66-86 us, the norm passes -63),
     # every loaded row normalised here with rstd stored and k's rows scaled in the w/u kernel (16: this kernel +225 /
     # +266 us at K = 128 / 64 against the 146 us pass saved)
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0},
+    # L_FP16: an inference forward's L = diag(beta) k k^T with decay stored in fp16 (l_in_fp16): the intra kernel
+    # writes and the solve reads half the bytes. H200, inference forward, us, fp32 / fp16 L (kda_tune.py --fwd-only,
+    # 2026-11-30, RESULTS.md session 21): (16, 2048, 32, 64) intra 560 / 513, solve 122 / 109, total 1,347 / 1,289;
+    # (8, 4096, 16, 128) solve 63 / 57, total 1,441 / 1,433
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -162,6 +167,14 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
              "SEGMENT_PRIORITY": True, "maxnreg": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64, "maxnreg": 0},
 }
+
+
+def l_in_fp16(l2norm: bool, dtype: torch.dtype) -> bool:
+    """Whether an inference forward stores L in fp16 (LAUNCH["intra"]["L_FP16"]): on bf16 / fp16 inputs whose q and k
+    the forward L2-normalises (use_qk_l2norm_in_kernel). Then |L_ij| = beta_i |k_i . k_j| decay <= 1, in fp16's range,
+    whose 11-bit significand (relative error 2^-11) is finer than the bf16 the inputs, M and the output are rounded
+    to; the solve inverts it in fp32. Raw keys could exceed fp16's 65,504, and fp32 inputs ask for fp32 work."""
+    return LAUNCH["intra"]["L_FP16"] and l2norm and dtype in (torch.bfloat16, torch.float16)
 
 
 def launch_opts(name: str) -> dict[str, int]:
@@ -339,7 +352,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False):
+                       cu_host=None, g_check=None, keep_states=False, l_fp16=False):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -353,7 +366,8 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     (8, 4096, 16, 128) on the H200).
     keep_states (a training forward for the Triton backward): "states" = (w, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
-    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them)."""
+    (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
+    l_fp16: L stored in fp16 rather than fp32 (without store_akk; the forward decides: l_in_fp16)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -366,7 +380,8 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     f32 = torch.float32
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": torch.empty(T_all, HV, BT, dtype=f32, device=dev),  # L, or Akk with store_akk (one buffer)
+         "Lkk": torch.empty(T_all, HV, BT, dtype=torch.float16 if l_fp16 and not store_akk else f32,
+                            device=dev),  # L, or Akk with store_akk (one buffer)
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
     launch = NT_all > 0 and HV > 0
@@ -446,7 +461,8 @@ class _ChunkKDATriton(torch.autograd.Function):
         r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
-                               keep_states=ctx.bwd == "triton" and keep_states())
+                               keep_states=ctx.bwd == "triton" and keep_states(),
+                               l_fp16=l_in_fp16(cfg["l2norm"], q.dtype))
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import q_norm_from_output  # here: that module imports this one
 

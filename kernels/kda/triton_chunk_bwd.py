@@ -60,6 +60,7 @@ from .triton_common import (
     _chunk_bounds,
     _dot,
     _f32,
+    _load_lower_blocks,
     _load_tril,
     _seq_bounds,
     chunk_layout,
@@ -296,8 +297,8 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
             tl.store(dhs + p_hs + BK * V, b_dh2.to(dhs.dtype.element_ty), mask=(BK + o_k < K)[:, None] & m_v[None, :])
         p_tv = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         # dot operands in the dtype the dot takes them in (_operand: no fp32 round trip under bf16 dots)
-        b_A = _operand(tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :],
-                               mask=m_t[:, None], other=0.0), PREC)
+        b_A = _operand(_load_lower_blocks(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t),
+                       PREC)
         b_do = _operand(tl.load(do + p_tv, mask=m_tv, other=0.0), PREC)
         # kg = k e^(Gamma_last - Gamma) and qg = scale q e^Gamma from the w/u kernel: no exponentials and no fp32
         # Gamma tile in this sequential loop; zero rows past the end

@@ -130,6 +130,14 @@ def _f32(x):
 
 
 @triton.jit
+def _load_lower_blocks(p, o_t, m_t):
+    """A chunk's [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows), its 16 x 16 blocks j // 16 <=
+    i // 16 as stored and 0 in the blocks above them and in rows past the end: for a tile whose writer zeroes the
+    upper part of its diagonal blocks itself and leaves the blocks above unwritten (Aqk, the intra kernel's)."""
+    return tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // BLOCK) <= (o_t[:, None] // BLOCK)), other=0.0)
+
+
+@triton.jit
 def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
     """A chunk's lower-triangular [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows): j <= i (j < i
     with STRICT) as stored, 0 elsewhere and in rows past the end. Loaded with a mask of whole 16 x 16 blocks (the
@@ -138,7 +146,7 @@ def _load_tril(p, o_t, m_t, STRICT: tl.constexpr):
     kernel), the block mask 16-byte ones. What the upper part of a diagonal block holds (even NaN) is discarded.
     H200 (kda_tune.py, 2026-11-30, RESULTS.md session 20): backward inter kernel 1,200 -> 1,115 us at (16, 2048, 32,
     64) in three A/B rounds, 1,354 -> 1,341 at (8, 4096, 16, 128); the w/u kernel unchanged (294 / 264 us)."""
-    b = tl.load(p, mask=m_t[:, None] & ((o_t[None, :] // BLOCK) <= (o_t[:, None] // BLOCK)), other=0.0)
+    b = _load_lower_blocks(p, o_t, m_t)
     return tl.where((o_t[None, :] < o_t[:, None]) if STRICT else (o_t[None, :] <= o_t[:, None]), b, 0.0)
 
 
@@ -203,9 +211,12 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
-    with decay, without beta (the backward's d(beta) needs it; the solve then applies beta itself): one fp32 buffer
-    written, not two. Only its blocks j <= i are written (the solve and the backward read no others); Aqk's later
-    columns are stored as zeros (the output kernel and the backward scan read whole rows).
+    with decay, without beta (the backward's d(beta) needs it; the solve then applies beta itself): one buffer
+    written, not two (fp32; or fp16 for L, chunk_fwd_pipeline's l_fp16). Only the blocks j <= i of Aqk and Lkk are
+    written: the solve, the w/u kernel, the scans and the output kernel load no others (_load_lower_blocks,
+    _load_tril). Writing Aqk's blocks above as zeros cost the intra kernel 16 us at (8, 4096, 16, 128) and 25 us at
+    (16, 2048, 32, 64) with an fp32 L, ~0 at the latter with fp16 L (H200, inference forward, kda_tune.py,
+    2026-11-30, RESULTS.md session 21).
     One pass over the sub-chunks before i, from i - 1 down to 0: each key's exponent Gamma_n - Gamma_c (<= 0, anchor
     n = the first row of sub-chunk i, kda.md 3.3) is the running sum of g from row c + 1 to row n, and the carry into
     sub-chunk i (the sum of g before it) comes out of the same walk, so Gamma is stored after it. Own rows take Gamma
@@ -290,9 +301,6 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
         tl.store(Lkk + p_d, b_Ld, mask=m_i[:, None])
     else:
         tl.store(Lkk + p_d, b_Ld * b_b[:, None], mask=m_i[:, None])
-    zero = tl.zeros([BC, BC], dtype=Aqk.dtype.element_ty)
-    for jz in range(i_i + 1, NC):  # Aqk's columns of later sub-chunks: zeros
-        tl.store(Aqk + p_rows + (jz * BC + o_c)[None, :], zero, mask=m_i[:, None])
 
 
 _LAYOUT_CACHE: list = []  # [(weakref to cu_seqlens, its _version, chunk_size, device, layout)], the latest few

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds, _f32, _load_tril, _seq_bounds
+from .triton_common import _chunk_bounds, _f32, _load_lower_blocks, _load_tril, _seq_bounds
 
 
 @triton.jit
@@ -94,8 +94,7 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
         b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
         if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
             b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
-            b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None],
-                          other=0.0)
+            b_A = _load_lower_blocks(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t)
             b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
             b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -124,7 +123,7 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    b_A = tl.load(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_A = _load_lower_blocks(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t)
     b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_qg = (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(b_A.dtype)

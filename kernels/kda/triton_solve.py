@@ -59,7 +59,7 @@ def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV:
     o_c = tl.arange(0, BC)
     m_r = (r * BC + o_c) < n_valid
     p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    return tl.load(Lkk + p, mask=m_r[:, None], other=0.0)
+    return tl.load(Lkk + p, mask=m_r[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.cons
     o_b = tl.arange(0, NC)[:, None, None]
     rows = o_b * BC + tl.arange(0, BC)[None, :, None]
     p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
-    b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0)
+    b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0).to(tl.float32)  # L in fp32, or fp16 (l_fp16)
     b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)

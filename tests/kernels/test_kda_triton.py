@@ -686,6 +686,32 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwarg
     assert "maxnreg" not in fwd.solve_opts(True)
 
 
+def test_l_in_fp16_only_for_normalised_half_inputs(monkeypatch):
+    """l_in_fp16: L in fp16 for bf16 / fp16 inputs whose q and k the forward L2-normalises (|L| <= 1), never for fp32
+    inputs or raw keys, and not with LAUNCH["intra"]["L_FP16"] off; chunk_kda passes that choice to
+    chunk_fwd_pipeline (a spy that stops the call there)."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw["l_fp16"])
+        raise Stop
+
+    monkeypatch.setattr(fwd, "chunk_fwd_pipeline", spy)
+    for dtype, norm in itertools.product((torch.bfloat16, torch.float16, torch.float32), (True, False)):
+        assert fwd.l_in_fp16(norm, dtype) == (norm and dtype != torch.float32)
+        q, k, v, g, beta, _ = make_inputs(1, 20, 1, 1, 32, 32, dtype)
+        with pytest.raises(Stop):
+            chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=norm)
+        assert seen.pop() == (norm and dtype != torch.float32)
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "L_FP16", False)
+    assert not fwd.l_in_fp16(True, torch.bfloat16)
+
+
 @pytest.mark.skipif(not CUDA, reason="torch.compile traces the Triton launches only as GPU (JIT) kernels")
 def test_chunk_kda_under_torch_compile_matches_eager(monkeypatch):
     """chunk_kda inside torch.compile (as `k3 pretrain` with train.compile): dynamo traces the autograd Function and its
@@ -885,10 +911,10 @@ def intra_reference(q, k, g, beta, scale, BT, cu):
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
                          f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
 def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
-    """The forward's intra-chunk kernel (one program per sub-chunk) writes every element of Gamma and Aqk (zeros in
-    the columns of later sub-chunks) and every block j <= i of Akk (a training forward) or L = diag(beta) Akk (an
-    inference forward; its one fp32 buffer holds either), equal to the float64 definitions; the buffers are
-    NaN-poisoned (tests/conftest.py), so an element left unwritten fails."""
+    """The forward's intra-chunk kernel (one program per sub-chunk) writes every element of Gamma and every block
+    j <= i of Aqk and of Akk (a training forward) or L = diag(beta) Akk (an inference forward; its one buffer holds
+    either; L in fp32, or in fp16 with l_fp16), equal to the float64 definitions; the buffers are NaN-poisoned
+    (tests/conftest.py), so an element left unwritten fails."""
     from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
@@ -901,24 +927,28 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
     starts = torch.tensor(cu) if cu is not None else torch.arange(0, len(pos) + 1, q.shape[1])
     rel = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]  # position in the sequence
     lower = (torch.arange(BT)[None, :] // 16 <= (rel % BT)[:, None] // 16)[:, None, :].expand(-1, HV, -1)
-    for store_akk, names in ((True, ("Gam", "Aqk", "Akk")), (False, ("Lkk",))):
+    for store_akk, l_fp16, names in ((True, False, ("Gam", "Aqk", "Akk")), (False, False, ("Lkk",)),
+                                     (False, True, ("Lkk",))):
         r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift,
-                                            chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk)
+                                            chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk,
+                                            l_fp16=l_fp16)
         assert r["Lkk" if store_akk else "Akk"] is None
         for name in names:
             got, want = r[name].double().cpu(), ref[name]
-            if name in ("Akk", "Lkk"):
+            if name in ("Akk", "Lkk", "Aqk"):  # the blocks j <= i (no others are written)
                 got, want = got[lower], want[lower]
             assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
-            assert_close(name, want, got, 1e-5)
+            assert r[name].dtype == (torch.float16 if l_fp16 else torch.float32)
+            assert_close(name + (" (fp16)" if l_fp16 else ""), want, got, 1e-3 if l_fp16 else 1e-5)
 
 
-@pytest.mark.parametrize("from_akk", [False, True], ids=["L", "Akk-beta"])
+@pytest.mark.parametrize("from_akk", [False, True, "fp16"], ids=["L", "Akk-beta", "L-fp16"])
 @pytest.mark.parametrize("BT,lens", [(64, [64, 70]), (32, [45]), (16, [24]), (64, [15, 0, 65])],
                          ids=["BT64-partial", "BT32", "BT16", "BT64-varlen"])
 def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
     """The solve kernel writes M = (I + L)^-1 of every chunk's strictly lower-triangular L, as the float64 inverse,
-    from L itself or (a training forward) from Akk = L / beta, whose rows it scales by beta; the blocks above the
+    from L itself (fp32, or fp16: the inverse of the fp16 values) or (a training forward) from Akk = L / beta, whose
+    rows it scales by beta; the blocks above the
     diagonal blocks are NaN in its input (never read), the output is NaN-poisoned (every block j <= i must be
     written); a partial chunk's M is the inverse of its valid rows and columns."""
     from k3.kernels.kda import triton_chunk
@@ -937,6 +967,8 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
         for c0 in range(a, b, BT):
             n = min(BT, b - c0)
             L = torch.randn(n, HV, BT) * 0.3
+            if from_akk == "fp16":  # the values an fp16 L holds
+                L = L.half().float()
             r, c = torch.arange(n)[:, None], torch.arange(BT)[None, :]
             L = torch.where((c < r)[:, None, :], L, 0.0)  # [n, HV, BT]: strictly lower
             L = torch.where((c // BC > r // BC)[:, None, :], float("nan"), L)
@@ -946,11 +978,13 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
                 want.append((c0, n, h, torch.linalg.inv(torch.eye(n, dtype=F64) + Lh)))
     Mm = torch.full((T_all, HV, BT), float("nan"), device=DEV)
     beta = 0.2 + 0.8 * torch.rand(T_all, HV)
-    if from_akk:  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
+    if from_akk is True:  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
         Lkk = Lkk / beta[..., None]
+    elif from_akk == "fp16":
+        Lkk = Lkk.half()
     if NT_all:
         triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
-                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk, VARLEN=True,
+                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk is True, VARLEN=True,
                                                  PREC="ieee", **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
