@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -962,6 +962,29 @@ s21c)
   timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s21d)
+  # session 21, call 4: the KDA GPU tests beside the serving CUDA tests with the forward's chunk kernels chained by
+  # programmatic dependent launch (LAUNCH["chain"]["PDL"]) and the w/u kernel loading v early at K <= 64
+  # (LAUNCH["wu"]["EARLY_V"]); each off against on, inference forward at both short shapes; each kept for issue 4's
+  # table when it lowers the sum of both totals by more than 5 us
+  kda_and_serve_tests
+  total21() {  # $1 shape, rest: flags -> the inference forward's total us
+    local shape=$1; shift
+    timeout 60 python3 benchmarks/kda_tune.py --defaults --iters 5 --fwd-only --shape "$shape" "$@" > "$OUT/t.log" 2>&1
+    grep -E "^\| _intra|^\| _solve|^\| _wu|^\| _scan|^\| total" "$OUT/t.log" | tr '\n' ' ' >&2; echo >&2
+    grep "^| total" "$OUT/t.log" | tr -cd '0-9'
+  }
+  sets=()
+  for flag in chain.PDL wu.EARLY_V; do
+    on=$(( $(total21 16,2048,32,64) + $(total21 8,4096,16,128) ))
+    off=$(( $(total21 16,2048,32,64 --set $flag=False) + $(total21 8,4096,16,128 --set $flag=False) ))
+    echo "$flag: on $on us, off $off us (sum of both shapes)"
+    [ $on -lt $((off - 5)) ] || sets+=(--set $flag=False)
+  done
+  echo "table with: ${sets[*]:-the defaults}"
+  timeout 200 python3 benchmarks/kda.py "${sets[@]}" > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s20f)
   # session 20: the GPU tests with the chunk kernels taking their float scalars as fp32 at entry (_f32: inductor
   # passes fp64) and the compile tests on the real torch.empty, beside the serving CUDA tests; then issue 4's table
@@ -1036,6 +1059,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d)" >&2; exit 2
   ;;
 esac

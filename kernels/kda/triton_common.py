@@ -15,6 +15,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from .chunk import SUB_CHUNK
@@ -130,6 +131,16 @@ def _f32(x):
 
 
 @triton.jit
+def _chain_start(PDL: tl.constexpr):
+    """A chained kernel's first step (triton_chunk.pdl_chain): with PDL, let the next kernel in the stream launch
+    once every program of this one has started (it then waits in its own _chain_start), and wait until the kernel
+    before this one has finished and its writes are visible. Without PDL nothing (the stream orders the kernels)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def _load_lower_blocks(p, o_t, m_t):
     """A chunk's [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows), its 16 x 16 blocks j // 16 <=
     i // 16 as stored and 0 in the blocks above them and in rows past the end: for a tile whose writer zeroes the
@@ -207,7 +218,8 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                      PDL: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -230,6 +242,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway."""
+    _chain_start(PDL)
     scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
