@@ -966,7 +966,8 @@ s21d)
   # session 21, call 4: the KDA GPU tests beside the serving CUDA tests with the forward's chunk kernels chained by
   # programmatic dependent launch (LAUNCH["chain"]["PDL"]) and the w/u kernel loading v early at K <= 64
   # (LAUNCH["wu"]["EARLY_V"]); each off against on, inference forward at both short shapes; each kept for issue 4's
-  # table when it lowers the sum of both totals by more than 5 us
+  # table when it lowers the sum of both totals by more than 5 us. Ran at 168cab0; both lost (RESULTS.md session 21)
+  # and were removed with their flags, so it no longer runs
   kda_and_serve_tests
   total21() {  # $1 shape, rest: flags -> the inference forward's total us
     local shape=$1; shift

@@ -54,9 +54,7 @@ def signature(fn, consts: dict, override: dict) -> dict[str, str]:
 
 
 def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) per thread of fn compiled for sm_90a; the forward's chained
-    kernels with PDL as an H200 launch takes them (triton_chunk.pdl_chain)."""
-    consts = {**({"PDL": F.LAUNCH["chain"]["PDL"]} if "PDL" in fn.arg_names else {}), **consts}
+    """(registers, spill store bytes, spill load bytes) per thread of fn compiled for sm_90a."""
     sig = signature(fn, consts, override or {})
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                if sig[a].startswith("*") or a in ("T", "NT")}
@@ -187,12 +185,9 @@ def main() -> None:
         ("solve (inference: from L)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32"},
          F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16" if lfp16 else "*fp32"}),
-        ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False,
-                                          "EARLY_V": F.LAUNCH["wu"]["EARLY_V"] and BK <= 64
-                                          and V <= F.wu_launch(V, BK, True)[0]},
+        ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
          F.wu_launch(V, BK, True)[1], {}),
-        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True,
-                                                             "EARLY_V": False},
+        ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,

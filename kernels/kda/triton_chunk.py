@@ -57,7 +57,6 @@ float64 inputs (the reference precision) run on the PyTorch implementation.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -103,6 +102,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # fwd+bwd, this kernel (kda_tune.py, 2026-11-30, RESULTS.md session 19): 150 us uncapped, 138 at 112 (139 in a
     # second run, 145 at 104), 162 at 96 (8 bytes spilled). The inference solve (from L) takes 102 registers
     # uncapped, 19 programs; a cap of 112 would grow it to 112 (ptxas), so it runs uncapped
+    # (Tried and removed: each diagonal block inverted as (I + X)(I + X^2)(I + X^4)(I + X^8), X = -L_ii, six tf32 dots
+    # in place of the substitution walk: 18% fewer instructions (ptxas, sm_90a) but 116 against 101 registers, and
+    # on the H200 this kernel 122 -> 129 us at (16, 2048, 32, 64), 63 -> 67 at (8, 4096, 16, 128), inference
+    # forward (kda_tune.py, 2026-11-30, RESULTS.md session 21))
     "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 0, "TRAIN_MAXNREG": 112},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
@@ -121,9 +124,12 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # Gamma from g here at K <= 64 (tl.cumsum and tl.sum over the chunk's rows, for an inference forward whose intra
     # kernel then stores Gamma at the chunks' last rows only) lost: H200, (16, 2048, 32, 64) inference forward,
     # intra / this kernel / total us, twice each (kda_tune.py --fwd-only, 2026-11-30, RESULTS.md session 20): 565 /
-    # 291 / 1,344 and 565 / 292 / 1,343 without, 538 / 341 / 1,365 and 538 / 341 / 1,366 with: removed
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128,
-           "EARLY_V": True},
+    # 291 / 1,344 and 565 / 292 / 1,343 without, 538 / 341 / 1,365 and 538 / 341 / 1,366 with: removed. The same
+    # with the cumsum as a lower-triangular ones matrix times g on the tensor cores (g in two fp16 or three bf16
+    # parts, exact to ~22 / 24 bits) lost too: this kernel 296 -> 319 / 361 us, total 1,282 -> 1,300 (session 21)
+    # v loaded with k, Gamma and M at K <= 64 (one V block) rather than after the w part: 1,300 / 1,432 us against
+    # 1,301 / 1,430 at (16, 2048, 32, 64) / (8, 4096, 16, 128) (in the run of the PDL chain, LAUNCH's end): removed
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
     # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
     # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
@@ -168,9 +174,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
              "SMALL_K_STAGES": 2, "SEGMENT_CHUNKS": 128, "SEGMENT_BELOW": 1,
              "SEGMENT_PRIORITY": True, "maxnreg": 0},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64, "maxnreg": 0},
-    # PDL: the intra kernel, the solve, the w/u kernel and the scan launched as a programmatic-dependent chain on
-    # sm_90+ (pdl_chain)
-    "chain": {"PDL": True},
+    # (Tried and removed: the intra kernel, the solve, the w/u kernel and the scan chained by programmatic dependent
+    # launch on the H200, each program signalling its successor at entry and waiting on its predecessor: inference
+    # forward 1,285 -> 1,300 us at (16, 2048, 32, 64), 1,409 -> 1,432 at (8, 4096, 16, 128), the waiting programs
+    # slowing the w/u kernel and the scan by ~13 us each (kda_tune.py --fwd-only, 2026-11-30, RESULTS.md session 21))
 }
 
 
@@ -180,21 +187,6 @@ def l_in_fp16(l2norm: bool, dtype: torch.dtype) -> bool:
     whose 11-bit significand (relative error 2^-11) is finer than the bf16 the inputs, M and the output are rounded
     to; the solve inverts it in fp32. Raw keys could exceed fp16's 65,504, and fp32 inputs ask for fp32 work."""
     return LAUNCH["intra"]["L_FP16"] and l2norm and dtype in (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl_chain(dev: torch.device) -> dict:
-    """Launch keywords that chain a forward kernel to the one before it (LAUNCH["chain"]["PDL"]): Hopper's
-    programmatic dependent launch lets the kernel's programs start, and reach their wait (_chain_start), while the
-    previous kernel's last programs still run, hiding the gap between the two. Only on an sm_90+ GPU outside
-    torch.compile (whose launcher takes no launch_pdl); elsewhere {"PDL": False}."""
-    on = (LAUNCH["chain"]["PDL"] and dev.type == "cuda" and not torch.compiler.is_compiling()
-          and _sm90(dev.index if dev.index is not None else torch.cuda.current_device()))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def launch_opts(name: str) -> dict[str, int]:
@@ -314,8 +306,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     wu_ptrs = (k, v, beta, Gam, Mm, w, u, kg, qc, qg if q is not None else kg)
     wu_bv, wu_opts = wu_launch(V, BK, forward=q is None)
     wu_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": min(BK, LAUNCH["wu"]["BK"]), "BV": wu_bv, "BT": BT,
-             "STORE_QG": q is not None, "PREC": prec, "EARLY_V": LAUNCH["wu"]["EARLY_V"] and BK <= 64 and V <= wu_bv,
-             **wu_opts}
+             "STORE_QG": q is not None, "PREC": prec, **wu_opts}
     BVs = scan_v_block(v_block("scan", V, BK), V, N * HV, device_sms(dev))
     h0c = h0.contiguous() if h0 is not None else ht
     grid = (triton.cdiv(V, BVs), N, HV)
@@ -328,23 +319,20 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
                "STORE_STATES": states, "PREC": prec, **scan_opts(states, BK)}
     P = scan_segments(NT, grid[0] * N * HV, cu_seqlens, dev)
     if not P:
-        chain = pdl_chain(dev)
-        _wu_kernel[(NT_all, HV)](*wu_ptrs, chunk_indices, cu, float(scale), T, NT, VARLEN=varlen, **wu_kw, **chain)
+        _wu_kernel[(NT_all, HV)](*wu_ptrs, chunk_indices, cu, float(scale), T, NT, VARLEN=varlen, **wu_kw)
         launch_fitting(_scan_kernel, grid, *scan_ptrs(h0c, ht), cu, chunk_offsets, T, NT, HAS_H0=h0 is not None,
-                       VARLEN=varlen, **scan_kw, **chain)
+                       VARLEN=varlen, **scan_kw)
         return w, u, vnew, hbuf, ht, kg, qg
     cu_pad, segs = segment_tables(B, T, BT, P, dev)
     hts = (torch.empty_like(ht), torch.empty_like(ht))  # the state between segments, alternating
 
-    def wu_segment(s):  # the segment's chunks as a varlen chunk list over the padded sequences (on two streams with
-        # events between them: no PDL chain)
-        _wu_kernel[(segs[s][3], HV)](*wu_ptrs, segs[s][0], cu_pad, float(scale), T, NT, VARLEN=True, **wu_kw,
-                                     PDL=False)
+    def wu_segment(s):  # the segment's chunks as a varlen chunk list over the padded sequences
+        _wu_kernel[(segs[s][3], HV)](*wu_ptrs, segs[s][0], cu_pad, float(scale), T, NT, VARLEN=True, **wu_kw)
 
     def scan_segment(s):  # from the previous segment's final state; the last one stores ht
         h_in, h_out = h0c if s == 0 else hts[(s - 1) % 2], ht if s == P - 1 else hts[s % 2]
         launch_fitting(_scan_kernel, grid, *scan_ptrs(h_in, h_out), segs[s][1], segs[s][2], T, NT,
-                       HAS_H0=h0 is not None or s > 0, VARLEN=2, **scan_kw, PDL=False)
+                       HAS_H0=h0 is not None or s > 0, VARLEN=2, **scan_kw)
 
     run_segments(P, dev, wu_segment, scan_segment, priority=LAUNCH["scan"]["SEGMENT_PRIORITY"])
     return w, u, vnew, hbuf, ht, kg, qg
@@ -432,11 +420,11 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg if qg is not None else Lkk,
                                              chunk_indices, cu, float(scale), shift,
                                              float(g_check[0]) if g_check else 0.0, T, NT, **intra,
-                                             **intra_opts(BK), **pdl_chain(dev))
+                                             **intra_opts(BK))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
-                                    BETA=store_akk, **common, **solve_opts(store_akk), **pdl_chain(dev))
+                                    BETA=store_akk, **common, **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
         scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)

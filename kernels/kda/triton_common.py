@@ -15,7 +15,6 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from .chunk import SUB_CHUNK
@@ -131,16 +130,6 @@ def _f32(x):
 
 
 @triton.jit
-def _chain_start(PDL: tl.constexpr):
-    """A chained kernel's first step (triton_chunk.pdl_chain): with PDL, let the next kernel in the stream launch
-    once every program of this one has started (it then waits in its own _chain_start), and wait until the kernel
-    before this one has finished and its writes are visible. Without PDL nothing (the stream orders the kernels)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def _load_lower_blocks(p, o_t, m_t):
     """A chunk's [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows), its 16 x 16 blocks j // 16 <=
     i // 16 as stored and 0 in the blocks above them and in rows past the end: for a tile whose writer zeroes the
@@ -218,17 +207,16 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                      PDL: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
     with decay, without beta (the backward's d(beta) needs it; the solve then applies beta itself): one buffer
     written, not two (fp32; or fp16 for L, chunk_fwd_pipeline's l_fp16). Only the blocks j <= i of Aqk and Lkk are
     written: the solve, the w/u kernel, the scans and the output kernel load no others (_load_lower_blocks,
-    _load_tril). Writing Aqk's blocks above as zeros cost the intra kernel 16 us at (8, 4096, 16, 128) and 25 us at
-    (16, 2048, 32, 64) with an fp32 L, ~0 at the latter with fp16 L (H200, inference forward, kda_tune.py,
-    2026-11-30, RESULTS.md session 21).
+    _load_tril). Writing Aqk's blocks above as zeros (as before) cost the intra kernel 9 / 25 us at (8, 4096, 16,
+    128) / (16, 2048, 32, 64) with an fp32 L, 15 / -5 with an fp16 L (H200, inference forward, one run each,
+    kda_tune.py, 2026-11-30, RESULTS.md session 21), and the scan reads 6 fewer blocks of 16 a chunk.
     One pass over the sub-chunks before i, from i - 1 down to 0: each key's exponent Gamma_n - Gamma_c (<= 0, anchor
     n = the first row of sub-chunk i, kda.md 3.3) is the running sum of g from row c + 1 to row n, and the carry into
     sub-chunk i (the sum of g before it) comes out of the same walk, so Gamma is stored after it. Own rows take Gamma
@@ -242,7 +230,6 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway."""
-    _chain_start(PDL)
     scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)

@@ -8,16 +8,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chain_start, _chunk_bounds, _f32, _load_lower_blocks, _load_tril, _seq_bounds
+from .triton_common import _chunk_bounds, _f32, _load_lower_blocks, _load_tril, _seq_bounds
 
 
 @triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-               EARLY_V: tl.constexpr, PDL: tl.constexpr):
-    # EARLY_V (one V block: V <= BV): v loaded with k, Gamma and M, before the w part's stores, not after them
-    _chain_start(PDL)
+               BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     scale = _f32(scale)  # fp64 when inductor launches us
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -27,11 +24,6 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
     # M is lower-triangular: read only j <= i (the blocks the solve wrote)
     b_M = _load_tril(Mm + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t, False)
     b_b = tl.load(beta + (start + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    if EARLY_V:
-        o_v0 = tl.arange(0, BV)
-        m_tv0 = m_t[:, None] & (o_v0 < V)[None, :]
-        p_v0 = ((start + o_t[:, None]) * HV + i_hv) * V + o_v0[None, :]
-        b_v0 = tl.load(v + p_v0, mask=m_tv0, other=0.0).to(tl.float32)
     # K in blocks of BK (a runtime loop: one block's [BT, BK] tiles live at a time; w's columns are independent;
     # one block at K <= 128 with the default BK)
     for i_k in range(0, K, BK):
@@ -53,30 +45,24 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
         b_x = (b_k * tl.exp2(b_G) * b_b[:, None]).to(b_M.dtype)
         b_w = tl.dot(b_M, b_x, input_precision=PREC)
         tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-    if EARLY_V:
-        b_u = tl.dot(b_M, (b_v0 * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
-        tl.store(u + p_v0, b_u.to(u.dtype.element_ty), mask=m_tv0)
-    else:
-        for i_v in tl.static_range(0, V, BV):
-            o_v = i_v + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-            b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-            b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
-            tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+    for i_v in tl.static_range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((start + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_M, (b_v * b_b[:, None]).to(b_M.dtype), input_precision=PREC)
+        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                 PDL: tl.constexpr):
+                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
     # registers; qg = scale q exp2(Gamma) from the intra kernel. STORE_STATES: h[c] and v_new are stored (hbuf,
     # vnew; else unused), for `_output_kernel` (without OUTPUT) or for the backward (a training forward that keeps
     # them: keep_states).
-    _chain_start(PDL)
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chain_start, _chunk_bounds
+from .triton_common import _chunk_bounds
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 @triton.jit
 def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
     of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
@@ -83,7 +83,6 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.cons
     read. Scaling the diagonal blocks' rows by beta once as loaded, so that the substitution walk loads nothing
     (ptxas, sm_90a: 133 -> 109 registers), lost on the H200: training solve 149 -> 178 us at (16, 2048, 32, 64),
     78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4)."""
-    _chain_start(PDL)
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]

@@ -33,10 +33,6 @@ SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS):
-    # the forward's chained kernels as a GPU launch takes them (triton_chunk.pdl_chain), the w/u kernel's v in the V
-    # loop, unless given
-    consts = {**{"PDL": True, "EARLY_V": False}, **consts}
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {a: "constexpr" if a in consts else scalars.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
            and (a in HALF or a in half) else "*fp32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
@@ -133,10 +129,6 @@ for fn, consts, warps in ((F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "N
     ptx = compile_(fn, consts, warps, scalars=F64)
     f64 = re.findall(r"\b(?:add|sub|mul|fma|div|ex2)\.[\w.]*f64", ptx)
     assert not f64, (fn.__name__, f64[:5])
-# the w/u kernel with v loaded early (one V block), chained or not: the chain's two grid-dependency instructions
-for pdl in (True, False):
-    ptx = compile_(F._wu_kernel, {**kv, "STORE_QG": False, "EARLY_V": True, "PDL": pdl}, 4, ("kg", "qg"))
-    assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == pdl
 print("compiled")
 """
 

@@ -985,7 +985,7 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
     if NT_all:
         triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
                                                  HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk is True, VARLEN=True,
-                                                 PREC="ieee", PDL=False, **triton_chunk.launch_opts("solve"))
+                                                 PREC="ieee", **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
     for c0, n, h, M in want:
