@@ -942,15 +942,15 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
             assert_close(name + (" (fp16)" if l_fp16 else ""), want, got, 1e-3 if l_fp16 else 1e-5)
 
 
-@pytest.mark.parametrize("from_akk", [False, True, "fp16"], ids=["L", "Akk-beta", "L-fp16"])
+@pytest.mark.parametrize("source", ["L", "Akk-beta", "L-fp16"])
 @pytest.mark.parametrize("BT,lens", [(64, [64, 70]), (32, [45]), (16, [24]), (64, [15, 0, 65])],
                          ids=["BT64-partial", "BT32", "BT16", "BT64-varlen"])
-def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
+def test_solve_kernel_matches_float64_inverse(BT, lens, source):
     """The solve kernel writes M = (I + L)^-1 of every chunk's strictly lower-triangular L, as the float64 inverse,
-    from L itself (fp32, or fp16: the inverse of the fp16 values) or (a training forward) from Akk = L / beta, whose
-    rows it scales by beta; the blocks above the
-    diagonal blocks are NaN in its input (never read), the output is NaN-poisoned (every block j <= i must be
-    written); a partial chunk's M is the inverse of its valid rows and columns."""
+    from L itself (fp32, or fp16: then the inverse of the fp16 values) or (a training forward) from Akk = L / beta,
+    whose rows it scales by beta; the blocks above the diagonal blocks are NaN in its input (never read), the output
+    is NaN-poisoned (every block j <= i must be written); a partial chunk's M is the inverse of its valid rows and
+    columns."""
     from k3.kernels.kda import triton_chunk
 
     torch.manual_seed(0)
@@ -967,7 +967,7 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
         for c0 in range(a, b, BT):
             n = min(BT, b - c0)
             L = torch.randn(n, HV, BT) * 0.3
-            if from_akk == "fp16":  # the values an fp16 L holds
+            if source == "L-fp16":  # the values an fp16 L holds
                 L = L.half().float()
             r, c = torch.arange(n)[:, None], torch.arange(BT)[None, :]
             L = torch.where((c < r)[:, None, :], L, 0.0)  # [n, HV, BT]: strictly lower
@@ -978,13 +978,13 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, from_akk):
                 want.append((c0, n, h, torch.linalg.inv(torch.eye(n, dtype=F64) + Lh)))
     Mm = torch.full((T_all, HV, BT), float("nan"), device=DEV)
     beta = 0.2 + 0.8 * torch.rand(T_all, HV)
-    if from_akk is True:  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
+    if source == "Akk-beta":  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
         Lkk = Lkk / beta[..., None]
-    elif from_akk == "fp16":
+    elif source == "L-fp16":
         Lkk = Lkk.half()
     if NT_all:
         triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
-                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=from_akk is True, VARLEN=True,
+                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta", VARLEN=True,
                                                  PREC="ieee", **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
