@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -909,6 +909,26 @@ s20e)
   timeout 240 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s22)
+  # prepared in session 21 for the next session's first call: the intra kernel in K halves at K = 128 (an inference
+  # forward with fp16 L: LAUNCH["intra"]["KSPLIT_FROM"] = 128, off until timed). First the KDA GPU tests with it on
+  # beside the serving CUDA tests; then the inference forward with and without it at the three K = 128 shapes, twice;
+  # then issue 4's table with it where it won at (8,4096,16,128) in both rounds
+  K3_TEST_KDA_LAUNCH=intra.KSPLIT_FROM=128 kda_and_serve_tests
+  wins=0
+  for round in 1 2; do
+    for shape in 8,4096,16,128 2,16384,16,128 1,65536,16,128; do
+      a=$(tune21 whole --fwd-only --shape $shape | tee /dev/stderr | grep -o "total | [0-9]*" | tr -cd '0-9')
+      b=$(tune21 halves --fwd-only --shape $shape --set intra.KSPLIT_FROM=128 | tee /dev/stderr \
+        | grep -o "total | [0-9]*" | tr -cd '0-9')
+      if [ $shape = 8,4096,16,128 ] && [ -n "$a" ] && [ -n "$b" ] && [ "$b" -lt "$a" ]; then wins=$((wins + 1)); fi
+    done
+  done
+  sets=(); [ $wins -eq 2 ] && sets=(--set intra.KSPLIT_FROM=128)
+  echo "table with: ${sets[*]:-the defaults}"
+  timeout 200 python3 benchmarks/kda.py "${sets[@]}" > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s21a)
   # session 21: the KDA GPU tests with three forward changes on (the tree's defaults: the solve's diagonal blocks as
   # a product of powers on the tensor cores, POW; Aqk's blocks above the diagonal left unwritten, AQK_ZEROS off; L in
@@ -1060,6 +1080,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d|s22)" >&2; exit 2
   ;;
 esac

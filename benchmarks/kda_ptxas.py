@@ -34,7 +34,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
 SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
-           "NT": "i32"}
+           "NT": "i32", "part_stride": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 
@@ -176,15 +176,22 @@ def main() -> None:
                   ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg}, F.intra_opts(intra["BK"]),
+                                                   "STORE_QG": qg, "KSPLIT": 1}, F.intra_opts(intra["BK"]),
            {"beta": "*fp32", "Lkk": "*fp16" if lfp16 and not akk else "*fp32"})
           for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
-         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32"},
+         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": True, "VARLEN": False, "PREC": "tf32", "PARTS": 1},
          F.solve_opts(True), {"Mout": "*bf16"}),
         ("solve (inference: from L)", F._solve_kernel,
-         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32"},
+         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32", "PARTS": 1},
          F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16" if lfp16 else "*fp32"}),
+        # the intra kernel's K split (LAUNCH["intra"]["KSPLIT_FROM"]): one K half a program, the solve adding the halves
+        ("intra, safe gate (inference, K split: one half)", F._intra_sub_kernel,
+         {**intra, "BK": BK // 2, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": True, "KSPLIT": 2},
+         F.intra_opts(BK // 2), {"beta": "*fp32", "Lkk": "*fp16", "Aqk": "*fp16"}),
+        ("solve (inference: two partial L and Aqk, K split)", F._solve_kernel,
+         {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32", "PARTS": 2},
+         F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16", "Aqk_parts": "*fp16"}),
         ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
          F.wu_launch(V, BK, True)[1], {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},

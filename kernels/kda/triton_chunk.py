@@ -93,7 +93,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # writes and the solve reads half the bytes. H200, inference forward, us, fp32 / fp16 L (kda_tune.py --fwd-only,
     # 2026-11-30, RESULTS.md session 21): (16, 2048, 32, 64) intra 560 / 513, solve 122 / 109, total 1,347 / 1,289;
     # (8, 4096, 16, 128) solve 63 / 57, total 1,441 / 1,433
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True},
+    # KSPLIT_FROM: with fp16 L, the intra kernel in two K halves from this padded key dim on (0: never), as programs
+    # of their own at the halved dim's launch (1 warp at 64), the solve adding their partial L and Aqk: at K = 128
+    # the 1-warp K = 64 kernel ran the same number of programs in 519 us (at (16, 2048, 32, 64)) where the 2-warp
+    # K = 128 one takes 653 (at (8, 4096, 16, 128); session 21). Off until timed
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 0},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -390,10 +394,15 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     N, NT, NT_all, chunk_indices, _, cu = _layout_args(B, T, BT, cu_seqlens, dev, cu_host, q)
     T_all = B * T
     f32 = torch.float32
+    # the intra kernel's K split (an inference forward with fp16 L, LAUNCH["intra"]["KSPLIT_FROM"]): two programs per
+    # sub-chunk, one per K half, whose partial sums of L and Aqk (fp16: |.| <= 1 with the L2 norm) the solve adds
+    split = l_fp16 and not store_akk and 0 < LAUNCH["intra"]["KSPLIT_FROM"] <= BK
+    parts = 2 if split else 1
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
-         "Lkk": torch.empty(T_all, HV, BT, dtype=torch.float16 if l_fp16 and not store_akk else f32,
-                            device=dev),  # L, or Akk with store_akk (one buffer)
+         "Lkk": torch.empty(*((2,) if split else ()), T_all, HV, BT,
+                            dtype=torch.float16 if l_fp16 and not store_akk else f32,
+                            device=dev),  # L, or Akk with store_akk (one buffer); [2, ...] partial sums with split
          "Mm": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
          "o": torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)}
     launch = NT_all > 0 and HV > 0
@@ -417,14 +426,17 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
                  "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
-        _intra_sub_kernel[(NT_all * NC, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg if qg is not None else Lkk,
-                                             chunk_indices, cu, float(scale), shift,
-                                             float(g_check[0]) if g_check else 0.0, T, NT, **intra,
-                                             **intra_opts(BK))
+        aqk_parts = torch.empty(2, T_all, HV, BT, dtype=torch.float16, device=dev) if split else Aqk
+        intra.update(BK=BK // parts, KSPLIT=parts)
+        _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, aqk_parts, Lkk, g_ok,
+                                                    qg if qg is not None else Lkk, chunk_indices, cu, float(scale),
+                                                    shift, float(g_check[0]) if g_check else 0.0, T, NT,
+                                                    T_all * HV * BT, **intra, **intra_opts(BK // parts))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
-        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, HV=HV, BT=BT, BC=BC, NC=NC,
-                                    BETA=store_akk, **common, **solve_opts(store_akk))
+        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, aqk_parts, Aqk, chunk_indices, cu, T, NT, T_all * HV * BT, HV=HV,
+                                    BT=BT, BC=BC, NC=NC, BETA=store_akk, PARTS=parts, **common,
+                                    **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
         scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)

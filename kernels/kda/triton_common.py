@@ -205,9 +205,11 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 @triton.jit
 def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
+                      part_stride,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
-                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                      KSPLIT: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -229,7 +231,11 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     value, so the race is harmless). Before, each program stored its rows' minimum and a torch amin reduced them:
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
-    and Gamma this program holds anyway."""
+    and Gamma this program holds anyway.
+    KSPLIT = 2 (chunk_fwd_pipeline's K split, a third grid axis of 2): program (., ., p) takes columns p BK .. p BK +
+    BK - 1 of q, k, g, Gamma and qg, and stores its partial sums of Aqk and Lkk at part p of [2, T_all, HV, BT]
+    buffers (part_stride = T_all HV BT elements apart), which the solve adds. Gamma is per column, so the split
+    needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit kernel's."""
     scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -238,7 +244,13 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
         return
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    if KSPLIT == 2:  # this program's K half: columns k0 .. k0 + BK - 1 through the base pointers
+        k0 = tl.program_id(2) * BK
+        q, k, g, Gam, qg = q + k0, k + k0, g + k0, Gam + k0, qg + k0
+        Aqk, Lkk = Aqk + tl.program_id(2) * part_stride, Lkk + tl.program_id(2) * part_stride
+        m_k = o_k < K - k0
+    else:
+        m_k = o_k < K
     log2e = 1.4426950408889634
     r_i = i_i * BC + o_c
     m_i = r_i < n_valid

@@ -54,12 +54,16 @@ def _times_beta(x, beta, start, n_valid, i_hv, r: tl.constexpr, HV: tl.constexpr
 
 @triton.jit
 def _load_block(Lkk, start, n_valid, i_hv, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr):
-    """Block (r, c) [BC, BC] of the chunk's L (or Akk); rows past the sequence end read as 0."""
+                BC: tl.constexpr, part_stride, PARTS: tl.constexpr):
+    """Block (r, c) [BC, BC] of the chunk's L (or Akk), the sum of its PARTS partial sums; rows past the sequence
+    end read as 0."""
     o_c = tl.arange(0, BC)
     m_r = (r * BC + o_c) < n_valid
     p = ((start + r * BC + o_c[:, None]) * HV + i_hv) * BT + c * BC + o_c[None, :]
-    return tl.load(Lkk + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b = tl.load(Lkk + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    if PARTS == 2:
+        b += tl.load(Lkk + part_stride + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    return b
 
 
 @triton.jit
@@ -72,8 +76,9 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 
 @triton.jit
-def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+def _solve_kernel(Lkk, beta, Mout, Aqk_parts, Aqk, chunk_indices, cu_seqlens, T, NT, part_stride, HV: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+                  PREC: tl.constexpr, PARTS: tl.constexpr):
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
     of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
@@ -82,28 +87,41 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, HV: tl.cons
     by beta [T_all, HV]: the row sums of the substitution and the merges (_times_beta). Only the blocks j <= i are
     read. Scaling the diagonal blocks' rows by beta once as loaded, so that the substitution walk loads nothing
     (ptxas, sm_90a: 133 -> 109 registers), lost on the H200: training solve 149 -> 178 us at (16, 2048, 32, 64),
-    78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4)."""
+    78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4).
+    PARTS = 2 (the intra kernel's K split): Lkk holds two partial sums part_stride elements apart, added as loaded,
+    and the solve also adds the two partial Aqk tiles of Aqk_parts into Aqk (the blocks j <= i)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
     rows = o_b * BC + tl.arange(0, BC)[None, :, None]
     p_d = ((start + rows) * HV + i_hv) * BT + o_b * BC + tl.arange(0, BC)[None, None, :]
     b_Ld = tl.load(Lkk + p_d, mask=rows < n_valid, other=0.0).to(tl.float32)  # L in fp32, or fp16 (l_fp16)
+    if PARTS == 2:
+        b_Ld += tl.load(Lkk + part_stride + p_d, mask=rows < n_valid, other=0.0).to(tl.float32)
     b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)
+    if PARTS == 2:  # Aqk = the two partial sums, row block by row block ([BC, BT] tiles: 1 warp's registers)
+        o_t = tl.arange(0, BT)
+        for r in tl.static_range(NC):
+            r_r = r * BC + tl.arange(0, BC)
+            m = (r_r < n_valid)[:, None] & (o_t[None, :] // BC <= r)
+            p_r = ((start + r_r[:, None]) * HV + i_hv) * BT + o_t[None, :]
+            b_A = tl.load(Aqk_parts + p_r, mask=m, other=0.0).to(tl.float32)
+            b_A += tl.load(Aqk_parts + part_stride + p_r, mask=m, other=0.0).to(tl.float32)
+            tl.store(Aqk + p_r, b_A.to(Aqk.dtype.element_ty), mask=m)
     if NC > 1:  # M_ij = -M_ii (beta_i * sum_m Akk_im M_mj) with BETA, else -M_ii sum_m L_im M_mj
-        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC)
+        L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC, part_stride, PARTS)
         M11 = _pick(b_Md, 1, NC)
         S10 = _times_beta(tl.dot(L10, M00, input_precision=PREC), beta, start, n_valid, i_hv, 1, HV, BC, BETA)
         M10 = -tl.dot(M11, S10, input_precision=PREC)
         _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
-        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC)
-        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC)
-        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC)
-        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC)
-        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC)
+        L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC, part_stride, PARTS)
+        L21 = _load_block(Lkk, start, n_valid, i_hv, 2, 1, HV, BT, BC, part_stride, PARTS)
+        L30 = _load_block(Lkk, start, n_valid, i_hv, 3, 0, HV, BT, BC, part_stride, PARTS)
+        L31 = _load_block(Lkk, start, n_valid, i_hv, 3, 1, HV, BT, BC, part_stride, PARTS)
+        L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC, part_stride, PARTS)
         M22 = _pick(b_Md, 2, NC)
         M33 = _pick(b_Md, 3, NC)
         S21 = _times_beta(tl.dot(L21, M11, input_precision=PREC), beta, start, n_valid, i_hv, 2, HV, BC, BETA)

@@ -29,10 +29,11 @@ from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
-           "NT": "i32", "T_all": "i32"}
+           "NT": "i32", "T_all": "i32", "part_stride": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS):
+    consts = {**({"KSPLIT": 1} if "KSPLIT" in fn.arg_names else {}), **consts}  # the intra kernel unsplit unless given
     sig = {a: "constexpr" if a in consts else scalars.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
            and (a in HALF or a in half) else "*fp32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
@@ -81,6 +82,8 @@ for varlen in (False, True):
                  "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
+    compile_(F._intra_sub_kernel, {**intra, "BK": 16, "KSPLIT": 2}, F.intra_opts(16)["num_warps"], ("qg",))  # in K
+    # halves (an inference forward's K split)
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
         if not (output or store):  # storing the states, or both (a training forward that keeps them)
             continue
@@ -91,9 +94,10 @@ for varlen in (False, True):
         if not varlen:  # a time segment of each sequence (bounds as pairs: triton_segments.py)
             compile_(F._scan_kernel, {**scan, "VARLEN": 2}, F.LAUNCH["scan"]["num_warps"], halves,
                      F.LAUNCH["scan"]["num_stages"])
-    for beta_rows in (True, False):  # from Akk (a training forward) or from L
+    for beta_rows, parts in ((True, 1), (False, 1), (False, 2)):  # from Akk (a training forward) or from L (in two
+        # partial sums with the intra kernel's K split, Aqk's two added too)
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
-                                   "PREC": "tf32"}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
+                                   "PREC": "tf32", "PARTS": parts}, F.LAUNCH["solve"]["num_warps"], ("Mout", "Aqk"))
 for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every pointer fp32, every dot at prec
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False, "HAS_DHT": True, "STORE_DH0": True}, 4,
@@ -109,8 +113,8 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
              num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
     compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
                                    "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
-    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec}, 1,
-             all_fp32=True)
+    compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec,
+                               "PARTS": 1}, 1, all_fp32=True)
 # float scalars as fp64, as inductor launches a kernel inside torch.compile (torch 2.11): each kernel takes them as
 # fp32 at entry (_f32), so it compiles (the intra kernel's diagonal block failed, "Both operands must be same dtype",
 # H200 2026-11-30) and no tile arithmetic runs in fp64

@@ -686,6 +686,30 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwarg
     assert "maxnreg" not in fwd.solve_opts(True)
 
 
+@pytest.mark.parametrize("D,split", [(100, 64), (32, 16)], ids=["K100-halves64", "K32-halves16"])
+def test_forward_in_k_halves_matches_naive(D, split, monkeypatch, launch_kwargs):
+    """An inference forward with fp16 L and the intra kernel in K halves (LAUNCH["intra"]["KSPLIT_FROM"]; K = 100:
+    the second half masked to 36 columns) against the float64 recurrence, and against the unsplit forward, with a
+    partial chunk and an initial state; the launch spy sees two K halves and the solve adding two parts."""
+    from k3.kernels.kda import triton_chunk as fwd
+
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, D, 32, torch.float32)
+    g = g.clamp_min(-5.0)
+    kw = {"scale": D**-0.5, "safe_shift": 7.5 * 5.0 / 2, "chunk_size": 64, "cu_seqlens": None, "h_fp32": False,
+          "l_fp16": True}
+    ro, rs = naive64(q, k, v, g, beta, h0)
+    whole = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
+    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("BK", "KSPLIT"))
+    solve = launch_kwargs(fwd, "_solve_kernel", ("PARTS",))
+    halves = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
+    assert intra == [(split, 2)] and solve == [(2,)]
+    for name, r in (("whole", whole), ("K halves", halves)):
+        assert_close(f"o ({name})", ro, r["o"], 0.005)
+        assert_close(f"ht ({name})", rs, r["ht"], 0.005)
+    assert_close("o (K halves vs whole)", whole["o"].double(), halves["o"], 1e-3)
+
+
 def test_l_in_fp16_only_for_normalised_half_inputs(monkeypatch):
     """l_in_fp16: L in fp16 for bf16 / fp16 inputs whose q and k the forward L2-normalises (|L| <= 1), never for fp32
     inputs or raw keys, and not with LAUNCH["intra"]["L_FP16"] off; chunk_kda passes that choice to
@@ -910,11 +934,12 @@ def intra_reference(q, k, g, beta, scale, BT, cu):
 
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu", SUB_CASES, ids=[f"{case_id(*c[:5])}-BT{c[5]}-"
                          f"{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}" for c in SUB_CASES])
-def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
+def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, monkeypatch):
     """The forward's intra-chunk kernel (one program per sub-chunk) writes every element of Gamma and every block
     j <= i of Aqk and of Akk (a training forward) or L = diag(beta) Akk (an inference forward; its one buffer holds
     either; L in fp32, or in fp16 with l_fp16), equal to the float64 definitions; the buffers are NaN-poisoned
-    (tests/conftest.py), so an element left unwritten fails."""
+    (tests/conftest.py), so an element left unwritten fails. Also in K halves (LAUNCH["intra"]["KSPLIT_FROM"], with
+    fp16 L): Gamma whole, L as two partial sums that add up to it, and Aqk as the solve adds its two."""
     from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
@@ -927,19 +952,26 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu):
     starts = torch.tensor(cu) if cu is not None else torch.arange(0, len(pos) + 1, q.shape[1])
     rel = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]  # position in the sequence
     lower = (torch.arange(BT)[None, :] // 16 <= (rel % BT)[:, None] // 16)[:, None, :].expand(-1, HV, -1)
-    for store_akk, l_fp16, names in ((True, False, ("Gam", "Aqk", "Akk")), (False, False, ("Lkk",)),
-                                     (False, True, ("Lkk",))):
+    for store_akk, l_fp16, split, names in ((True, False, 0, ("Gam", "Aqk", "Akk")), (False, False, 0, ("Lkk",)),
+                                            (False, True, 0, ("Lkk",)), (False, True, 16, ("Gam", "Aqk", "Lkk"))):
+        monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "KSPLIT_FROM", split)
         r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift,
                                             chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk,
                                             l_fp16=l_fp16)
         assert r["Lkk" if store_akk else "Akk"] is None
         for name in names:
-            got, want = r[name].double().cpu(), ref[name]
+            got, want = r[name], ref[name]
+            if name == "Lkk":
+                assert got.dtype == (torch.float16 if l_fp16 else torch.float32)
+                if split:  # two partial sums
+                    assert got.shape[0] == 2 and torch.isfinite(got[0][lower]).all()
+                    got = got.double().sum(0)
+            got = got.double().cpu()
             if name in ("Akk", "Lkk", "Aqk"):  # the blocks j <= i (no others are written)
                 got, want = got[lower], want[lower]
             assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
-            assert r[name].dtype == (torch.float16 if l_fp16 else torch.float32)
-            assert_close(name + (" (fp16)" if l_fp16 else ""), want, got, 1e-3 if l_fp16 else 1e-5)
+            tol = 1e-3 if l_fp16 and name != "Gam" else 1e-5
+            assert_close(name + (" (fp16)" if l_fp16 else "") + (" (K split)" if split else ""), want, got, tol)
 
 
 @pytest.mark.parametrize("source", ["L", "Akk-beta", "L-fp16"])
@@ -983,9 +1015,10 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, source):
     elif source == "L-fp16":
         Lkk = Lkk.half()
     if NT_all:
-        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all, NT,
-                                                 HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta", VARLEN=True,
-                                                 PREC="ieee", **triton_chunk.launch_opts("solve"))
+        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, Mm, Mm, chunk_indices, cu_t, T_all,
+                                                 NT, 0, HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta",
+                                                 VARLEN=True, PREC="ieee", PARTS=1,
+                                                 **triton_chunk.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
     for c0, n, h, M in want:
