@@ -913,7 +913,7 @@ s22)
   # prepared in session 21 for the next session's first call: the intra kernel in K halves at K = 128 (an inference
   # forward with fp16 L: LAUNCH["intra"]["KSPLIT_FROM"] = 128, off until timed). First the KDA GPU tests with it on
   # beside the serving CUDA tests; then the inference forward with and without it at the three K = 128 shapes, twice;
-  # then issue 4's table with it where it won at (8,4096,16,128) in both rounds
+  # then issue 4's table with it where it won at (8,4096,16,128) in both rounds; and at K = 64 once
   K3_TEST_KDA_LAUNCH=intra.KSPLIT_FROM=128 kda_and_serve_tests
   wins=0
   for round in 1 2; do
@@ -925,6 +925,9 @@ s22)
     done
   done
   sets=(); [ $wins -eq 2 ] && sets=(--set intra.KSPLIT_FROM=128)
+  # the same at K = 64 (KSPLIT_FROM 64: halves of 32, ~157 registers at 1 warp (ptxas) against 248)
+  tune21 whole --fwd-only --shape 16,2048,32,64
+  tune21 halves --fwd-only --shape 16,2048,32,64 --set intra.KSPLIT_FROM=64
   echo "table with: ${sets[*]:-the defaults}"
   timeout 200 python3 benchmarks/kda.py "${sets[@]}" > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"

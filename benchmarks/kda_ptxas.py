@@ -57,7 +57,7 @@ def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[i
     """(registers, spill store bytes, spill load bytes) per thread of fn compiled for sm_90a."""
     sig = signature(fn, consts, override or {})
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-               if sig[a].startswith("*") or a in ("T", "NT")}
+               if sig[a].startswith("*") or a in ("T", "NT", "part_stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=aligned)
     return ptxas_src(src, opts)
