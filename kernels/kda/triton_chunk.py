@@ -383,7 +383,8 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     keep_states (a training forward for the Triton backward): "states" = (w, vnew, hbuf, kg, qg), what the backward
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
     (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
-    l_fp16: L stored in fp16 rather than fp32 (without store_akk; the forward decides: l_in_fp16)."""
+    l_fp16: L stored in fp16 rather than fp32 (without store_akk; the forward decides: l_in_fp16); with it and
+    LAUNCH["intra"]["KSPLIT_FROM"] <= BK, "Lkk" holds the K halves' two partial sums [2, T_all, HV, BT]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -396,7 +397,7 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     f32 = torch.float32
     # the intra kernel's K split (an inference forward with fp16 L, LAUNCH["intra"]["KSPLIT_FROM"]): two programs per
     # sub-chunk, one per K half, whose partial sums of L and Aqk (fp16: |.| <= 1 with the L2 norm) the solve adds
-    split = l_fp16 and not store_akk and 0 < LAUNCH["intra"]["KSPLIT_FROM"] <= BK
+    split = l_fp16 and not store_akk and 0 < LAUNCH["intra"]["KSPLIT_FROM"] <= BK and BK >= 32  # halves >= 16 (dots)
     parts = 2 if split else 1
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
          "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
