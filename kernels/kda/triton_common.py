@@ -248,9 +248,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
         k0 = tl.program_id(2) * BK
         q, k, g, Gam, qg = q + k0, k + k0, g + k0, Gam + k0, qg + k0
         Aqk, Lkk = Aqk + tl.program_id(2) * part_stride, Lkk + tl.program_id(2) * part_stride
-        # a runtime column bound unless both halves are full (K = 2 BK): a bound known at compile time lets the loads
-        # go unmasked along K and 16 bytes wide (ptxas, sm_90a, K = 64 in halves of 32: 157 registers against 248)
-        m_k = o_k < (BK if K == 2 * BK else K - k0)
+        m_k = o_k < K - k0
     else:
         m_k = o_k < K
     log2e = 1.4426950408889634
