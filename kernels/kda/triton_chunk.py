@@ -195,7 +195,13 @@ def l_in_fp16(l2norm: bool, dtype: torch.dtype) -> bool:
 
 def launch_opts(name: str) -> dict[str, int]:
     """num_warps / num_stages of kernel `name` (LAUNCH without the block sizes), and its register cap where set."""
-    return register_cap(LAUNCH[name], {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")})
+    return entry_opts(LAUNCH[name])
+
+
+def entry_opts(entry: dict) -> dict[str, int]:
+    """The launch options of one LAUNCH entry (this module's or triton_chunk_bwd's): num_warps / num_stages and the
+    register cap where set."""
+    return register_cap(entry, {k: v for k, v in entry.items() if k in ("num_warps", "num_stages")})
 
 
 def register_cap(entry: dict, opts: dict) -> dict:

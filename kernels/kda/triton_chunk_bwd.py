@@ -55,7 +55,7 @@ import triton.language as tl
 from ..dispatch import triton_interpreter
 from .chunk import SUB_CHUNK
 from .triton_chunk import LAUNCH as FWD_LAUNCH
-from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, register_cap, scan_v_block
+from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, entry_opts, register_cap, scan_v_block
 from .triton_common import (
     _chunk_bounds,
     _dot,
@@ -169,7 +169,7 @@ def set_launch_entry(item: str) -> tuple[dict, str, object]:
 
 
 def _opts(name: str) -> dict[str, int]:
-    return register_cap(LAUNCH[name], {k: v for k, v in LAUNCH[name].items() if k in ("num_warps", "num_stages")})
+    return entry_opts(LAUNCH[name])
 
 
 def q_norm_from_output(H: int, HV: int, K: int) -> bool:
