@@ -434,14 +434,15 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
                  "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
         g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
         aqk_parts = torch.empty(2, T_all, HV, BT, dtype=torch.float16, device=dev) if split else Aqk
+        part_stride = T_all * HV * BT  # elements between the K halves' partial sums
         intra.update(BK=BK // parts, KSPLIT=parts)
         _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, aqk_parts, Lkk, g_ok,
                                                     qg if qg is not None else Lkk, chunk_indices, cu, float(scale),
                                                     shift, float(g_check[0]) if g_check else 0.0, T, NT,
-                                                    T_all * HV * BT, **intra, **intra_opts(BK // parts))
+                                                    part_stride, **intra, **intra_opts(BK // parts))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
-        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, aqk_parts, Aqk, chunk_indices, cu, T, NT, T_all * HV * BT, HV=HV,
+        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, aqk_parts, Aqk, chunk_indices, cu, T, NT, part_stride, HV=HV,
                                     BT=BT, BC=BC, NC=NC, BETA=store_akk, PARTS=parts, **common,
                                     **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
