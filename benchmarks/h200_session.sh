@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | s22c | s22d | s22e | s22f | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -929,6 +929,70 @@ s22)
   tune21 whole --fwd-only --shape 16,2048,32,64
   tune21 halves --fwd-only --shape 16,2048,32,64 --set intra.KSPLIT_FROM=64
   ;;
+s22c)
+  # session 22's third call: the K split with Aqk's two partial sums added by the scan (not the solve), as the
+  # default candidate: the KDA GPU tests with it on; then the inference forward whole / in halves / in halves at 2
+  # warps (SMALL_K_WARPS: the halves' launch), twice at (8, 4096, 16, 128), once at the two long shapes
+  K3_TEST_KDA_LAUNCH=intra.KSPLIT_FROM=128 kda_gpu_tests
+  for round in 1 2; do
+    tune21 whole --fwd-only --shape 8,4096,16,128
+    tune21 halves --fwd-only --shape 8,4096,16,128 --set intra.KSPLIT_FROM=128
+    tune21 halves-2w --fwd-only --shape 8,4096,16,128 --set intra.KSPLIT_FROM=128 --set intra.SMALL_K_WARPS=2
+  done
+  for shape in 2,16384,16,128 1,65536,16,128; do
+    tune21 whole --fwd-only --shape $shape
+    tune21 halves --fwd-only --shape $shape --set intra.KSPLIT_FROM=128
+  done
+  ;;
+s22d)
+  # session 22's fourth call: the K split (KSPLIT_FROM 128) and q's rows scaled by its rstd in the intra kernel
+  # (Q_RSTD) as the tree's defaults: the KDA GPU tests beside the serving CUDA tests; then the inference forward
+  # as shipped / without Q_RSTD / as session 21 shipped, twice at (8, 4096, 16, 128); Q_RSTD off / on at
+  # (16, 2048, 32, 64) (no K split at K = 64); the two long shapes as shipped / as session 21 shipped
+  kda_and_serve_tests
+  old=(--set intra.KSPLIT_FROM=0 --set intra.Q_RSTD=False)
+  for round in 1 2; do
+    tune21 new --fwd-only --shape 8,4096,16,128
+    tune21 no-qrstd --fwd-only --shape 8,4096,16,128 --set intra.Q_RSTD=False
+    tune21 s21 --fwd-only --shape 8,4096,16,128 "${old[@]}"
+  done
+  tune21 new --fwd-only --shape 16,2048,32,64
+  tune21 no-qrstd --fwd-only --shape 16,2048,32,64 --set intra.Q_RSTD=False
+  for shape in 2,16384,16,128 1,65536,16,128; do
+    tune21 new --fwd-only --shape $shape
+    tune21 s21 --fwd-only --shape $shape "${old[@]}"
+  done
+  ;;
+s22e)
+  # session 22's sixth call: launch settings around the new defaults (K split, Q_RSTD) at (8, 4096, 16, 128),
+  # inference forward, one run each, the defaults first and last
+  tune21 new --fwd-only --shape 8,4096,16,128
+  for flag in intra.num_stages=2 intra.maxnreg=168 intra.maxnreg=200 solve.num_warps=2 scan.num_stages=4 \
+      scan.BV=32 scan.num_warps=8; do
+    tune21 "$flag" --fwd-only --shape 8,4096,16,128 --set $flag
+  done
+  tune21 new --fwd-only --shape 8,4096,16,128
+  ;;
+s22f)
+  # session 22's eighth call: Q_RSTD 2 (Aqk's and qg's rows scaled by q's rstd as stored: the rstd load waits behind
+  # the walk) as the default: the forward's GPU tests of the q rows, the K halves and the intra kernel; Q_RSTD 2 / 1
+  # / 0 twice at (8, 4096, 16, 128); then issue 4's table with the form that won both rounds
+  timeout -s INT -k 10 120 python3 -m pytest tests/kernels/test_kda_triton.py -k "scales_q_rows or k_halves or \
+    intra_kernel_matches or chunk_matches or solve_kernel" -p no:cacheprovider -q -n 8 > "$OUT/ktests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -8
+  wins=0
+  for round in 1 2; do
+    a=$(tune21 q-rstd-2 --fwd-only --shape 8,4096,16,128 | tee /dev/stderr | grep -o "total | [0-9]*" | tr -cd '0-9')
+    b=$(tune21 q-rstd-1 --fwd-only --shape 8,4096,16,128 --set intra.Q_RSTD=1 | tee /dev/stderr \
+      | grep -o "total | [0-9]*" | tr -cd '0-9')
+    tune21 q-rstd-0 --fwd-only --shape 8,4096,16,128 --set intra.Q_RSTD=0
+    if [ -n "$a" ] && [ -n "$b" ] && [ "$a" -lt "$b" ]; then wins=$((wins + 1)); fi
+  done
+  sets=(); [ $wins -eq 2 ] || sets=(--set intra.Q_RSTD=1)
+  echo "table with: ${sets[*]:-the defaults}"
+  timeout 200 python3 benchmarks/kda.py "${sets[@]}" > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
 s22b)
   # session 22's second call: issue 4's table, with the kda.py flags given after the mode (session 22 split s22 in
   # two after its cache of compiled kernels was lost: a cold compile made one call too long)
@@ -1088,6 +1152,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d|s22|s22b)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d|s22|s22b|s22c|s22d|s22e|s22f)" >&2; exit 2
   ;;
 esac

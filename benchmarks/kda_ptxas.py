@@ -34,7 +34,7 @@ from k3.kernels.kda import triton_chunk_bwd as B
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "kg", "qg", "vnew", "o", "do", "dv", "dq_out"}  # bf16 tensors of a bf16 run
 SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
-           "NT": "i32", "part_stride": "i32"}
+           "NT": "i32", "part_stride": "i32", "aqk_stride": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 
@@ -57,7 +57,7 @@ def ptxas(fn, consts: dict, opts: dict, override: dict | None = None) -> tuple[i
     """(registers, spill store bytes, spill load bytes) per thread of fn compiled for sm_90a."""
     sig = signature(fn, consts, override or {})
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-               if sig[a].startswith("*") or a in ("T", "NT", "part_stride")}
+               if sig[a].startswith("*") or a in ("T", "NT", "part_stride", "aqk_stride")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=aligned)
     return ptxas_src(src, opts)
@@ -176,7 +176,8 @@ def main() -> None:
                   ("exact gate (training)", False, True, False, False)]
     rows = [  # (name, kernel, constexprs, launch options, argument type overrides)
         *[(f"intra, {name}", F._intra_sub_kernel, {**intra, "SAFE": safe, "STORE_AKK": akk, "CHECK_G": check,
-                                                   "STORE_QG": qg, "KSPLIT": 1}, F.intra_opts(intra["BK"]),
+                                                   "STORE_QG": qg, "KSPLIT": 1, "Q_RSTD": False},
+           F.intra_opts(intra["BK"]),
            {"beta": "*fp32", "Lkk": "*fp16" if lfp16 and not akk else "*fp32"})
           for name, safe, akk, check, qg in intra_uses],
         ("solve (training: from Akk and beta)", F._solve_kernel,
@@ -187,25 +188,29 @@ def main() -> None:
          F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16" if lfp16 else "*fp32"}),
         # the intra kernel's K split (LAUNCH["intra"]["KSPLIT_FROM"]): one K half a program, the solve adding the halves
         ("intra, safe gate (inference, K split: one half)", F._intra_sub_kernel,
-         {**intra, "BK": BK // 2, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": True, "KSPLIT": 2},
+         {**intra, "BK": BK // 2, "SAFE": True, "STORE_AKK": False, "CHECK_G": True, "STORE_QG": True, "KSPLIT": 2,
+          "Q_RSTD": bool(F.LAUNCH["intra"]["Q_RSTD"])},
          F.intra_opts(BK // 2), {"beta": "*fp32", "Lkk": "*fp16", "Aqk": "*fp16"}),
-        ("solve (inference: two partial L and Aqk, K split)", F._solve_kernel,
+        ("solve (inference: two partial L, K split)", F._solve_kernel,
          {"HV": 16, "BT": BT, "BC": 16, "NC": BT // 16, "BETA": False, "VARLEN": False, "PREC": "tf32", "PARTS": 2},
-         F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16", "Aqk_parts": "*fp16"}),
+         F.solve_opts(False), {"Mout": "*bf16", "Lkk": "*fp16"}),
         ("w, u (forward)", F._wu_kernel, {**kv, "BK": bkw, "BV": F.wu_launch(V, BK, True)[0], "STORE_QG": False},
          F.wu_launch(V, BK, True)[1], {}),
         ("w, u (backward recompute: qg too)", F._wu_kernel, {**kv, "BK": bkw, "BV": bv["wu"], "STORE_QG": True},
          F.launch_opts("wu"), {}),
         # the forward scan in each use: (name, OUTPUT, STORE_STATES, argument type overrides)
         *[(f"state scan ({name})", F._scan_kernel,
-           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, "STORE_STATES": st},
-           F.launch_opts("scan"), over)
-          for name, out, st, over in (("bf16 states", False, True, {"hbuf": "*bf16"}),
-                                      ("with the output: inference forward, no states stored", True, False, {}),
-                                      ("with the output and bf16 states: training forward", True, True,
-                                       {"hbuf": "*bf16"}),
-                                      ("fp32 states: backward", False, True, {}))],
-        ("output", F._output_kernel, {**kv, "BV": bv["output"]}, F.launch_opts("output"), {"hbuf": "*bf16"}),
+           {**kv, "BV": bv["scan"], "HAS_H0": True, "STORE_HT": True, "OUTPUT": out, "STORE_STATES": st,
+            "AQK_PARTS": parts}, F.launch_opts("scan"), over)
+          for name, out, st, parts, over in (
+              ("bf16 states", False, True, 1, {"hbuf": "*bf16"}),
+              ("with the output: inference forward, no states stored", True, False, 1, {}),
+              ("with the output, Aqk in two partial sums (K split): inference forward", True, False, 2,
+               {"Aqk": "*fp16"}),
+              ("with the output and bf16 states: training forward", True, True, 1, {"hbuf": "*bf16"}),
+              ("fp32 states: backward", False, True, 1, {}))],
+        ("output", F._output_kernel, {**kv, "BV": bv["output"], "AQK_PARTS": 1}, F.launch_opts("output"),
+         {"hbuf": "*bf16"}),
         (f"bwd scan ({B._prec('bwd_scan', torch.bfloat16)})", B._bwd_scan_kernel,
          {**bwd, "BK": BK // 2 if BK > 128 else BK, "BV": bwd_bv, "SPLIT": BK > 128,
           "PREC": B._prec("bwd_scan", torch.bfloat16), "HAS_DHT": False, "STORE_DH0": False},

@@ -94,10 +94,25 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # 2026-11-30, RESULTS.md session 21): (16, 2048, 32, 64) intra 560 / 513, solve 122 / 109, total 1,347 / 1,289;
     # (8, 4096, 16, 128) solve 63 / 57, total 1,441 / 1,433
     # KSPLIT_FROM: with fp16 L, the intra kernel in two K halves from this padded key dim on (0: never), as programs
-    # of their own at the halved dim's launch (1 warp at 64), the solve adding their partial L and Aqk: at K = 128
+    # of their own at the halved dim's launch (1 warp at 64), the solve adding their partial L, Aqk's reader (the
+    # scan, or the output kernel) their partial Aqk (in the solve: +55 us at (8, 4096, 16, 128)): at K = 128
     # the 1-warp K = 64 kernel ran the same number of programs in 519 us (at (16, 2048, 32, 64)) where the 2-warp
-    # K = 128 one takes 653 (at (8, 4096, 16, 128); session 21). Off until timed
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 0},
+    # K = 128 one takes 653 (at (8, 4096, 16, 128); session 21). H200, inference forward, us (kda_tune.py
+    # --fwd-only, 2026-12-01, RESULTS.md session 22), whole -> halves: (8, 4096, 16, 128) intra 653 -> 531, solve
+    # 58 -> 82, scan 290 -> 309 (Aqk's two parts), total 1,397 -> 1,315 (twice); (2, 16384) 1,759 -> 1,690;
+    # (1, 65536) 4,310 -> 4,266; issue 4's table, fwd ms at (8, 4096, 16, 128): 1.313, 1.319 against 1.412 (fla
+    # 1.69). At K = 64 (halves of 32) intra 518 -> 618. Halves at 2 warps: 674. OFF (0) all the same: a bf16
+    # inference forward in halves of 32 with a partial chunk (T = 70, K = 64) gave outputs off by rel_rms 0.81 on
+    # the H200 (and the next test in that process an illegal address), while every fp32 case in halves (16, 32, 64;
+    # partial chunks, varlen) and the bf16 table shapes in halves of 64 (whole chunks) matched. Until a bf16 run with
+    # partial chunks in halves passes on a GPU, the split stays off (RESULTS.md session 22)
+    # Q_RSTD: an inference forward's q L2-normalised by the intra kernel, which scales its rows by the norm pass's
+    # rstd (that pass then reads q and stores no copy; the intra kernel's own rows only, not the walk's, unlike
+    # session 14's form). H200, inference forward, us, off / on (kda_tune.py --fwd-only, 2026-12-01, RESULTS.md
+    # session 22): (8, 4096, 16, 128) with the K split, intra 532 / 552, total 1,317 / 1,307 (twice) and 1,316 /
+    # 1,305, 1,307; (16, 2048, 32, 64) intra 519 / 533, total 1,284 / 1,270
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 0,
+              "Q_RSTD": True},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
     # inverted together (session 9)
@@ -275,7 +290,7 @@ def scan_v_block(bv: int, V: int, seq_heads: int, sms: int) -> int:
 
 
 def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32, cu_host=None, q=None, scale=1.0,
-                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False):
+                     kq_dtype=None, Aqk=None, o=None, qg=None, store_states=False, aqk_parts=1):
     """Kernels 3 and 4 from Gamma and M: w, u (`_wu_kernel`), then the state scan with v_new (`_scan_kernel`).
     The forward's tail (chunk_fwd_pipeline) and the backward's only recompute (triton_chunk_bwd.py, from the Gam and
     Mm its forward saved).
@@ -288,7 +303,8 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
     kq_dtype, default Mm.dtype). cu_host: as chunk_layout.
     With `o` ([B, T, HV, V], to be written), Aqk [T_all, HV, BT] and qg (scale q e^Gamma [T_all, HV, K], the intra
     kernel's) or q: the scan also computes the output o = qg h + Aqk v_new (step 5, `_scan_kernel`'s OUTPUT) and
-    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`."""
+    stores neither v_new nor the states (vnew and hbuf are returned as None) unless `store_states`. aqk_parts = 2:
+    Aqk is [2, T_all, HV, BT], the intra kernel's K halves' partial sums, which the scan adds."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = k.device, Mm.dtype
@@ -326,12 +342,13 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
                 Aqk if fused else w, o if fused else w)
 
     scan_kw = {"H": H, "HV": HV, "K": K, "V": V, "BK": BK, "BV": BVs, "BT": BT, "STORE_HT": True, "OUTPUT": fused,
-               "STORE_STATES": states, "PREC": prec, **scan_opts(states, BK)}
+               "STORE_STATES": states, "PREC": prec, "AQK_PARTS": aqk_parts, **scan_opts(states, BK)}
+    aqk_stride = T_all * HV * BT  # elements between Aqk's partial sums (aqk_parts = 2)
     P = scan_segments(NT, grid[0] * N * HV, cu_seqlens, dev)
     if not P:
         _wu_kernel[(NT_all, HV)](*wu_ptrs, chunk_indices, cu, float(scale), T, NT, VARLEN=varlen, **wu_kw)
-        launch_fitting(_scan_kernel, grid, *scan_ptrs(h0c, ht), cu, chunk_offsets, T, NT, HAS_H0=h0 is not None,
-                       VARLEN=varlen, **scan_kw)
+        launch_fitting(_scan_kernel, grid, *scan_ptrs(h0c, ht), cu, chunk_offsets, T, NT, aqk_stride,
+                       HAS_H0=h0 is not None, VARLEN=varlen, **scan_kw)
         return w, u, vnew, hbuf, ht, kg, qg
     cu_pad, segs = segment_tables(B, T, BT, P, dev)
     hts = (torch.empty_like(ht), torch.empty_like(ht))  # the state between segments, alternating
@@ -341,7 +358,7 @@ def chunk_fwd_states(k, v, beta, Gam, Mm, h0, *, chunk_size, cu_seqlens, h_fp32,
 
     def scan_segment(s):  # from the previous segment's final state; the last one stores ht
         h_in, h_out = h0c if s == 0 else hts[(s - 1) % 2], ht if s == P - 1 else hts[s % 2]
-        launch_fitting(_scan_kernel, grid, *scan_ptrs(h_in, h_out), segs[s][1], segs[s][2], T, NT,
+        launch_fitting(_scan_kernel, grid, *scan_ptrs(h_in, h_out), segs[s][1], segs[s][2], T, NT, aqk_stride,
                        HAS_H0=h0 is not None or s > 0, VARLEN=2, **scan_kw)
 
     run_segments(P, dev, wu_segment, scan_segment, priority=LAUNCH["scan"]["SEGMENT_PRIORITY"])
@@ -374,7 +391,7 @@ def fuse_output(N: int, HV: int, V: int, K: int, dev: torch.device) -> bool:
 
 
 def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, cu_seqlens, h_fp32, store_akk=False,
-                       cu_host=None, g_check=None, keep_states=False, l_fp16=False):
+                       cu_host=None, g_check=None, keep_states=False, l_fp16=False, q_rstd=None):
     """Run the kernels; return a dict of every intermediate (see the module docstring for shapes):
     Gam, Aqk, Mm, w, u, vnew [T_all, HV, *]; hbuf [NT_all, HV, K, V]; o [B, T, HV, V]; ht [N, HV, K, V] fp32
     (vnew and hbuf None when the scan computed o: fuse_output, never with h_fp32);
@@ -390,7 +407,10 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     would otherwise recompute, when the scan computes the output and can store them in the dtypes the backward reads
     (triton_chunk_bwd.recompute_dtypes); else "states" is None (the backward recomputes them).
     l_fp16: L stored in fp16 rather than fp32 (without store_akk; the forward decides: l_in_fp16); with it and
-    LAUNCH["intra"]["KSPLIT_FROM"] <= BK, "Lkk" holds the K halves' two partial sums [2, T_all, HV, BT]."""
+    LAUNCH["intra"]["KSPLIT_FROM"] <= BK, "Lkk" and "Aqk" hold the K halves' two partial sums [2, T_all, HV, BT]
+    (fp16). q_rstd: q is raw, its rows' L2 norms' inverses q_rstd [B T H] fp32 (l2norm_fwd without y; an inference
+    forward, LAUNCH["intra"]["Q_RSTD"]): the intra kernel scales q's rows, or (the output kernel's path, which reads
+    q itself) q is normalised here first."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, dt = q.device, q.dtype
@@ -402,11 +422,13 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     T_all = B * T
     f32 = torch.float32
     # the intra kernel's K split (an inference forward with fp16 L, LAUNCH["intra"]["KSPLIT_FROM"]): two programs per
-    # sub-chunk, one per K half, whose partial sums of L and Aqk (fp16: |.| <= 1 with the L2 norm) the solve adds
+    # sub-chunk, one per K half, whose partial sums (fp16: |.| <= 1 with the L2 norm) the solve adds (L) and the
+    # output's reader adds (Aqk)
     split = l_fp16 and not store_akk and 0 < LAUNCH["intra"]["KSPLIT_FROM"] <= BK and BK >= 32  # halves >= 16 (dots)
     parts = 2 if split else 1
     r = {"Gam": torch.empty(T_all, HV, K, dtype=f32, device=dev),
-         "Aqk": torch.empty(T_all, HV, BT, dtype=dt, device=dev),
+         "Aqk": torch.empty(*((2,) if split else ()), T_all, HV, BT, dtype=torch.float16 if split else dt,
+                            device=dev),  # [2, ...] fp16 partial sums with split
          "Lkk": torch.empty(*((2,) if split else ()), T_all, HV, BT,
                             dtype=torch.float16 if l_fp16 and not store_akk else f32,
                             device=dev),  # L, or Akk with store_akk (one buffer); [2, ...] partial sums with split
@@ -422,6 +444,8 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     # H200, us per fwd+bwd (kda_tune.py, 2026-11-30, RESULTS.md session 10): intra +33, w/u -66 (which loaded q to
     # store it), total 6,297 -> 6,258 at (8, 4096, 16, 128); 6,532 -> 6,467 at (16, 2048, 32, 64)
     qg = torch.empty(T_all, HV, K, dtype=dt, device=dev) if fused else None
+    if q_rstd is not None and not fused:  # as l2norm_fwd's y: x r in fp32, stored in q's dtype
+        q, q_rstd = (q.float() * q_rstd.view(*q.shape[:-1], 1)).to(dt), None
     if keep_states and fused:
         from .triton_chunk_bwd import recompute_dtypes  # here: that module imports this one
 
@@ -431,29 +455,33 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
     if launch:
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BK, "BT": BT, "BC": BC, "NC": NC, "SAFE": safe_shift is not None,
-                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None, **common}
+                 "STORE_AKK": store_akk, "CHECK_G": g_check is not None, "STORE_QG": qg is not None,
+                 "Q_RSTD": q_rstd is not None, **common}
         g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
-        aqk_parts = torch.empty(2, T_all, HV, BT, dtype=torch.float16, device=dev) if split else Aqk
         part_stride = T_all * HV * BT  # elements between the K halves' partial sums
         intra.update(BK=BK // parts, KSPLIT=parts)
-        _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, aqk_parts, Lkk, g_ok,
-                                                    qg if qg is not None else Lkk, chunk_indices, cu, float(scale),
+        _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, Aqk, Lkk, g_ok,
+                                                    qg if qg is not None else Lkk,
+                                                    q_rstd if q_rstd is not None else Lkk, chunk_indices, cu,
+                                                    float(scale),
                                                     shift, float(g_check[0]) if g_check else 0.0, T, NT,
                                                     part_stride, **intra, **intra_opts(BK // parts))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
-        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, aqk_parts, Aqk, chunk_indices, cu, T, NT, part_stride, HV=HV,
+        _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, part_stride, HV=HV,
                                     BT=BT, BC=BC, NC=NC, BETA=store_akk, PARTS=parts, **common,
                                     **solve_opts(store_akk))
     r["w"], r["u"], r["vnew"], r["hbuf"], r["ht"], kg, _ = chunk_fwd_states(
         k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host,
-        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states)
+        scale=scale, Aqk=Aqk if fused else None, o=r["o"] if fused else None, qg=qg, store_states=keep_states,
+        aqk_parts=parts)
     r["states"] = (r["w"], r["vnew"], r["hbuf"], kg, qg) if keep_states else None  # not u: the backward reads v_new
     if launch and not fused:
         BVo = v_block("output", V, BK)
         _output_kernel[(triton.cdiv(V, BVo), NT_all, HV)](q, Gam, Aqk, r["vnew"], r["hbuf"], r["o"], chunk_indices,
-                                                          cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V, BK=BK,
-                                                          BV=BVo, BT=BT, **common, **launch_opts("output"))
+                                                          cu, float(scale), T, NT, part_stride, H=H, HV=HV, K=K,
+                                                          V=V, BK=BK, BV=BVo, BT=BT, AQK_PARTS=parts, **common,
+                                                          **launch_opts("output"))
     return r
 
 
@@ -483,10 +511,13 @@ class _ChunkKDATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, cfg):
         ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
         ctx.cfg = cfg
-        norm = ()
+        norm, q_rstd = (), None
         if cfg["l2norm"]:  # q, k <- their L2 norms; the backward runs the norm's own (in the intra kernel if it can)
-            (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
-            norm = (rq, rk)
+            if ctx.bwd is None and LAUNCH["intra"]["Q_RSTD"]:  # inference: q's rows scaled by the intra kernel
+                (_, q_rstd), (k, rk) = l2norm_fwd(q, store_y=False), l2norm_fwd(k)
+            else:
+                (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
+                norm = (rq, rk)
         # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
         # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on the H200 (Nsight Compute, 2026-11-30)
         ctx.set_materialize_grads(False)
@@ -494,7 +525,7 @@ class _ChunkKDATriton(torch.autograd.Function):
                                chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
                                store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
                                keep_states=ctx.bwd == "triton" and keep_states(),
-                               l_fp16=l_in_fp16(cfg["l2norm"], q.dtype))
+                               l_fp16=l_in_fp16(cfg["l2norm"], q.dtype), q_rstd=q_rstd)
         if ctx.bwd == "triton":
             from .triton_chunk_bwd import q_norm_from_output  # here: that module imports this one
 

@@ -204,12 +204,12 @@ def _diag_block(b_q, b_k, b_Gs, b_en, shift, BC: tl.constexpr, SAFE: tl.constexp
 
 
 @triton.jit
-def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_seqlens, scale, shift, g_floor, T, NT,
-                      part_stride,
+def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, q_rstd, chunk_indices, cu_seqlens, scale, shift, g_floor,
+                      T, NT, part_stride,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       BC: tl.constexpr, NC: tl.constexpr, SAFE: tl.constexpr, STORE_AKK: tl.constexpr,
                       CHECK_G: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                      KSPLIT: tl.constexpr):
+                      KSPLIT: tl.constexpr, Q_RSTD: tl.constexpr):
     """The forward's intra-chunk step (triton_chunk.py, step 1), one program per (chunk, 16-token sub-chunk i, value
     head): the BC rows of sub-chunk i of Gamma, Aqk and Lkk, [BC, BK] tiles only (the backward's intra kernel has
     the same shape). Lkk gets L = diag(beta) k k^T with decay, or with STORE_AKK (a training forward) Akk = k k^T
@@ -235,7 +235,12 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     KSPLIT = 2 (chunk_fwd_pipeline's K split, a third grid axis of 2): program (., ., p) takes columns p BK .. p BK +
     BK - 1 of q, k, g, Gamma and qg, and stores its partial sums of Aqk and Lkk at part p of [2, T_all, HV, BT]
     buffers (part_stride = T_all HV BT elements apart), which the solve adds. Gamma is per column, so the split
-    needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit kernel's."""
+    needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit kernel's.
+    Q_RSTD: q is raw and its rows' L2 norms' inverses q_rstd [T_all H] fp32 scale this kernel's results: an
+    inference forward's q is read by this kernel alone (its own rows: the walk reads k and g only), so the norm pass
+    stores rstd and no normalised copy of q (chunk_fwd_pipeline's q_rstd). Scaling the rows of Aqk's blocks and of
+    qg as stored instead (so that the load of q_rstd waits behind the walk) lost on the H200: inference forward
+    1,305 / 1,307 -> 1,310 / 1,309 us at (8, 4096, 16, 128) (kda_tune.py, 2026-12-01, RESULTS.md session 22)."""
     scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
     i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -269,6 +274,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, chunk_indices, cu_
     b_gn = tl.load(g + ((start + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_G = (tl.cumsum(b_gi, axis=0) - b_gn[None, :]) * log2e
     b_q = tl.load(q + p_iq, mask=m_ik, other=0.0).to(tl.float32) * scale
+    if Q_RSTD:
+        b_q *= tl.load(q_rstd + (start + r_i) * H + i_h, mask=m_i, other=0.0)[:, None]
     b_k = tl.load(k + p_iq, mask=m_ik, other=0.0).to(tl.float32)
     b_b = tl.load(beta + (start + r_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
     # Gamma_i - Gamma_n <= 0. Not masked: rows past the end read g = 0 (finite Gamma there) and q = k = 0, so every

@@ -12,6 +12,19 @@ from .triton_common import _chunk_bounds, _f32, _load_lower_blocks, _load_tril, 
 
 
 @triton.jit
+def _load_aqk(p, o_t, m_t, part_stride, PARTS: tl.constexpr):
+    """A chunk's Aqk tile [BT, BT] at pointers p (its blocks j <= i; _load_lower_blocks), or with PARTS = 2 the sum
+    of the intra kernel's two K halves' partial tiles (fp16, part_stride elements apart), added in fp16 (rounding
+    2^-11 of |.| <= 1, below the bf16 rounding that follows; in fp32 the scan spilled 8 bytes a thread). Added by the
+    readers rather than by the solve: the solve's pass over both parts and its store of the sum cost 79 us a
+    forward at (8, 4096, 16, 128) on the H200 (kda_tune.py, 2026-12-01, RESULTS.md session 22)."""
+    b = _load_lower_blocks(p, o_t, m_t)
+    if PARTS == 2:
+        b = b + _load_lower_blocks(p + part_stride, o_t, m_t)
+    return b
+
+
+@triton.jit
 def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, scale, T, NT, H: tl.constexpr,
                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BT: tl.constexpr, STORE_QG: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
@@ -55,14 +68,16 @@ def _wu_kernel(k, v, beta, Gam, Mm, w, u, kg, q, qg, chunk_indices, cu_seqlens, 
 
 
 @triton.jit
-def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT,
+def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets, T, NT, aqk_stride,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                 OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                 AQK_PARTS: tl.constexpr):
     # OUTPUT (step 5 fused in, LAUNCH["scan"]["OUTPUT_FROM"]): o = qg h + Aqk v_new per chunk from the state in
     # registers; qg = scale q exp2(Gamma) from the intra kernel. STORE_STATES: h[c] and v_new are stored (hbuf,
     # vnew; else unused), for `_output_kernel` (without OUTPUT) or for the backward (a training forward that keeps
-    # them: keep_states).
+    # them: keep_states). AQK_PARTS = 2 (the intra kernel's K split): Aqk holds two partial sums aqk_stride
+    # elements apart, added here as loaded (_load_aqk).
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -94,7 +109,8 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
         b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)  # v_new = u - w h
         if OUTPUT:  # as `_output_kernel`, with h and v_new rounded to the input dtype as its loads of them are
             b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0).to(b_w.dtype)
-            b_A = _load_lower_blocks(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t)
+            b_A = _load_aqk(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t, aqk_stride,
+                            AQK_PARTS).to(b_w.dtype)
             b_o = tl.dot(b_qg, b_h.to(b_w.dtype), input_precision=PREC)
             b_o += tl.dot(b_A, b_vn.to(b_w.dtype), input_precision=PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -108,9 +124,11 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
 
 
 @triton.jit
-def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT,
+def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale, T, NT, aqk_stride,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                   BV: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                   AQK_PARTS: tl.constexpr):
+    # AQK_PARTS as in _scan_kernel
     scale = _f32(scale)  # fp64 when inductor launches us
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -123,7 +141,8 @@ def _output_kernel(q, Gam, Aqk, vnew, hbuf, o, chunk_indices, cu_seqlens, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    b_A = _load_lower_blocks(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t)
+    b_A = _load_aqk(Aqk + ((start + o_t[:, None]) * HV + i_hv) * BT + o_t[None, :], o_t, m_t, aqk_stride,
+                    AQK_PARTS).to(vnew.dtype.element_ty)
     b_q = tl.load(q + ((start + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_G = tl.load(Gam + ((start + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_qg = (b_q.to(tl.float32) * scale * tl.exp2(b_G)).to(b_A.dtype)

@@ -23,14 +23,17 @@ from .triton_common import _f32
 
 
 @triton.jit
-def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                       STORE_Y: tl.constexpr):
+    # STORE_Y False: rstd alone (a consumer scales the rows itself: l2norm_fwd's store_y)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < R)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None] * D + o_d[None, :]
     b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + _f32(eps))  # [BR]; eps is fp64 when inductor launches us
-    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    if STORE_Y:
+        tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_r, mask=o_r < R)
 
 
@@ -56,19 +59,22 @@ def _rows_per_program(D: int) -> int:
     return max(1, min(64, 4096 // triton.next_power_of_2(D)))
 
 
-def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS, store_y: bool = True) -> tuple[torch.Tensor | None,
+                                                                                         torch.Tensor]:
     """(y [..., D] in x's dtype, rstd [R] fp32, R = x.numel() / D): the forward pass without autograd, for callers
     that run the backward themselves (triton_chunk._ChunkKDATriton: l2norm_bwd_from_y, or fused into the backward
-    intra kernel)."""
+    intra kernel). store_y False: (None, rstd), one read of x and no write of y, for a consumer that scales the rows
+    by rstd itself (an inference forward's q: triton_chunk.LAUNCH["intra"]["Q_RSTD"])."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()  # [R, D]
     R = x2.shape[0]
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2) if store_y else None
     rstd = torch.empty(R, dtype=torch.float32, device=x.device)
     BR, BD = _rows_per_program(D), triton.next_power_of_2(D)
     if R:
-        _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y, rstd, R, float(eps), D=D, BD=BD, BR=BR)
-    return y.view(x.shape), rstd
+        _l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, y if store_y else rstd, rstd, R, float(eps), D=D, BD=BD, BR=BR,
+                                                 STORE_Y=store_y)
+    return (y.view(x.shape) if store_y else None), rstd
 
 
 def _l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, from_y: bool) -> torch.Tensor:

@@ -76,7 +76,7 @@ def _store_block(Mout, b_M, start, n_valid, i_hv, r: tl.constexpr, c: tl.constex
 
 
 @triton.jit
-def _solve_kernel(Lkk, beta, Mout, Aqk_parts, Aqk, chunk_indices, cu_seqlens, T, NT, part_stride, HV: tl.constexpr,
+def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, part_stride, HV: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
                   PREC: tl.constexpr, PARTS: tl.constexpr):
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
@@ -88,8 +88,8 @@ def _solve_kernel(Lkk, beta, Mout, Aqk_parts, Aqk, chunk_indices, cu_seqlens, T,
     read. Scaling the diagonal blocks' rows by beta once as loaded, so that the substitution walk loads nothing
     (ptxas, sm_90a: 133 -> 109 registers), lost on the H200: training solve 149 -> 178 us at (16, 2048, 32, 64),
     78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4).
-    PARTS = 2 (the intra kernel's K split): Lkk holds two partial sums part_stride elements apart, added as loaded,
-    and the solve also adds the two partial Aqk tiles of Aqk_parts into Aqk (the blocks j <= i)."""
+    PARTS = 2 (the intra kernel's K split): Lkk holds two partial sums part_stride elements apart, added as loaded
+    (Aqk's two are added by its readers: triton_fwd_kernels._load_aqk)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
@@ -101,15 +101,6 @@ def _solve_kernel(Lkk, beta, Mout, Aqk_parts, Aqk, chunk_indices, cu_seqlens, T,
     b_Md = _inv_unit_lower(b_Ld, beta, start, n_valid, i_hv, HV, NC, BC, BETA)
     tl.store(Mout + p_d, b_Md.to(Mout.dtype.element_ty), mask=rows < n_valid)
     M00 = _pick(b_Md, 0, NC)
-    if PARTS == 2:  # Aqk = the two partial sums, row block by row block ([BC, BT] tiles: 1 warp's registers)
-        o_t = tl.arange(0, BT)
-        for r in tl.static_range(NC):
-            r_r = r * BC + tl.arange(0, BC)
-            m = (r_r < n_valid)[:, None] & (o_t[None, :] // BC <= r)
-            p_r = ((start + r_r[:, None]) * HV + i_hv) * BT + o_t[None, :]
-            b_A = tl.load(Aqk_parts + p_r, mask=m, other=0.0).to(tl.float32)
-            b_A += tl.load(Aqk_parts + part_stride + p_r, mask=m, other=0.0).to(tl.float32)
-            tl.store(Aqk + p_r, b_A.to(Aqk.dtype.element_ty), mask=m)
     if NC > 1:  # M_ij = -M_ii (beta_i * sum_m Akk_im M_mj) with BETA, else -M_ii sum_m L_im M_mj
         L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC, part_stride, PARTS)
         M11 = _pick(b_Md, 1, NC)

@@ -29,11 +29,12 @@ from k3.kernels.kda import triton_gate as G
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
-           "NT": "i32", "T_all": "i32", "part_stride": "i32"}
+           "NT": "i32", "T_all": "i32", "part_stride": "i32", "aqk_stride": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
 def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS):
-    consts = {**({"KSPLIT": 1} if "KSPLIT" in fn.arg_names else {}), **consts}  # the intra kernel unsplit unless given
+    defaults = {"KSPLIT": 1, "Q_RSTD": False, "AQK_PARTS": 1}  # the intra kernel unsplit, q normalised, Aqk whole
+    consts = {**{k: v for k, v in defaults.items() if k in fn.arg_names}, **consts}
     sig = {a: "constexpr" if a in consts else scalars.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
            and (a in HALF or a in half) else "*fp32") for a in fn.arg_names}
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
@@ -82,8 +83,8 @@ for varlen in (False, True):
                  "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
         compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
     compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
-    compile_(F._intra_sub_kernel, {**intra, "BK": 16, "KSPLIT": 2}, F.intra_opts(16)["num_warps"], ("qg",))  # in K
-    # halves (an inference forward's K split)
+    compile_(F._intra_sub_kernel, {**intra, "BK": 16, "KSPLIT": 2, "Q_RSTD": True}, F.intra_opts(16)["num_warps"],
+             ("qg",))  # in K halves, q's rows scaled by its rstd (an inference forward)
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
         if not (output or store):  # storing the states, or both (a training forward that keeps them)
             continue
@@ -91,13 +92,19 @@ for varlen in (False, True):
                 "STORE_STATES": store, "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
         compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
+        if output and not store:  # Aqk as the K split's two fp16 partial sums (an inference forward)
+            compile_(F._scan_kernel, {**scan, "AQK_PARTS": 2}, F.LAUNCH["scan"]["num_warps"], halves,
+                     F.LAUNCH["scan"]["num_stages"])
         if not varlen:  # a time segment of each sequence (bounds as pairs: triton_segments.py)
             compile_(F._scan_kernel, {**scan, "VARLEN": 2}, F.LAUNCH["scan"]["num_warps"], halves,
                      F.LAUNCH["scan"]["num_stages"])
     for beta_rows, parts in ((True, 1), (False, 1), (False, 2)):  # from Akk (a training forward) or from L (in two
-        # partial sums with the intra kernel's K split, Aqk's two added too)
+        # partial sums with the intra kernel's K split)
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
-                                   "PREC": "tf32", "PARTS": parts}, F.LAUNCH["solve"]["num_warps"], ("Mout", "Aqk"))
+                                   "PREC": "tf32", "PARTS": parts}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
+    for parts in (1, 2):  # the output from stored states, Aqk whole or in two partial sums
+        compile_(F._output_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": "tf32",
+                                    "AQK_PARTS": parts}, F.LAUNCH["output"]["num_warps"], ("o", "hbuf"))
 for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every pointer fp32, every dot at prec
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False, "HAS_DHT": True, "STORE_DH0": True}, 4,

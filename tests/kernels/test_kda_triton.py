@@ -690,7 +690,8 @@ def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwarg
 def test_forward_in_k_halves_matches_naive(D, split, monkeypatch, launch_kwargs):
     """An inference forward with fp16 L and the intra kernel in K halves (LAUNCH["intra"]["KSPLIT_FROM"]; K = 100:
     the second half masked to 36 columns) against the float64 recurrence, and against the unsplit forward, with a
-    partial chunk and an initial state; the launch spy sees two K halves and the solve adding two parts."""
+    partial chunk and an initial state; the launch spy sees two K halves, the solve adding two parts of L, and the
+    output's reader two of Aqk: the scan (output fused) or, with the states returned in fp32, the output kernel."""
     from k3.kernels.kda import triton_chunk as fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, D, 32, torch.float32)
@@ -702,12 +703,66 @@ def test_forward_in_k_halves_matches_naive(D, split, monkeypatch, launch_kwargs)
     monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
     intra = launch_kwargs(fwd, "_intra_sub_kernel", ("BK", "KSPLIT"))
     solve = launch_kwargs(fwd, "_solve_kernel", ("PARTS",))
+    scan = launch_kwargs(fwd, "_scan_kernel", ("OUTPUT", "AQK_PARTS"))
+    output = launch_kwargs(fwd, "_output_kernel", ("AQK_PARTS",))
     halves = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
-    assert intra == [(split, 2)] and solve == [(2,)]
-    for name, r in (("whole", whole), ("K halves", halves)):
+    states = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **{**kw, "h_fp32": True})  # the output kernel's path
+    assert intra == [(split, 2)] * 2 and solve == [(2,)] * 2
+    assert scan == [(True, 2), (False, 2)] and output == [(2,)]
+    for name, r in (("whole", whole), ("K halves", halves), ("K halves, output kernel", states)):
         assert_close(f"o ({name})", ro, r["o"], 0.005)
         assert_close(f"ht ({name})", rs, r["ht"], 0.005)
     assert_close("o (K halves vs whole)", whole["o"].double(), halves["o"], 1e-3)
+    assert_close("o (output kernel vs fused)", halves["o"].double(), states["o"], 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *([torch.bfloat16] if CUDA else [])], ids=str)
+def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_kwargs):
+    """An inference forward (no gradients) with the q / k L2 norm: the norm pass stores q's rstd alone (no normalised
+    copy) and the intra kernel scales q's rows by it (LAUNCH["intra"]["Q_RSTD"]); with the states returned (the
+    output kernel's path, which reads q itself) q is normalised before the kernels instead. Raw rows of norm far from
+    1, a partial chunk, an initial state, K = 64: outputs and final states as the float64 recurrence on the normalised
+    q, k, and as with Q_RSTD off (q normalised by the pass). Then in K halves of 32 (fp32 only: in bf16 that split
+    failed on the H200, session 22; LAUNCH["intra"]'s comment)."""
+    from k3.kernels.kda import triton_chunk as fwd
+    from k3.kernels.kda import triton_l2norm
+
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "Q_RSTD", True)
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 0)
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, 64, 32, dtype)
+    q, k = (3 * q).to(dtype), (0.5 * k).to(dtype)
+    g = g.clamp_min(-5.0)
+    ro, rs = naive64(*(x.double() / x.double().norm(dim=-1, keepdim=True) for x in (q, k)), v, g, beta, h0)
+    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("Q_RSTD",))
+    norm = launch_kwargs(triton_l2norm, "_l2norm_fwd_kernel", ("STORE_Y",))
+    kw = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "safe_gate": True,
+          "lower_bound": -5.0}
+    with torch.no_grad():
+        rows = chunk_kda(q, k, v, g, beta, **kw)
+        states = chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)[:2]
+        monkeypatch.setitem(fwd.LAUNCH["intra"], "Q_RSTD", False)
+        normed = chunk_kda(q, k, v, g, beta, **kw)
+    assert intra == [(True,), (False,), (False,)]
+    assert norm == [(False,), (True,)] * 2 + [(True,), (True,)]
+    tol = 0.005 if dtype == torch.float32 else 0.02
+    for name, (o, s) in (("q rows scaled", rows), ("output kernel", states), ("q normalised", normed)):
+        assert_close(f"o ({name})", ro, o, tol)
+        assert_close(f"ht ({name})", rs, s, tol)
+    assert_close("o (q rows scaled vs normalised)", normed[0].double(), rows[0], 1e-3 if dtype == torch.float32
+                 else 0.01)
+    if dtype != torch.float32:
+        return
+    # in K halves: the pipeline called with fp16 L and q's rstd, as chunk_kda calls it for bf16 inputs
+    from k3.kernels.kda.triton_l2norm import l2norm_fwd
+
+    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 64)
+    split = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
+    (_, rq), (kn, _) = l2norm_fwd(q, store_y=False), l2norm_fwd(k)
+    r = fwd.chunk_fwd_pipeline(q, kn, v, g, beta, h0.float(), scale=64**-0.5, safe_shift=7.5 * 5.0 / 2,
+                               chunk_size=64, cu_seqlens=None, h_fp32=False, l_fp16=True, q_rstd=rq)
+    assert split == [(2, True)]
+    assert_close("o (K halves, q's rows by rstd)", ro, r["o"], tol)
+    assert_close("ht (K halves, q's rows by rstd)", rs, r["ht"], tol)
 
 
 def test_l_in_fp16_only_for_normalised_half_inputs(monkeypatch):
@@ -939,7 +994,8 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, 
     j <= i of Aqk and of Akk (a training forward) or L = diag(beta) Akk (an inference forward; its one buffer holds
     either; L in fp32, or in fp16 with l_fp16), equal to the float64 definitions; the buffers are NaN-poisoned
     (tests/conftest.py), so an element left unwritten fails. Also in K halves (LAUNCH["intra"]["KSPLIT_FROM"], with
-    fp16 L): Gamma whole, L as two partial sums that add up to it, and Aqk as the solve adds its two."""
+    fp16 L): Gamma whole, L and Aqk as two fp16 partial sums each that add up to them (the solve adds L's, the
+    output's reader Aqk's)."""
     from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
@@ -963,9 +1019,9 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, 
             got, want = r[name], ref[name]
             if name == "Lkk":
                 assert got.dtype == (torch.float16 if l_fp16 else torch.float32)
-                if split:  # two partial sums
-                    assert got.shape[0] == 2 and torch.isfinite(got[0][lower]).all()
-                    got = got.double().sum(0)
+            if split and name in ("Lkk", "Aqk"):  # two fp16 partial sums
+                assert got.dtype == torch.float16 and got.shape[0] == 2 and torch.isfinite(got[0][lower]).all()
+                got = got.double().sum(0)
             got = got.double().cpu()
             if name in ("Akk", "Lkk", "Aqk"):  # the blocks j <= i (no others are written)
                 got, want = got[lower], want[lower]
@@ -1015,7 +1071,7 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, source):
     elif source == "L-fp16":
         Lkk = Lkk.half()
     if NT_all:
-        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, Mm, Mm, chunk_indices, cu_t, T_all,
+        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all,
                                                  NT, 0, HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta",
                                                  VARLEN=True, PREC="ieee", PARTS=1,
                                                  **triton_chunk.launch_opts("solve"))
