@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | s22c | s22d | s22e | s22f | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | s22c | s22d | s22e | s22f | s23 | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -993,6 +993,15 @@ s22f)
   timeout 200 python3 benchmarks/kda.py "${sets[@]}" > "$OUT/kda.log" 2>&1
   echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
   ;;
+s23)
+  # prepared in session 22 for the next session's first call: which inference forwards in K halves are right in
+  # bf16 / fp16 / fp32 (benchmarks/kda_split_check.py --quick: each case in a process of its own, against float64;
+  # session 22 saw a bf16 forward in halves of 32 off by 0.81), then the K = 128 rows at three lengths
+  timeout 400 python3 benchmarks/kda_split_check.py --quick > "$OUT/split_check.log" 2>&1
+  echo "split check rc=$?"; cat "$OUT/split_check.log"
+  timeout 150 python3 benchmarks/kda_split_check.py --dtypes bfloat16 > "$OUT/split_check_bf16.log" 2>&1
+  echo "bf16 split check rc=$?"; grep "| 128 |" "$OUT/split_check_bf16.log"
+  ;;
 s22b)
   # session 22's second call: issue 4's table, with the kda.py flags given after the mode (session 22 split s22 in
   # two after its cache of compiled kernels was lost: a cold compile made one call too long)
@@ -1152,6 +1161,6 @@ s16)
   ;;
 *)
   modes="kernels|serve|spec|batch|anchor|table|table2|prec|ncu|tune|final|breakdown|stalls|wublock|table9"
-  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d|s22|s22b|s22c|s22d|s22e|s22f)" >&2; exit 2
+  echo "usage: bash benchmarks/h200_session.sh MODE ($modes|cmd|fused|vfirst|s11b|s11c|s12|s12b|s13|s13b|s13c|s13d|s13e|s14|s14b|s14d|s14e|s14f|s15|s15d|s15e|s15g|s15h|s16|s16d|s17|s17c|s17d|s17e|s17f|s18|s18b|s18c|s18d|s18e|s18f|s18g|s19|s19c|s19d|s19e|s19f|s20|s20c|s20d|s20e|s20f|s20g|s21a|s21b|s21c|s21d|s22|s22b|s22c|s22d|s22e|s22f|s23)" >&2; exit 2
   ;;
 esac

@@ -234,7 +234,8 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, q_rstd, chunk_indi
     and Gamma this program holds anyway.
     KSPLIT = 2 (chunk_fwd_pipeline's K split, a third grid axis of 2): program (., ., p) takes columns p BK .. p BK +
     BK - 1 of q, k, g, Gamma and qg, and stores its partial sums of Aqk and Lkk at part p of [2, T_all, HV, BT]
-    buffers (part_stride = T_all HV BT elements apart), which the solve adds. Gamma is per column, so the split
+    buffers (part_stride = T_all HV BT elements apart): the solve adds L's, Aqk's readers (the fused scan, the
+    output kernel: triton_fwd_kernels._load_aqk) Aqk's. Gamma is per column, so the split
     needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit kernel's.
     Q_RSTD: q is raw and its rows' L2 norms' inverses q_rstd [T_all H] fp32 scale this kernel's results: an
     inference forward's q is read by this kernel alone (its own rows: the walk reads k and g only), so the norm pass
