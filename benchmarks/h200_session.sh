@@ -912,8 +912,8 @@ s20e)
 s22)
   # prepared in session 21 for the next session's first call: the intra kernel in K halves at K = 128 (an inference
   # forward with fp16 L: LAUNCH["intra"]["KSPLIT_FROM"] = 128, off until timed). First the KDA GPU tests with it on
-  # beside the serving CUDA tests; then the inference forward with and without it at the three K = 128 shapes, twice;
-  # then issue 4's table with it where it won at (8,4096,16,128) in both rounds; and at K = 64 once
+  # beside the serving CUDA tests; then the inference forward with and without it at the three K = 128 shapes, twice,
+  # and at K = 64 once (session 22 moved the table to s22b, a call of its own)
   K3_TEST_KDA_LAUNCH=intra.KSPLIT_FROM=128 kda_and_serve_tests
   wins=0
   for round in 1 2; do
