@@ -976,7 +976,8 @@ s22e)
 s22f)
   # session 22's eighth call: Q_RSTD 2 (Aqk's and qg's rows scaled by q's rstd as stored: the rstd load waits behind
   # the walk) as the default: the forward's GPU tests of the q rows, the K halves and the intra kernel; Q_RSTD 2 / 1
-  # / 0 twice at (8, 4096, 16, 128); then issue 4's table with the form that won both rounds
+  # / 0 twice at (8, 4096, 16, 128); then issue 4's table with the form that won both rounds. Ran on an uncommitted
+  # tree: form 2 lost and was removed after it (Q_RSTD is a flag again), so its rows no longer mean what they did
   timeout -s INT -k 10 120 python3 -m pytest tests/kernels/test_kda_triton.py -k "scales_q_rows or k_halves or \
     intra_kernel_matches or chunk_matches or solve_kernel" -p no:cacheprovider -q -n 8 > "$OUT/ktests.log" 2>&1
   echo "tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ktests.log" | tail -8
