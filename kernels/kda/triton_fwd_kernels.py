@@ -14,15 +14,15 @@ from .triton_common import _chunk_bounds, _f32, _load_lower_blocks, _load_tril, 
 @triton.jit
 def _load_aqk(p, o_t, m_t, part_stride, PARTS: tl.constexpr):
     """A chunk's Aqk tile [BT, BT] at pointers p (its blocks j <= i; _load_lower_blocks), or with PARTS = 2 the sum
-    of the intra kernel's two K halves' partial tiles (fp16, part_stride elements apart) in fp32. Added by the
-    readers rather than by the solve: the solve's pass over both parts and its store of the sum cost 79 us a
-    forward at (8, 4096, 16, 128) on the H200 (kda_tune.py, 2026-12-01, RESULTS.md session 22). In fp32, not fp16
-    (ptxas, sm_90a: 255 registers and 8 bytes of spill a thread in the fused scan either way): the fp16 sum, cast
-    to bf16 for the dot, was the bf16 path's one fp16 -> bf16 conversion into a dot operand, a conversion Triton
-    has got wrong before (triton-lang/triton#2115), when a bf16 forward in K halves of 32 failed on the H200."""
+    of the intra kernel's two K halves' partial tiles (fp16, part_stride elements apart), added in fp16 (rounding
+    2^-11 of |.| <= 1, below the bf16 rounding that follows; in fp32 the scan takes the same 255 registers and 8
+    bytes of spill a thread, ptxas sm_90a). Added by the readers rather than by the solve: the solve's pass over
+    both parts and its store of the sum cost 79 us a forward at (8, 4096, 16, 128) on the H200 (kda_tune.py,
+    2026-12-01, RESULTS.md session 22). The fused scan's PTX in bf16 converts the sum f16 -> f32 -> bf16 for its dot
+    (cvt.f32.f16, cvt.rn.bf16x2.f32 at K = 64, V = 32), as it should."""
     b = _load_lower_blocks(p, o_t, m_t)
     if PARTS == 2:
-        b = b.to(tl.float32) + _load_lower_blocks(p + part_stride, o_t, m_t).to(tl.float32)
+        b = b + _load_lower_blocks(p + part_stride, o_t, m_t)
     return b
 
 
