@@ -130,6 +130,32 @@ def launch_kwargs(monkeypatch):
     return spy
 
 
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """tl.dot of bf16 operands under Triton's interpreter as a GPU computes it: the operands' bf16 values widened to
+    fp32 (exact: a bf16 is an fp32's top 16 bits), then an fp32 matmul. Triton 3.6's interpreter keeps bf16 tensors
+    as uint16 bit patterns and multiplies those (triton-lang/triton#11584, ~1e10 off at 16 x 16). Opt-in, for tests
+    that run bf16 kernels on a CPU; the interpreter's fp32 -> bf16 casts still truncate where a GPU rounds to
+    nearest, so such tests need bf16 thresholds a little above the GPU's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def widened(x):  # [.., ..] uint16 bf16 bit patterns -> the same values in fp32
+        return (x.data.astype(np.uint32) << 16).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data = widened(a) if a.dtype.scalar == tl.bfloat16 else a.data.astype(np.float32)
+        b_data = widened(b) if b.dtype.scalar == tl.bfloat16 else b.data.astype(np.float32)
+        return interpreter.TensorHandle(np.matmul(a_data, b_data, dtype=np.float32) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def kda_launch_overrides():
     """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton_chunk or
