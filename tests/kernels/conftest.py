@@ -156,6 +156,68 @@ def bf16_dots(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+@pytest.fixture
+def bounds_check(monkeypatch):
+    """Out-of-bounds accesses of interpreted kernels: every load and store whose mask is set must fall inside the
+    storage of one of the launch's tensor arguments. Yields the list of offences, (kernel, "load" / "store", the
+    first bad addresses), for the test to assert empty. A GPU faults on such an access (an illegal address) or
+    reads garbage, the interpreter reads whatever host memory lies there. Opt-in (it costs a check per access)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    ranges, offences = [], []  # ranges: (first byte, end byte) of the current launch's argument storages
+    real_init = interpreter.GridExecutor._init_args_hst
+    real_load = interpreter.InterpreterBuilder.create_masked_load
+    real_store = interpreter.InterpreterBuilder.create_masked_store
+    kernel = [""]
+
+    def init(self, args_dev, kwargs):
+        args_hst, kwargs_hst = real_init(self, args_dev, kwargs)
+        ranges.clear()
+        kernel[0] = getattr(self.fn, "__name__", "?")
+        for a in (*args_hst, *kwargs_hst.values()):
+            if hasattr(a, "untyped_storage"):
+                st = a.untyped_storage()
+                ranges.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        p = ptrs.data[mask.data].reshape(-1).astype(np.uint64)
+        size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        ok = np.zeros(p.shape, dtype=bool)
+        for lo, hi in ranges:
+            ok |= (p >= lo) & (p + size <= hi)
+        if not ok.all():
+            offences.append((kernel[0], what, [hex(int(x)) for x in p[~ok][:3]]))
+
+    def load(self, ptrs, mask, other, *rest):
+        check(ptrs, mask, "load")
+        return real_load(self, ptrs, mask, other, *rest)
+
+    def store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return real_store(self, ptrs, value, mask, *rest)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", init)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", store)
+    yield offences
+
+
+@pytest.fixture(autouse=True)
+def bounds_everywhere(request):
+    """K3_TEST_BOUNDS=1: bounds_check around every test that runs interpreted kernels (slower), failing a test whose
+    kernels loaded or stored outside their launches' tensors. Unset: nothing (the tests that ask for bounds_check
+    themselves still check)."""
+    if os.environ.get("K3_TEST_BOUNDS", "0") in ("", "0") or "bounds_check" in request.fixturenames \
+            or torch.cuda.is_available():
+        yield
+        return
+    offences = request.getfixturevalue("bounds_check")
+    yield
+    assert offences == [], f"out-of-bounds accesses (kernel, kind, addresses): {offences[:3]}"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def kda_launch_overrides():
     """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton_chunk or

@@ -769,11 +769,12 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
                     "split is off by default until a GPU run in halves passes; test_forward_in_k_halves_matches_naive "
                     "checks it in fp32 there")
 @pytest.mark.parametrize("D", [64, 128], ids=["K64-halves32", "K128-halves64"])
-def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs):
+def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bounds_check):
     """chunk_kda on fp16 inputs with the q / k L2 norm and no gradients, in K halves (LAUNCH["intra"]["KSPLIT_FROM"]):
     fp16 L and Aqk as two fp16 partial sums each, q's rows scaled by its rstd, the fused scan adding Aqk's parts; a
     partial chunk and an initial state. Under the interpreter, whose fp16 dots are the GPU's formats (its bf16 ones
-    are not). Outputs and final states as the float64 recurrence on the normalised q, k, and as the unsplit forward."""
+    are not). Outputs and final states as the float64 recurrence on the normalised q, k, and as the unsplit forward;
+    no load or store outside the launches' tensors (conftest's bounds_check)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, D, 32, torch.float16)
@@ -790,6 +791,7 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs):
         monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", D)
         halves = chunk_kda(q, k, v, g, beta, **kw)
     assert intra == [(1, True), (2, True)] and scan == [(1,), (2,)]
+    assert bounds_check == []
     for name, (o, s) in (("whole", whole), ("K halves", halves)):
         assert_close(f"o ({name})", ro, o, 0.005)
         assert_close(f"ht ({name})", rs, s, 0.005)
@@ -800,13 +802,14 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs):
                     "the split is off by default until it passes there (benchmarks/kda_split_check.py)")
 @pytest.mark.parametrize("D,V,split", [(64, 32, 0), (64, 32, 64), (128, 128, 128)],
                          ids=["K64-V32-whole", "K64-V32-halves32", "K128-V128-halves64"])
-def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwargs, bf16_dots):
+def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwargs, bf16_dots, bounds_check):
     """chunk_kda on bf16 inputs with the q / k L2 norm and no gradients, whole and in K halves, q's rows scaled by
     its rstd, under the interpreter with bf16 dots as a GPU computes them (conftest's bf16_dots): the case that failed
     on the H200 in session 22 (K = 64 in halves of 32, V = 32, T = 70) is right in bf16 arithmetic, so that failure
     lies in what the interpreter does not model (compiled code, concurrency, out-of-bounds addresses). Outputs and
     final states against the float64 recurrence on the normalised q, k (0.03: the interpreter's fp32 -> bf16 casts
-    truncate; the GPU tests' bf16 bound is 0.02)."""
+    truncate; the GPU tests' bf16 bound is 0.02), and no load or store outside the launches' tensors (conftest's
+    bounds_check)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
@@ -819,6 +822,7 @@ def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwa
         o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                          safe_gate=True, lower_bound=-5.0)
     assert intra == [(2 if split else 1, True)]
+    assert bounds_check == []
     assert_close("o", ro, o, 0.03)
     assert_close("ht", rs, s, 0.03)
 
