@@ -99,7 +99,7 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # the 1-warp K = 64 kernel ran the same number of programs in 519 us (at (16, 2048, 32, 64)) where the 2-warp
     # K = 128 one takes 653 (at (8, 4096, 16, 128); session 21). H200, inference forward, us (kda_tune.py
     # --fwd-only, 2026-12-01, RESULTS.md session 22), whole -> halves: (8, 4096, 16, 128) intra 653 -> 531, solve
-    # 58 -> 82, scan 290 -> 309 (Aqk's two parts), total 1,397 -> 1,315 (twice); (2, 16384) 1,759 -> 1,690;
+    # 58 -> 82, scan 290 -> 309 (Aqk's two parts), total 1,397 -> 1,315, 1,318; (2, 16384) 1,759 -> 1,690;
     # (1, 65536) 4,310 -> 4,266; issue 4's table, fwd ms at (8, 4096, 16, 128): 1.313, 1.319 against 1.412 (fla
     # 1.69). At K = 64 (halves of 32) intra 518 -> 618. Halves at 2 warps: 674. OFF (0) all the same: a bf16
     # inference forward in halves of 32 with a partial chunk (T = 70, K = 64) gave outputs off by rel_rms 0.81 on
