@@ -109,8 +109,8 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # Q_RSTD: an inference forward's q L2-normalised by the intra kernel, which scales its rows by the norm pass's
     # rstd (that pass then reads q and stores no copy; the intra kernel's own rows only, not the walk's, unlike
     # session 14's form). H200, inference forward, us, off / on (kda_tune.py --fwd-only, 2026-12-01, RESULTS.md
-    # session 22): (8, 4096, 16, 128) with the K split, intra 532 / 552, total 1,317 / 1,307 (twice) and 1,316 /
-    # 1,305, 1,307; (16, 2048, 32, 64) intra 519 / 533, total 1,284 / 1,270
+    # session 22): (8, 4096, 16, 128) with the K split, intra 532 / 552, totals in two calls 1,318, 1,316, 1,317,
+    # 1,316 / 1,307, 1,308, 1,305, 1,307; (16, 2048, 32, 64) intra 519 / 533, total 1,284 / 1,270
     "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 0,
               "Q_RSTD": True},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
