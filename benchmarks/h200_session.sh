@@ -974,7 +974,7 @@ s22e)
   tune21 new --fwd-only --shape 8,4096,16,128
   ;;
 s22f)
-  # session 22's eighth call: Q_RSTD 2 (Aqk's and qg's rows scaled by q's rstd as stored: the rstd load waits behind
+  # session 22's seventh call: Q_RSTD 2 (Aqk's and qg's rows scaled by q's rstd as stored: the rstd load waits behind
   # the walk) as the default: the forward's GPU tests of the q rows, the K halves and the intra kernel; Q_RSTD 2 / 1
   # / 0 twice at (8, 4096, 16, 128); then issue 4's table with the form that won both rounds. Ran on an uncommitted
   # tree: form 2 lost and was removed after it (Q_RSTD is a flag again), so its rows no longer mean what they did
