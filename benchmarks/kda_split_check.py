@@ -6,9 +6,11 @@ so that an illegal address in one (session 22 saw one) cannot fail the others.
 Run on a CUDA machine (never in tests): `python benchmarks/kda_split_check.py [--dtypes bfloat16 float16 float32]
 [--quick]`; `--backend torch --device cpu` runs the same cases through the PyTorch path (a check of the script
 itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
-chunk_kda takes for bf16 / fp16 inputs). Why: on the H200 a bf16 forward in halves of 32 (K = 64, T = 70, V = 32) was off by rel_rms 0.81 (session
-22, call 7), while fp32 in halves and the bf16 table shapes in halves of 64 matched, and fp16 in halves of 32 and 64
-matches under Triton's CPU interpreter (tests/kernels/test_kda_triton.py). The split (triton_chunk.LAUNCH["intra"]
+chunk_kda takes for bf16 / fp16 inputs).
+
+Why: on the H200 a bf16 forward in halves of 32 (K = 64, T = 70, V = 32) was off by rel_rms 0.81 (session 22, call
+7), while fp32 in halves and the bf16 table shapes in halves of 64 matched, and bf16 and fp16 in halves of 32 and 64
+match under Triton's CPU interpreter (tests/kernels/test_kda_triton.py). The split (triton_chunk.LAUNCH["intra"]
 ["KSPLIT_FROM"]) stays off until every row here is below the threshold (0.02, the bf16 one of the tests).
 """
 

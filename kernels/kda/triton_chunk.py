@@ -463,9 +463,8 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, Aqk, Lkk, g_ok,
                                                     qg if qg is not None else Lkk,
                                                     q_rstd if q_rstd is not None else Lkk, chunk_indices, cu,
-                                                    float(scale),
-                                                    shift, float(g_check[0]) if g_check else 0.0, T, NT,
-                                                    part_stride, **intra, **intra_opts(BK // parts))
+                                                    float(scale), shift, float(g_check[0]) if g_check else 0.0,
+                                                    T, NT, part_stride, **intra, **intra_opts(BK // parts))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, part_stride, HV=HV,

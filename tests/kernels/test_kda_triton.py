@@ -75,6 +75,16 @@ def naive64(q, k, v, g, beta, h0, cu=None):
     return naive_varlen(*args, cu)
 
 
+def raw_qk_inputs(D, V, dtype):
+    """Inputs for the forward with the q / k L2 norm in the kernel: one sequence of 70 tokens (a partial chunk), 2
+    heads, raw q, k rows of norm far from 1, g >= -5 (the safe gate), and the float64 reference (o, ht) on the
+    normalised q, k. Returns (q, k, v, g, beta, h0, ref_o, ref_ht)."""
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, D, V, dtype)
+    q, k, g = (3 * q).to(dtype), (0.5 * k).to(dtype), g.clamp_min(-5.0)
+    ro, rs = naive64(*(x.double() / x.double().norm(dim=-1, keepdim=True) for x in (q, k)), v, g, beta, h0)
+    return q, k, v, g, beta, h0, ro, rs
+
+
 def naive_varlen(q, k, v, g, beta, h0, cu=None):
     """The recurrence on the given tensors (autograd flows through them); varlen by a loop over sequences."""
     if cu is None:
@@ -729,10 +739,7 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
 
     monkeypatch.setitem(fwd.LAUNCH["intra"], "Q_RSTD", True)
     monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 0)
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, 64, 32, dtype)
-    q, k = (3 * q).to(dtype), (0.5 * k).to(dtype)
-    g = g.clamp_min(-5.0)
-    ro, rs = naive64(*(x.double() / x.double().norm(dim=-1, keepdim=True) for x in (q, k)), v, g, beta, h0)
+    q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(64, 32, dtype)
     intra = launch_kwargs(fwd, "_intra_sub_kernel", ("Q_RSTD",))
     norm = launch_kwargs(triton_l2norm, "_l2norm_fwd_kernel", ("STORE_Y",))
     kw = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "safe_gate": True,
@@ -777,10 +784,7 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bound
     no load or store outside the launches' tensors (conftest's bounds_check)."""
     from k3.kernels.kda import triton_chunk as fwd
 
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, D, 32, torch.float16)
-    q, k = (3 * q).half(), (0.5 * k).half()
-    g = g.clamp_min(-5.0)
-    ro, rs = naive64(*(x.double() / x.double().norm(dim=-1, keepdim=True) for x in (q, k)), v, g, beta, h0)
+    q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(D, 32, torch.float16)
     intra = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
     scan = launch_kwargs(fwd, "_scan_kernel", ("AQK_PARTS",))
     kw = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "safe_gate": True,
@@ -813,10 +817,7 @@ def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwa
     from k3.kernels.kda import triton_chunk as fwd
 
     monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 2, D, V, torch.bfloat16)
-    q, k = (3 * q).bfloat16(), (0.5 * k).bfloat16()
-    g = g.clamp_min(-5.0)
-    ro, rs = naive64(*(x.double() / x.double().norm(dim=-1, keepdim=True) for x in (q, k)), v, g, beta, h0)
+    q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(D, V, torch.bfloat16)
     intra = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
     with torch.no_grad():
         o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -1128,7 +1129,8 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, source):
                 want.append((c0, n, h, torch.linalg.inv(torch.eye(n, dtype=F64) + Lh)))
     Mm = torch.full((T_all, HV, BT), float("nan"), device=DEV)
     beta = 0.2 + 0.8 * torch.rand(T_all, HV)
-    if source == "Akk-beta":  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the division)
+    if source == "Akk-beta":  # the kernel gets Akk and beta: L = diag(beta) Akk (up to an fp32 rounding of the
+        # division)
         Lkk = Lkk / beta[..., None]
     elif source == "L-fp16":
         Lkk = Lkk.half()
