@@ -4,7 +4,7 @@ against the float64 recurrence on the normalised q, k. One table row per case, e
 so that an illegal address in one (session 22 saw one) cannot fail the others.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_split_check.py [--dtypes bfloat16 float16 float32]
-[--quick]`; `--backend torch --device cpu` runs the same cases through the PyTorch path (a check of the script
+[--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch path (a check of the script
 itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
 chunk_kda takes for bf16 / fp16 inputs).
 
@@ -33,9 +33,12 @@ def run_case(case: dict) -> dict:
 
     from k3.kernels.kda import chunk_kda, naive_recurrent_kda
     from k3.kernels.kda import triton_chunk as fwd
+    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
 
     fwd.LAUNCH["intra"]["KSPLIT_FROM"] = case["split"]
     fwd.LAUNCH["intra"]["Q_RSTD"] = case["q_rstd"]
+    for item in case["set"]:  # --set NAME.KEY=VALUE, as kda_tune.py's
+        set_launch_entry(item)
     dt = getattr(torch, case["dtype"])
     B, T, H, K, V = 1, case["T"], 2, case["K"], case["V"]
     torch.manual_seed(0)
@@ -66,6 +69,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="K = 64 and 128 at T = 70 only")
     ap.add_argument("--backend", default="triton", choices=["triton", "torch"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE",
+                    help="a launch setting for every case (triton_chunk_bwd.set_launch_entry), e.g. wu.MIN_BV=32")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case (JSON) and print its result
     args = ap.parse_args()
     if args.case:
@@ -79,7 +84,7 @@ def main() -> None:
             if dtype == "float32" and split:
                 continue
             case = {"dtype": dtype, "K": K, "V": V, "T": T, "split": split, "q_rstd": q_rstd,
-                    "backend": args.backend, "device": args.device}
+                    "backend": args.backend, "device": args.device, "set": args.set}
             # check=False: a case that crashes is a row of the table, not the end of the run
             proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], check=False,
                                   capture_output=True, text=True, timeout=300)

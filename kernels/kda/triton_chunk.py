@@ -101,17 +101,21 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # --fwd-only, 2026-12-01, RESULTS.md session 22), whole -> halves: (8, 4096, 16, 128) intra 653 -> 531, solve
     # 58 -> 82, scan 290 -> 309 (Aqk's two parts), total 1,397 -> 1,315, 1,318; (2, 16384) 1,759 -> 1,690;
     # (1, 65536) 4,310 -> 4,266; issue 4's table, fwd ms at (8, 4096, 16, 128): 1.313, 1.319 against 1.412 (fla
-    # 1.69). At K = 64 (halves of 32) intra 518 -> 618. Halves at 2 warps: 674. OFF (0) all the same: a bf16
-    # inference forward in halves of 32 with a partial chunk (T = 70, K = 64) gave outputs off by rel_rms 0.81 on
-    # the H200 (and the next test in that process an illegal address), while every fp32 case in halves (16, 32, 64;
-    # partial chunks, varlen) and the bf16 table shapes in halves of 64 (whole chunks) matched. Until a bf16 run with
-    # partial chunks in halves passes on a GPU, the split stays off (RESULTS.md session 22)
+    # 1.69). At K = 64 (halves of 32) intra 518 -> 618. Halves at 2 warps: 674. So from 128 (K = 128 heads). Session
+    # 22 left it off after a bf16 forward at K = 64, V = 32 came out wrong on the H200; session 23 found that wrong
+    # whole or in halves, at V = 32 only: the w/u kernel's V block of 32 (now at least 64, v_block). Every bf16 /
+    # fp16 / fp32 case of benchmarks/kda_split_check.py then passed (RESULTS.md session 23). With the halves adjacent
+    # in the launch (triton_common._intra_sub_kernel) the intra kernel took 527 us, not 556.
+    # (Tried and removed: each pair of halves adding its partial sums itself, the second to finish (an atomic
+    # arrival count) storing part 0 + part 1 over part 0, so that the solve and the scan read one part: solve 82 ->
+    # 58 us, scan 309 -> 300, but intra 527 -> 607, total 1,283 -> 1,331 at (8, 4096, 16, 128) (H200, kda_tune.py
+    # --fwd-only, 2026-12-01, RESULTS.md session 23))
     # Q_RSTD: an inference forward's q L2-normalised by the intra kernel, which scales its rows by the norm pass's
     # rstd (that pass then reads q and stores no copy; the intra kernel's own rows only, not the walk's, unlike
     # session 14's form). H200, inference forward, us, off / on (kda_tune.py --fwd-only, 2026-12-01, RESULTS.md
     # session 22): (8, 4096, 16, 128) with the K split, intra 532 / 552, totals in two calls 1,318, 1,316, 1,317,
     # 1,316 / 1,307, 1,308, 1,305, 1,307; (16, 2048, 32, 64) intra 519 / 533, total 1,284 / 1,270
-    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 0,
+    "intra": {"num_warps": 2, "num_stages": 1, "SMALL_K_WARPS": 1, "maxnreg": 0, "L_FP16": True, "KSPLIT_FROM": 128,
               "Q_RSTD": True},
     # 1 warp: the forward substitution's row reductions stay inside the warp (ptxas, sm_90a: 21 barriers against
     # 510 at 2 warps): 169 us per fwd+bwd, 282 at 2 warps, 426 at 4 (session 8); 65 us with the diagonal blocks
@@ -125,6 +129,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # in place of the substitution walk: 18% fewer instructions (ptxas, sm_90a) but 116 against 101 registers, and
     # on the H200 this kernel 122 -> 129 us at (16, 2048, 32, 64), 63 -> 67 at (8, 4096, 16, 128), inference
     # forward (kda_tune.py, 2026-11-30, RESULTS.md session 21))
+    # (Tried and removed: the inference solve's six blocks below the diagonal loaded before the substitution walk
+    # rather than after it (their loads issue after the walk in program order; SASS, sm_90a): 102 -> 142 registers,
+    # and on the H200 this kernel 81 -> 104 / 105 us at (8, 4096, 16, 128) with the K split, 109 -> 134 at (16, 2048,
+    # 32, 64) (kda_tune.py --fwd-only, 2026-12-01, RESULTS.md session 23): fewer programs per multiprocessor hide less)
     "solve": {"num_warps": 1, "num_stages": 1, "maxnreg": 0, "TRAIN_MAXNREG": 112},
     # BK: the w/u kernel's K block (its loop over K). H200, (8, 4096, 16, 128), forward + the backward's recompute:
     # 688 us at 128 (one pass), 726 at 64, 744 at 32, though 64 / 32 take 128 / 79 registers against 180 (session
@@ -148,7 +156,11 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # parts, exact to ~22 / 24 bits) lost too: this kernel 296 -> 319 / 361 us, total 1,282 -> 1,300 (session 21)
     # v loaded with k, Gamma and M at K <= 64 (one V block) rather than after the w part: 1,300 / 1,432 us against
     # 1,301 / 1,430 at (16, 2048, 32, 64) / (8, 4096, 16, 128) (in the run of the PDL chain, LAUNCH's end): removed
-    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128},
+    # MIN_BV: the w/u kernel's V block floor, whatever V (v_block): its u dot at V block 32 with 16-bit operands is
+    # miscompiled on the H200 at V = 32 too (Triton 3.6): bf16 / fp16 inference forwards at K = 64 / 128, V = 32
+    # were off by rel_rms 0.6 / 0.77 or hit an illegal address (benchmarks/kda_split_check.py, RESULTS.md session 23)
+    "wu": {"num_warps": 4, "num_stages": 2, "BV": 64, "BK": 128, "maxnreg": 0, "FWD_MAXNREG": 168, "FWD_BV": 128,
+           "MIN_BV": 64},
     # scan: the scans run 3 stages: their tl.range loops load the next chunks' tiles ahead through shared memory
     # (cp.async; bf16, sm_90a, 16-byte aligned as launched: 116-216 KB per program at V block 32 / 64, against 28-80
     # KB at 1 stage; RESULTS.md session 11); H200 per fwd+bwd at 1 / 3 stages
@@ -251,15 +263,16 @@ def intra_opts(BK: int) -> dict[str, int]:
 
 def v_block(name: str, V: int, BK: int) -> int:
     """The V block of kernel `name`: LAUNCH's BV, at most next_pow2(V) (>= 16 for tl.dot), 32 when K > 128.
-    The w/u kernel takes at least min(64, next_pow2(V)), whatever K: at V = 128 its launches at V block 16 (session
-    8) and 32 (4 warps, 1 stage; session 10) hit an illegal memory access on the H200 (Triton 3.6, 2026-11-30),
-    which compute-sanitizer places in the u dot both times: an out-of-bounds read of shared memory that Triton lays
-    out itself (benchmarks/kda_wu_bv16.py), so a compiler fault, not our addressing. The kernel gains nothing from
-    small blocks (one program per chunk loops over them), and its V loop comes after the K loop, so a wide head
-    (K > 128) does not hold both at once."""
+    The w/u kernel takes at least LAUNCH["wu"]["MIN_BV"] (64), whatever K and V (a block past V is masked): at
+    V = 128 its launches at V block 16 (session 8) and 32 (4 warps, 1 stage; session 10) hit an illegal memory access
+    on the H200 (Triton 3.6, 2026-11-30), which compute-sanitizer places in the u dot both times: an out-of-bounds
+    read of shared memory that Triton lays out itself (benchmarks/kda_wu_bv16.py), so a compiler fault, not our
+    addressing; and at V = 32 (one block of 32) the bf16 / fp16 forward was wrong or hit an illegal address (session
+    23). The kernel gains nothing from small blocks (one program per chunk loops over them), and its V loop comes
+    after the K loop, so a wide head (K > 128) does not hold both at once."""
     bv = max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
     if name == "wu":
-        return max(bv, min(64, triton.next_power_of_2(V)))
+        return max(bv, LAUNCH["wu"]["MIN_BV"])
     return min(bv, 32) if BK > 128 else bv
 
 
@@ -460,11 +473,11 @@ def chunk_fwd_pipeline(q, k, v, g, beta, h0, *, scale, safe_shift, chunk_size, c
         g_ok = r["g_ok"] = torch.ones(1, dtype=torch.int32, device=dev) if g_check else Lkk
         part_stride = T_all * HV * BT  # elements between the K halves' partial sums
         intra.update(BK=BK // parts, KSPLIT=parts)
-        _intra_sub_kernel[(NT_all * NC, HV, parts)](q, k, g, beta, Gam, Aqk, Lkk, g_ok,
-                                                    qg if qg is not None else Lkk,
-                                                    q_rstd if q_rstd is not None else Lkk, chunk_indices, cu,
-                                                    float(scale), shift, float(g_check[0]) if g_check else 0.0,
-                                                    T, NT, part_stride, **intra, **intra_opts(BK // parts))
+        _intra_sub_kernel[(NT_all * NC * parts, HV)](q, k, g, beta, Gam, Aqk, Lkk, g_ok,
+                                                     qg if qg is not None else Lkk,
+                                                     q_rstd if q_rstd is not None else Lkk, chunk_indices, cu,
+                                                     float(scale), shift, float(g_check[0]) if g_check else 0.0,
+                                                     T, NT, part_stride, **intra, **intra_opts(BK // parts))
         if g_check:
             torch._assert_async(g_ok, g_check[1])
         _solve_kernel[(NT_all, HV)](Lkk, beta, Mm, chunk_indices, cu, T, NT, part_stride, HV=HV,

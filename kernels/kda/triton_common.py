@@ -232,18 +232,23 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, q_rstd, chunk_indi
     that reduction and its comparison took ~10-15 us a forward on the H200 (kda_tune.py's torch ops, session 17).
     STORE_QG: also store qg = scale q exp2(Gamma) [T_all, HV, K] (the scan's fused output reads it), from the rows
     and Gamma this program holds anyway.
-    KSPLIT = 2 (chunk_fwd_pipeline's K split, a third grid axis of 2): program (., ., p) takes columns p BK .. p BK +
-    BK - 1 of q, k, g, Gamma and qg, and stores its partial sums of Aqk and Lkk at part p of [2, T_all, HV, BT]
-    buffers (part_stride = T_all HV BT elements apart): the solve adds L's, Aqk's readers (the fused scan, the
-    output kernel: triton_fwd_kernels._load_aqk) Aqk's. Gamma is per column, so the split
-    needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit kernel's.
+    KSPLIT = 2 (chunk_fwd_pipeline's K split): the two programs 2 s and 2 s + 1 of grid axis 0 take K half p = 0, 1
+    of sub-chunk s, columns p BK .. p BK + BK - 1 of q, k, g, Gamma and qg, and store their partial sums of Aqk and
+    Lkk at part p of [2, T_all, HV, BT] buffers (part_stride = T_all HV BT elements apart): the solve adds L's, Aqk's
+    readers (the fused scan, the output kernel: triton_fwd_kernels._load_aqk) Aqk's. Gamma is per column, so the
+    split needs no exchange. The offsets go on the base pointers, so the tiles' index arithmetic is the unsplit
+    kernel's. A sub-chunk's two halves are adjacent in the launch order, so they run at about the same time and read
+    the two halves of the same rows of q, k and g (neighbouring addresses); on a third grid axis (every first half
+    launched before any second) this kernel took 556 us against 527 at (8, 4096, 16, 128) (H200, inference forward,
+    kda_tune.py, 2026-12-01, RESULTS.md session 23; the cause was not profiled).
     Q_RSTD: q is raw and its rows' L2 norms' inverses q_rstd [T_all H] fp32 scale this kernel's results: an
     inference forward's q is read by this kernel alone (its own rows: the walk reads k and g only), so the norm pass
     stores rstd and no normalised copy of q (chunk_fwd_pipeline's q_rstd). Scaling the rows of Aqk's blocks and of
     qg as stored instead (so that the load of q_rstd waits behind the walk) lost on the H200: inference forward
     1,305 / 1,307 -> 1,310 / 1,309 us at (8, 4096, 16, 128) (kda_tune.py, 2026-12-01, RESULTS.md session 22)."""
     scale, shift, g_floor = _f32(scale), _f32(shift), _f32(g_floor)  # fp64 when inductor launches us
-    i_t, i_i, i_hv = tl.program_id(0) // NC, tl.program_id(0) % NC, tl.program_id(1)
+    i_s, i_hv = tl.program_id(0) // KSPLIT, tl.program_id(1)  # i_s: the sub-chunk
+    i_t, i_i = i_s // NC, i_s % NC
     i_h = i_hv // (HV // H)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     if i_i * BC >= n_valid:  # past the end of a partial chunk: no rows
@@ -251,9 +256,10 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, q_rstd, chunk_indi
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     if KSPLIT == 2:  # this program's K half: columns k0 .. k0 + BK - 1 through the base pointers
-        k0 = tl.program_id(2) * BK
+        i_p = tl.program_id(0) % KSPLIT
+        k0 = i_p * BK
         q, k, g, Gam, qg = q + k0, k + k0, g + k0, Gam + k0, qg + k0
-        Aqk, Lkk = Aqk + tl.program_id(2) * part_stride, Lkk + tl.program_id(2) * part_stride
+        Aqk, Lkk = Aqk + i_p * part_stride, Lkk + i_p * part_stride
         m_k = o_k < K - k0
     else:
         m_k = o_k < K

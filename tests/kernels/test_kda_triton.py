@@ -312,15 +312,17 @@ def test_chunk_gradients_wide_heads(dtype):
         assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
-@pytest.mark.parametrize("K,V", [(128, 64), (64, 128), (32, 256), (256, 32)])
-def test_chunk_gradients_unequal_key_and_value_dims(K, V):
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128), (32, 256), (256, 32), (64, 32), (128, 32)])
+def test_chunk_gradients_unequal_key_and_value_dims(K, V, dtype):
     """K != V: each kernel takes its K-side launch (the forward intra kernel's K <= 64 warps, the backward intra
     kernel's K blocks, the reverse scan's K halves above 128) and V-side blocks (the scans' and inter kernel's V
-    blocks) independently."""
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, K, V, torch.float32)
+    blocks) independently. In bf16 on a GPU too: V = 32 there once put the w/u kernel at V block 32, which the H200
+    miscompiles (triton_chunk.v_block)."""
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, K, V, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
-        assert_close(name, r, x, ratio)
+        assert_close(name, r, x, ratio_for(dtype, ratio))
 
 
 def test_chunk_gradients_varlen():
@@ -625,16 +627,19 @@ def test_fp32_dot_precision_rejects_unknown_values(monkeypatch):
 
 def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
     """LAUNCH's BV, capped at next_pow2(V) and at 32 for K > 128; the w/u kernel runs blocks of at least
-    min(64, next_pow2(V)) whatever K (its V-block 16 and 32 launches hit an illegal memory access on the H200,
-    triton_chunk.v_block)."""
+    LAUNCH["wu"]["MIN_BV"] (64) whatever K and V (its V-block 16 and 32 launches hit an illegal memory access or
+    computed wrong outputs on the H200, at V = 128 and at V = 32: triton_chunk.v_block)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     for name in ("wu", "scan"):
         monkeypatch.setitem(fwd.LAUNCH[name], "BV", 16)
     assert fwd.v_block("scan", 128, 128) == 16
     assert fwd.v_block("wu", 128, 128) == 64
-    assert fwd.v_block("wu", 32, 32) == 32  # V = 32: one block, the whole of V
-    assert fwd.v_block("wu", 16, 16) == 16  # V = 16: the only block there is
+    assert fwd.v_block("wu", 32, 32) == 64  # V = 32: one block, half of it masked
+    assert fwd.v_block("wu", 16, 16) == 64
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "MIN_BV", 32)
+    assert fwd.v_block("wu", 32, 32) == 32
+    monkeypatch.setitem(fwd.LAUNCH["wu"], "MIN_BV", 64)
     monkeypatch.setitem(fwd.LAUNCH["wu"], "BV", 64)
     assert fwd.v_block("wu", 128, 128) == 64
     assert fwd.v_block("wu", 60, 64) == 64
@@ -732,8 +737,8 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
     copy) and the intra kernel scales q's rows by it (LAUNCH["intra"]["Q_RSTD"]); with the states returned (the
     output kernel's path, which reads q itself) q is normalised before the kernels instead. Raw rows of norm far from
     1, a partial chunk, an initial state, K = 64: outputs and final states as the float64 recurrence on the normalised
-    q, k, and as with Q_RSTD off (q normalised by the pass). Then in K halves of 32 (fp32 only: in bf16 that split
-    failed on the H200, session 22; LAUNCH["intra"]'s comment)."""
+    q, k, and as with Q_RSTD off (q normalised by the pass). Then in K halves of 32 (V = 32: the case the H200 got
+    wrong in bf16 until the w/u kernel's V block floor, triton_chunk.v_block; session 23)."""
     from k3.kernels.kda import triton_chunk as fwd
     from k3.kernels.kda import triton_l2norm
 
@@ -757,8 +762,6 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
         assert_close(f"ht ({name})", rs, s, tol)
     assert_close("o (q rows scaled vs normalised)", normed[0].double(), rows[0], 1e-3 if dtype == torch.float32
                  else 0.01)
-    if dtype != torch.float32:
-        return
     # in K halves: the pipeline called with fp16 L and q's rstd, as chunk_kda calls it for bf16 inputs
     from k3.kernels.kda.triton_l2norm import l2norm_fwd
 
@@ -772,15 +775,12 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
     assert_close("ht (K halves, q's rows by rstd)", rs, r["ht"], tol)
 
 
-@pytest.mark.skipif(CUDA, reason="on the H200 a bf16 inference forward in K halves of 32 failed (session 22): the "
-                    "split is off by default until a GPU run in halves passes; test_forward_in_k_halves_matches_naive "
-                    "checks it in fp32 there")
 @pytest.mark.parametrize("D", [64, 128], ids=["K64-halves32", "K128-halves64"])
 def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bounds_check):
     """chunk_kda on fp16 inputs with the q / k L2 norm and no gradients, in K halves (LAUNCH["intra"]["KSPLIT_FROM"]):
     fp16 L and Aqk as two fp16 partial sums each, q's rows scaled by its rstd, the fused scan adding Aqk's parts; a
-    partial chunk and an initial state. Under the interpreter, whose fp16 dots are the GPU's formats (its bf16 ones
-    are not). Outputs and final states as the float64 recurrence on the normalised q, k, and as the unsplit forward;
+    partial chunk and an initial state. fp16: under the interpreter its dots are the GPU's formats (bf16 ones need
+    conftest's bf16_dots). Outputs and final states as the float64 recurrence on the normalised q, k, and as the unsplit forward;
     no load or store outside the launches' tensors (conftest's bounds_check)."""
     from k3.kernels.kda import triton_chunk as fwd
 
@@ -802,18 +802,16 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bound
     assert_close("o (K halves vs whole)", whole[0].double(), halves[0], 0.005)
 
 
-@pytest.mark.skipif(CUDA, reason="on the H200 this very case failed in bf16 (session 22; LAUNCH[\"intra\"]'s comment): "
-                    "the split is off by default until it passes there (benchmarks/kda_split_check.py)")
 @pytest.mark.parametrize("D,V,split", [(64, 32, 0), (64, 32, 64), (128, 128, 128)],
                          ids=["K64-V32-whole", "K64-V32-halves32", "K128-V128-halves64"])
 def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwargs, bf16_dots, bounds_check):
     """chunk_kda on bf16 inputs with the q / k L2 norm and no gradients, whole and in K halves, q's rows scaled by
-    its rstd, under the interpreter with bf16 dots as a GPU computes them (conftest's bf16_dots): the case that failed
-    on the H200 in session 22 (K = 64 in halves of 32, V = 32, T = 70) is right in bf16 arithmetic, so that failure
-    lies in what the interpreter does not model (compiled code, concurrency, out-of-bounds addresses). Outputs and
-    final states against the float64 recurrence on the normalised q, k (0.03: the interpreter's fp32 -> bf16 casts
-    truncate; the GPU tests' bf16 bound is 0.02), and no load or store outside the launches' tensors (conftest's
-    bounds_check)."""
+    its rstd; under the interpreter with bf16 dots as a GPU computes them (conftest's bf16_dots). The case that failed
+    on the H200 in session 22 (K = 64, V = 32, T = 70) is right in bf16 arithmetic here: the fault was the compiled
+    w/u kernel's at V block 32, whole or in halves (session 23; now at V block 64, triton_chunk.v_block), which this
+    test on a GPU checks. Outputs and final states against the float64 recurrence on the normalised q, k (0.03: the
+    interpreter's fp32 -> bf16 casts truncate; the GPU tests' bf16 bound is 0.02), and no load or store outside the
+    launches' tensors (conftest's bounds_check, interpreter only)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
