@@ -4,7 +4,7 @@
 # see benchmarks/hf_anchor.py):
 #   bash benchmarks/h200_session.sh MODE, MODE one of kernels | serve | spec | batch | anchor | table | table2 | prec
 #   | ncu | tune | final | breakdown | stalls | wublock | table9 | fused | vfirst | s11b | s11c | s12 | s12b | s13 | s13b
-#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | s22c | s22d | s22e | s22f | s23 | cmd (any command after the preamble)
+#   | s13c | s13d | s13e | s14 | s14b | s14d | s14e | s14f | s15 | s15d | s15e | s15g | s15h | s16 | s16d | s17 | s17c | s17d | s17e | s17f | s18 | s18b | s18c | s18d | s18e | s18f | s18g | s19 | s19c | s19d | s19e | s19f | s20 | s20c | s20d | s20e | s20f | s20g | s21a | s21b | s21c | s21d | s22 | s22b | s22c | s22d | s22e | s22f | s23 | s23b | s23c | s23d | s23e | cmd (any command after the preamble)
 #   (each mode's own comment below says what it runs)
 # Each step has its own time limit (the modes fit one 600 s call each) and prints as it goes; logs land in $OUT.
 #   kernels: GPU kernel tests (KDA chunk/recurrent, K-block backward inter kernel, paged MLA decode, C2-GLU, router,
@@ -57,7 +57,7 @@ kda_gpu_tests() {
 # opentelemetry-api, openai, httpx2, ...), the serving log's summary after both
 kda_and_serve_tests() {
   K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
-    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+    -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
   local serve_tests=$!
   kda_gpu_tests
   wait "$serve_tests"; echo "serve tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/serve_tests.log" | tail -8
@@ -127,7 +127,7 @@ cmd)
   ;;
 kernels)
   K3_KERNELS=triton timeout -s INT -k 10 240 python3 -m pytest tests/serve tests/model/test_quant_checkpoint.py \
-    -q -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
+    -p no:cacheprovider -rfs -k cuda -n 3 > "$OUT/serve_tests.log" 2>&1 &
   serve_tests=$!
   timeout -s INT -k 10 240 python3 -m pytest tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py \
     tests/kernels/test_mla_decode.py tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py \
@@ -1003,6 +1003,46 @@ s23)
   echo "bf16 split check rc=$?"; cat "$OUT/split_check_bf16.log"
   timeout 250 python3 benchmarks/kda_split_check.py --quick --dtypes float16 float32 > "$OUT/split_check.log" 2>&1
   echo "fp16 / fp32 split check rc=$?"; cat "$OUT/split_check.log"
+  ;;
+s23b)
+  # session 23's second call: with the w/u kernel's V block floor (wu.MIN_BV 64) and the K split on at K = 128, the
+  # KDA GPU tests beside the CUDA serving tests, then the bf16 split check (every row should pass now)
+  kda_and_serve_tests
+  timeout 200 python3 benchmarks/kda_split_check.py --quick --dtypes bfloat16 > "$OUT/split_check_bf16.log" 2>&1
+  echo "bf16 split check rc=$?"; cat "$OUT/split_check_bf16.log"
+  ;;
+s23c)
+  # session 23's third call: the inference solve's blocks below the diagonal loaded before its walk (solve.EARLY,
+  # the default) against after it, inference forward kernels at two shapes (two rounds at (8, 4096, 16, 128)), the
+  # solve's GPU tests (both forms), then issue 4's table as shipped
+  for round in 1 2; do
+    for flags in "" "--set solve.EARLY=False"; do tune21 "r$round" --fwd-only --shape 8,4096,16,128 $flags; done
+  done
+  for flags in "" "--set solve.EARLY=False"; do tune21 r1 --fwd-only --shape 16,2048,32,64 $flags; done
+  timeout 60 python3 -m pytest tests/kernels/test_kda_triton.py -k solve_kernel -p no:cacheprovider -q -n 4 \
+    2>&1 | tail -2
+  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s23d)
+  # session 23's fourth call: the K-half pairs adding their partial sums themselves (intra.KSPLIT_MERGE, the
+  # default) against their readers adding them: the split's GPU tests, then the inference forward kernels, two
+  # rounds at (8, 4096, 16, 128), one at (2, 16384, 16, 128), then issue 4's table as shipped
+  timeout 120 python3 -m pytest tests/kernels/test_kda_triton.py -k "k_halves or inference_forward" \
+    -p no:cacheprovider -q -n 8 -rf 2>&1 | tail -4
+  for round in 1 2; do
+    for flags in "" "--set intra.KSPLIT_MERGE=False"; do tune21 "r$round" --fwd-only --shape 8,4096,16,128 $flags; done
+  done
+  for flags in "" "--set intra.KSPLIT_MERGE=False"; do tune21 r1 --fwd-only --shape 2,16384,16,128 $flags; done
+  timeout 280 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  ;;
+s23e)
+  # session 23's last call, the tree as shipped (K split on at K = 128, its halves adjacent in the launch; the w/u
+  # kernel's V block floor): issue 4's table, then the KDA GPU tests
+  timeout 200 python3 benchmarks/kda.py > "$OUT/kda.log" 2>&1
+  echo "kda rc=$?"; grep "^|\|^# [0-9]\|^(" "$OUT/kda.log"
+  KDA_TEST_LIMIT=170 kda_gpu_tests
   ;;
 s22b)
   # session 22's second call: issue 4's table, with the kda.py flags given after the mode (session 22 split s22 in
