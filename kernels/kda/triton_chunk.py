@@ -103,9 +103,10 @@ LAUNCH: dict[str, dict[str, int]] = {  # tuned on an H200 at (8, 4096, 16, 128) 
     # (1, 65536) 4,310 -> 4,266; issue 4's table, fwd ms at (8, 4096, 16, 128): 1.313, 1.319 against 1.412 (fla
     # 1.69). At K = 64 (halves of 32) intra 518 -> 618. Halves at 2 warps: 674. So from 128 (K = 128 heads). Session
     # 22 left it off after a bf16 forward at K = 64, V = 32 came out wrong on the H200; session 23 found that wrong
-    # whole or in halves, at V = 32 only: the w/u kernel's V block of 32 (now at least 64, v_block). Every bf16 /
-    # fp16 / fp32 case of benchmarks/kda_split_check.py then passed (RESULTS.md session 23). With the halves adjacent
-    # in the launch (triton_common._intra_sub_kernel) the intra kernel took 527 us, not 556.
+    # whole or in halves, at V = 32 only: the w/u kernel's V block of 32 (now at least 64, v_block). Every bf16
+    # case of benchmarks/kda_split_check.py then passed, and so did the GPU tests in halves (RESULTS.md session 23).
+    # With the halves adjacent in the launch (triton_common._intra_sub_kernel) the intra kernel took 527 us, not 556;
+    # issue 4's table then gave fwd 1.292 ms at (8, 4096, 16, 128) (fla 1.686)
     # (Tried and removed: each pair of halves adding its partial sums itself, the second to finish (an atomic
     # arrival count) storing part 0 + part 1 over part 0, so that the solve and the scan read one part: solve 82 ->
     # 58 us, scan 309 -> 300, but intra 527 -> 607, total 1,283 -> 1,331 at (8, 4096, 16, 128) (H200, kda_tune.py
