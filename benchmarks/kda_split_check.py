@@ -4,8 +4,8 @@ against the float64 recurrence on the normalised q, k. One table row per case, e
 so that an illegal address in one (session 22 saw one) cannot fail the others.
 
 Run on a CUDA machine (never in tests): `python benchmarks/kda_split_check.py [--dtypes bfloat16 float16 float32]
-[--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch path (a check of the script
-itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
+[--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch path
+(a check of the script itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
 chunk_kda takes for bf16 / fp16 inputs).
 
 Why: on the H200 a bf16 forward in halves of 32 (K = 64, T = 70, V = 32) was off by rel_rms 0.81 (session 22, call

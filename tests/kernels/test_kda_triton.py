@@ -780,8 +780,8 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bound
     """chunk_kda on fp16 inputs with the q / k L2 norm and no gradients, in K halves (LAUNCH["intra"]["KSPLIT_FROM"]):
     fp16 L and Aqk as two fp16 partial sums each, q's rows scaled by its rstd, the fused scan adding Aqk's parts; a
     partial chunk and an initial state. fp16: under the interpreter its dots are the GPU's formats (bf16 ones need
-    conftest's bf16_dots). Outputs and final states as the float64 recurrence on the normalised q, k, and as the unsplit forward;
-    no load or store outside the launches' tensors (conftest's bounds_check)."""
+    conftest's bf16_dots). Outputs and final states as the float64 recurrence on the normalised q, k, and as the
+    unsplit forward; no load or store outside the launches' tensors (conftest's bounds_check)."""
     from k3.kernels.kda import triton_chunk as fwd
 
     q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(D, 32, torch.float16)
