@@ -11,24 +11,28 @@ Legend: B batch, T tokens, D model width, H heads, K key dim = V value dim, W co
 
 Sources: Kimi Linear (arXiv 2510.26692), MoonshotAI/Kimi-Linear; module names follow the Kimi-Linear checkpoint
 layout (vLLM `kda.py`), except `g_proj` is full rank (K3) and A_log is stored as [H].
-No positional encoding: the decay does that work. Inference state per layer: `k3.model.cache.KDACache`.
+No positional encoding: the decay does that work. Inference state per layer: a `k3.model.cache.KDAStateView`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3.kernels.conv import causal_conv1d
+from k3.kernels.dispatch import trusted_inputs
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_kda_lowerbound_gate
+from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
 
-from .cache import KDACache
+from .cache import KDAStateView
 from .config import ModelConfig
 
-RECURRENT_MAX_TOKENS = 64  # eval-mode calls with a cache and at most this many new tokens use the recurrent kernel
+RECURRENT_MAX_TOKENS = 64  # eval-mode calls with a cache and at most this many new tokens per sequence: recurrent
 
 
 class GatedRMSNorm(nn.Module):
@@ -105,36 +109,71 @@ class KimiDeltaAttention(nn.Module):
         """Raw gate projection z = f_b(f_a(x)): [B, T, D] -> [B, T, H, K]."""
         return self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_k_dim))
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
+    def kernel_kwargs(self) -> dict:
+        """The kernels' in-kernel gate, beta sigmoid and q/k L2 norm settings of this layer (every call passes them)."""
+        return {"A_log": self.A_log, "dt_bias": self.dt_bias, "lower_bound": self.lower_bound,
+                "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+
+    def forward(self, x: torch.Tensor, cache: KDAStateView | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D].
 
-        cache: continue from `cache` (state [N, H, K, V] fp32, pre-conv tails [N, W-1, C]; None fields = empty) and
-        update it in place; N = B, or the number of sequences with cu_seqlens ([N+1], B == 1, padding-free varlen).
+        cache: continue from and update a cache view (k3.model.cache: a contiguous KDACache, or the engine's pool
+        view); N = B sequences, or with cu_seqlens ([N+1], B == 1, padding-free varlen; a view may carry its own)
+        the packed ones.
         """
-        T = x.shape[1]
+        if cache is None:
+            return self._forward(x, None, cu_seqlens)
+        if cache.cu_seqlens is not None:
+            cu_seqlens = cache.cu_seqlens
+        with trusted_inputs() if cache.trusted else contextlib.nullcontext():
+            return self._forward(x, cache, cu_seqlens)
+
+    def _forward(self, x: torch.Tensor, cache: KDAStateView | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         H, K = self.num_heads, self.head_k_dim
         with_cache = cache is not None
-        tails = (cache.conv_q, cache.conv_k, cache.conv_v) if with_cache else (None, None, None)
-        qkv, new_tails = [], []
-        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
-            y, t = causal_conv1d(proj(x), conv.weight[:, 0], activation="silu", initial_tail=tail,
+        pre = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]  # [B, T, C] pre-conv inputs
+        tails0 = cache.conv_tails() if with_cache else (None, None, None)
+        qkv, tails1 = [], []
+        for p, conv, tail in zip(pre, (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails0):
+            y, t = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail,
                                  output_final_tail=with_cache, cu_seqlens=cu_seqlens)
             qkv.append(y.unflatten(-1, (H, K)))  # [B, T, H, K]
-            new_tails.append(t)
-        q, k, v = qkv
-        kwargs = {"A_log": self.A_log, "dt_bias": self.dt_bias, "lower_bound": self.lower_bound,
-                  "initial_state": cache.state if with_cache else None, "output_final_state": with_cache,
-                  "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-                  "cu_seqlens": cu_seqlens}
-        if with_cache and not self.training and T <= RECURRENT_MAX_TOKENS:
-            o, state = fused_recurrent_kda(q, k, v, self.gate_input(x), self.b_proj(x), **kwargs)
-        else:
-            o, state = chunk_kda(q, k, v, self.gate_input(x), self.b_proj(x), chunk_size=self.chunk_size,
-                                 safe_gate=self.lower_bound is not None, **kwargs)
+            tails1.append(t)
         if with_cache:
-            cache.state = state
-            cache.conv_q, cache.conv_k, cache.conv_v = new_tails
+            cache.conv_done(tails0, tuple(tails1), pre)
+        q, k, v = qkv
+        o = self.recurrence(q, k, v, self.gate_input(x), self.b_proj(x), cache, cu_seqlens)
         o = self.o_norm(o, self.g_proj(x).unflatten(-1, (H, K)))  # [B, T, H, V]
         return self.o_proj(o.flatten(-2))
+
+    def recurrence(self, q, k, v, z, beta, cache: KDAStateView | None, cu_seqlens) -> torch.Tensor:
+        """The delta rule over q, k, v [B, T, H, K], raw gate z [B, T, H, K] and beta logits [B, T, H], from and into
+        the cache view's states (module docstring of k3.model.cache). Returns o [B, T, H, V]."""
+        kw = self.kernel_kwargs()
+        chunk_kw = {"chunk_size": self.chunk_size, "safe_gate": self.lower_bound is not None}
+        if cache is None:  # training: no state in or out
+            return chunk_kda(q, k, v, z, beta, cu_seqlens=cu_seqlens, **chunk_kw, **kw)[0]
+        max_len = q.shape[1] if cache.max_len is None else cache.max_len
+        recurrent = not self.training and max_len <= RECURRENT_MAX_TOKENS and cache.allow_recurrent
+        slots = cache.slots
+        if slots is None:  # contiguous: rows 0..N-1, the state replaced by the kernel's final one
+            fn = fused_recurrent_kda if recurrent else partial(chunk_kda, **chunk_kw)
+            o, cache.state = fn(q, k, v, z, beta, initial_state=cache.state, output_final_state=True,
+                                cu_seqlens=cu_seqlens, **kw)
+            return o
+        if recurrent and cu_seqlens is None:  # B rows of T tokens in place on the pool, no host reads
+            o = fused_recurrent_kda_pool_trusted(q, k, v, z, beta, pool=cache.state, ssm_state_indices=slots, **kw)
+            cache.state_done(None, None)
+            return o
+        if recurrent:  # packed sequences, in place on the pool
+            o, _ = fused_recurrent_kda(q, k, v, z, beta, initial_state=cache.state, ssm_state_indices=slots,
+                                       cu_seqlens=cu_seqlens, **kw)
+            cache.state_done(None, None)
+            return o
+        out = chunk_kda(q, k, v, z, beta, initial_state=cache.state[slots], output_final_state=True,
+                        return_intermediate_states=cache.chunk_states, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cache.cu_seqlens_cpu, **chunk_kw, **kw)
+        cache.state[slots] = out[1]
+        cache.state_done(out[1], out[2] if cache.chunk_states else None)
+        return out[0]

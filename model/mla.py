@@ -9,7 +9,8 @@ Features:
 - Output gate (K3): o ← o ⊙ σ(g_proj(x)) per head-channel, before o_proj.
 - Training / prefill: "MHA mode" through `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`.
 - Decode / chunked-prefill continuation: "absorbed" (MQA) mode over the latent cache [c_kv ; k_rope]
-  (architecture.md 6.2), see `mla_absorbed_attention`.
+  (architecture.md 6.2), see `mla_absorbed_attention`; the serving engine's paged latent pool through a
+  `PagedLatentView` (k3.kernels.mla.paged_mla_decode).
 - Per-head max pre-softmax logit for QK-Clip and logging (`track_max_logit`), never changing the output.
 
 Weight layout (fixed; QK-Clip in k3.train.optim relies on it). N = qk_nope_head_dim, R = qk_rope_head_dim,
@@ -43,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.model.cache import MLACache
+from k3.kernels.dispatch import kernel_backend
+from k3.kernels.mla import paged_mla_decode, warm_up_paged_mla_decode
+from k3.model.cache import MLACache, PagedLatentView
 from k3.model.config import ModelConfig
 from k3.model.layers import RMSNorm
 
@@ -166,6 +169,19 @@ def causal_sdpa(q_BTHE: torch.Tensor, k_BTHE: torch.Tensor, v_BTHV: torch.Tensor
     return o_BTHX[..., :V] if pad else o_BTHX
 
 
+def paged_attention_bounded(device: torch.device) -> bool:
+    """True when paged attention (a PagedLatentView) reads each query's keys up to its position only (the Triton
+    kernel on CUDA), so a block table may be as wide as the pool allows at no cost; False on its PyTorch twin, which
+    gathers every page of the table."""
+    return device.type == "cuda" and kernel_backend() == "triton"
+
+
+def warm_up_paged_attention(kv_pool_PSX: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """Compile the paged attention kernel's variants for this pool and the model's head shape now (serving warm-up,
+    before the first request); no-op on the PyTorch backend."""
+    warm_up_paged_mla_decode(kv_pool_PSX, cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
+
+
 class GatedMLA(nn.Module):
     """Gated MLA layer: x [B, T, D] -> [B, T, D], optionally reading/extending an MLACache.
 
@@ -202,14 +218,14 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, cfg.d_model, bias=False)
         self.register_buffer("max_logit_per_head", torch.zeros(H, dtype=torch.float32), persistent=False)
 
-    def _check_inputs(self, x: torch.Tensor, cache: MLACache | None) -> None:
+    def _check_inputs(self, x: torch.Tensor, cache) -> None:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"GatedMLA expects x of shape [B, T, {self.d_model}], got {tuple(x.shape)}")
         if x.shape[1] == 0:
             raise ValueError("GatedMLA got T = 0 tokens; call it with at least one token")
         if self.position not in ("rope", "nope"):
             raise ValueError(f"GatedMLA.position must be 'rope' or 'nope', got {self.position!r}")
-        if cache is not None and cache.kv is not None:
+        if isinstance(cache, MLACache) and cache.kv is not None:
             width = self.kv_lora_rank + self.rope_dim
             if cache.kv.dim() != 3 or cache.kv.shape[0] != x.shape[0] or cache.kv.shape[2] != width:
                 raise ValueError(f"MLACache.kv must be [B={x.shape[0]}, T_cached, {width}], got {tuple(cache.kv.shape)};"
@@ -221,53 +237,103 @@ class GatedMLA(nn.Module):
         else:  # the module was cast (e.g. .to(bfloat16)); keep the statistic in fp32
             self.max_logit_per_head = m_H.float().clone()
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. With `cache`, new tokens sit at positions cache.length ...; cache.kv is extended.
-
-        Empty or absent cache: MHA mode (training / first prefill). Non-empty cache: absorbed mode (decode or a
-        later prefill chunk; causal among the new tokens).
-        Example: cache = MLACache(); y1 = layer(x[:, :5], cache); y2 = layer(x[:, 5:], cache)  # == layer(x)
-        """
-        self._check_inputs(x, cache)
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None):
+        """The projections of x [B, T, D] (architecture.md 6.1): q_nope [B, T, H, N], q_rope [B, T, H, R], the
+        normalized latent c_kv [B, T, C] and the shared k_rope [B, T, R], both rope slots rotated at `positions`
+        (broadcast over dim 1: [T], or [B * T] flattened for B rows of T) in rope mode."""
         B, T, _ = x.shape
-        H, N, R, V, C = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
-        start = 0 if cache is None else cache.length
-
-        q_BTHE = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, N + R)
-        q_nope_BTHN, q_rope_BTHR = q_BTHE.split([N, R], dim=-1)
+        H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        q_nope_BTHN, q_rope_BTHR = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, N + R).split(
+            [N, R], dim=-1)
         c_kv_BTC, k_rope_BTR = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
         c_kv_BTC = self.kv_a_layernorm(c_kv_BTC)
         if self.position == "rope" and R > 0:
-            cos_TR, sin_TR = rope_cos_sin(torch.arange(start, start + T, device=x.device), R, self.rope_theta)
-            q_rope_BTHR = apply_rope(q_rope_BTHR, cos_TR, sin_TR)
-            k_rope_BTR = apply_rope(k_rope_BTR, cos_TR, sin_TR)
+            cos, sin = rope_cos_sin(positions, R, self.rope_theta)
+            if positions.shape[0] != T:  # one position per flattened row: rotate as [1, B * T, ...]
+                q_rope_BTHR = apply_rope(q_rope_BTHR.reshape(1, B * T, H, R), cos, sin).view(B, T, H, R)
+                k_rope_BTR = apply_rope(k_rope_BTR.reshape(1, B * T, R), cos, sin).view(B, T, R)
+            else:
+                q_rope_BTHR, k_rope_BTR = apply_rope(q_rope_BTHR, cos, sin), apply_rope(k_rope_BTR, cos, sin)
+        return q_nope_BTHN, q_rope_BTHR, c_kv_BTC, k_rope_BTR
+
+    def absorb_query(self, q_nope_BTHN: torch.Tensor) -> torch.Tensor:
+        """q_latent [B, T, H, C] = (W^{UK}_h)^T q_nope per head, so q_latent . c_kv = q_nope . k_nope."""
+        H, N, V, C = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        w_uk_HNC = self.kv_b_proj.weight.view(H, N + V, C)[:, :N]
+        return torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC)
+
+    def output(self, x: torch.Tensor, o_BTHV: torch.Tensor) -> torch.Tensor:
+        """Gate of x [B, T, D] and W_o over the per-head outputs o [B, T, H, V] -> [B, T, D]."""
+        B, T = x.shape[:2]
+        o_BTX = o_BTHV.reshape(B, T, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            o_BTX = o_BTX * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o_BTX)
+
+    def latent_output(self, x: torch.Tensor, o_latent_BTHC: torch.Tensor) -> torch.Tensor:
+        """Absorbed mode's output: W^{UV}_h applied to the latent outputs [B, T, H, C], then `output`."""
+        H, N, V, C = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        w_uv_HVC = self.kv_b_proj.weight.view(H, N + V, C)[:, N:]
+        return self.output(x, torch.einsum("bthc,hvc->bthv", o_latent_BTHC, w_uv_HVC))
+
+    def forward(self, x: torch.Tensor, cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D], through a latent cache view (k3.model.cache) when given:
+
+        - none, or an empty MLACache: MHA mode (training / first prefill; the MLACache then holds the latents);
+        - a non-empty MLACache: absorbed mode over its latents, the new ones appended (decode, a later chunk);
+        - a PagedLatentView: the new latents written into the pages, absorbed mode through the block tables.
+        Example: cache = MLACache(); y1 = layer(x[:, :5], cache); y2 = layer(x[:, 5:], cache)  # == layer(x)
+        """
+        self._check_inputs(x, cache)
+        if cache is not None and not isinstance(cache, MLACache):
+            return self._paged(x, cache)
+        B, T, _ = x.shape
+        H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        start = 0 if cache is None else cache.length
+        positions = torch.arange(start, start + T, device=x.device) if self.position == "rope" and R else None
+        q_nope_BTHN, q_rope_BTHR, c_kv_BTC, k_rope_BTR = self.project(x, positions)
 
         prior_kv = None if cache is None else cache.kv
         if cache is not None:
             new_kv_BTW = torch.cat([c_kv_BTC, k_rope_BTR], dim=-1)
             cache.kv = new_kv_BTW if prior_kv is None else torch.cat([prior_kv, new_kv_BTW.to(prior_kv.dtype)], dim=1)
 
-        if prior_kv is None:  # MHA mode: decompress per-head keys and values
-            kv_BTHX = self.kv_b_proj(c_kv_BTC).view(B, T, H, N + V)
-            k_nope_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
-            k_BTHE = torch.cat([k_nope_BTHN, k_rope_BTR[:, :, None, :].expand(B, T, H, R)], dim=-1)
-            q_BTHE = torch.cat([q_nope_BTHN, q_rope_BTHR], dim=-1)
-            o_BTHV = causal_sdpa(q_BTHE, k_BTHE, v_BTHV, self.softmax_scale)
-            if self.track_max_logit:
-                with torch.no_grad():
-                    self._record_max_logit(causal_max_logit(q_BTHE, k_BTHE, self.softmax_scale, 0))
-        else:  # absorbed mode: W^{UK}_h folds into the query, W^{UV}_h applies after attention
-            w_HXC = self.kv_b_proj.weight.view(H, N + V, C)
-            w_uk_HNC, w_uv_HVC = w_HXC.split([N, V], dim=1)
-            q_latent_BTHC = torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC)
+        if prior_kv is not None:  # absorbed mode: W^{UK}_h folds into the query, W^{UV}_h applies after attention
+            q_latent_BTHC = self.absorb_query(q_nope_BTHN)
             out = mla_absorbed_attention(q_latent_BTHC, q_rope_BTHR.to(q_latent_BTHC.dtype), cache.kv,
                                          self.softmax_scale, q_start=start, return_max_logit=self.track_max_logit)
-            o_latent_BTHC = out[0] if self.track_max_logit else out
             if self.track_max_logit:
                 self._record_max_logit(out[1])
-            o_BTHV = torch.einsum("bthc,hvc->bthv", o_latent_BTHC, w_uv_HVC)
+            return self.latent_output(x, out[0] if self.track_max_logit else out)
+        # MHA mode: decompress per-head keys and values
+        kv_BTHX = self.kv_b_proj(c_kv_BTC).view(B, T, H, N + V)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
+        k_BTHE = torch.cat([k_nope_BTHN, k_rope_BTR[:, :, None, :].expand(B, T, H, R)], dim=-1)
+        q_BTHE = torch.cat([q_nope_BTHN, q_rope_BTHR], dim=-1)
+        o_BTHV = causal_sdpa(q_BTHE, k_BTHE, v_BTHV, self.softmax_scale)
+        if self.track_max_logit:
+            with torch.no_grad():
+                self._record_max_logit(causal_max_logit(q_BTHE, k_BTHE, self.softmax_scale, 0))
+        return self.output(x, o_BTHV)
 
-        o_BTX = o_BTHV.reshape(B, T, H * V)
-        if self.g_proj is not None:
-            o_BTX = o_BTX * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o_BTX)
+    def _paged(self, x: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
+        """Absorbed MLA of x [B, T, D] over a paged latent pool: write the new latents [c_kv ; k_rope], then each
+        group of the view attends through its block table (k3.kernels.mla.paged_mla_decode)."""
+        B, T, _ = x.shape
+        H, R, C = self.num_heads, self.rope_dim, self.kv_lora_rank
+        q_nope_BTHN, q_rope_BTHR, c_kv_BTC, k_rope_BTR = self.project(x, view.positions)
+        q_lat_MHC = self.absorb_query(q_nope_BTHN).flatten(0, 1)  # [M = B * T, H, C]
+        q_rope_MHR = q_rope_BTHR.flatten(0, 1).to(q_lat_MHC.dtype)
+        view.write(torch.cat([c_kv_BTC, k_rope_BTR], dim=-1).flatten(0, 1))
+        if len(view.groups) == 1 and view.groups[0].rows is None:  # every row in one call (the graph steps)
+            g = view.groups[0]
+            o_lat_MHC = paged_mla_decode(q_lat_MHC.view(g.n, g.t, H, C), q_rope_MHR.view(g.n, g.t, H, R),
+                                         view.kv_pool, g.block_table, g.positions, scale=self.softmax_scale,
+                                         min_key=view.min_key).flatten(0, 1)
+        else:
+            o_lat_MHC = torch.empty_like(q_lat_MHC)
+            for g in view.groups:  # equal short lengths together, long chunks alone
+                o_lat_MHC[g.rows] = paged_mla_decode(
+                    q_lat_MHC[g.rows].view(g.n, g.t, H, C), q_rope_MHR[g.rows].view(g.n, g.t, H, R), view.kv_pool,
+                    g.block_table, g.positions, scale=self.softmax_scale, min_key=view.min_key).flatten(0, 1)
+        return self.latent_output(x, o_lat_MHC.view(B, T, H, C))

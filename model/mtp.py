@@ -2,7 +2,7 @@
 
     h'_i = M [ RMSNorm(h_i) ; RMSNorm(Emb(t_{i+1})) ]         M = eh_proj [D, 2D]
     h    = TRM(h')                                             one gated NoPE MLA layer + dense C2-GLU MLP, Pre-LN
-    P(t_{i+2}) = softmax(Head(RMSNorm(h_i)))                   embedding and head shared with the main model
+    P(t_{i+2}) = softmax(Head(norm(h)))                        embedding and head shared with the main model
 
 h_i is the main model's final hidden state (before the final norm). The module reads the main model's hidden
 states and never writes into the main path, so main logits are unchanged by its presence (tested). Its MLA is NoPE
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .cache import MLACache
+from .cache import MLACache, PagedLatentView
 from .config import ModelConfig
 from .layers import GatedMLP, RMSNorm
 from .mla import GatedMLA
@@ -39,10 +39,11 @@ class MTPModule(nn.Module):
         self.mlp = GatedMLP(d, cfg.dense_intermediate_size, cfg.hidden_act, cfg.c2glu_beta1, cfg.c2glu_beta2)
         self.norm = RMSNorm(d, eps)
 
-    def forward(self, h_BTD: torch.Tensor, next_emb_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
-        """h_BTD: main hidden at positions i; next_emb_BTD: Emb(t_{i+1}). Returns the normed hidden [B, T, D]
-        for the shared LM head (predicting t_{i+2})."""
+    def forward(self, h_BTD: torch.Tensor, next_emb_BTD: torch.Tensor,
+                cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
+        """h_BTD: main hidden at positions i; next_emb_BTD: Emb(t_{i+1}); cache: the block's latent view
+        (k3.model.cache). Returns the block's output [B, T, D] before `norm`: `norm` then the shared LM head
+        predict t_{i+2} (K3Model.mtp_logits), and a recursive draft feeds the output itself back as the next h."""
         x = self.eh_proj(torch.cat([self.hnorm(h_BTD), self.enorm(next_emb_BTD)], dim=-1))
         x = x + self.self_attn(self.input_layernorm(x), cache=cache)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.norm(x)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .attnres import AttnResBlocks, AttnResSource, PseudoQuery, attn_res_mix, attn_res_mix_blocks
-from .cache import InferenceState, KDACache, MLACache
+from .cache import InferenceState, KDACache, MLACache, PagedLatentView
 from .config import ModelConfig
 from .kda import KimiDeltaAttention
 from .layers import GatedMLP, RMSNorm
@@ -75,18 +75,15 @@ class K3Backbone(nn.Module):
             self.output_attn_res_proj = PseudoQuery(cfg.d_model)
 
     def forward(self, emb_BTD: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
-        """Embedded tokens -> final hidden [B, T, D] (before the final norm)."""
-        caches = state.layers if state is not None else [None] * len(self.layers)
-        return self.run_layers(emb_BTD, lambda i, layer, h: layer.self_attn(h, cache=caches[i]))
-
-    def run_layers(self, x_BTD: torch.Tensor, mixer) -> torch.Tensor:
-        """The layer stack with token mixer `mixer(i, layer, h [B, T, D]) -> [B, T, D]` (forward passes the layers'
-        own attention with their caches; the serving engine passes its paged-cache plumbing, k3.serve.runner).
+        """Embedded tokens [B, T, D] -> final hidden [B, T, D] (before the final norm); layer i's mixer reads and
+        writes its state through the view `state.layers[i]` (k3.model.cache) when a state is given.
         Pre-LN or the Block AttnRes loop of architecture.md 4.2 (block size counts layers; layer 0 snapshots the
-        embedding). x [B, T, D] embedded tokens -> final hidden [B, T, D] (before the final norm)."""
+        embedding)."""
+        caches = state.layers if state is not None else [None] * len(self.layers)
+        x_BTD = emb_BTD
         if self.cfg.residual == "preln":
-            for i, layer in enumerate(self.layers):
-                x_BTD = x_BTD + mixer(i, layer, layer.input_layernorm(x_BTD))
+            for layer, cache in zip(self.layers, caches):
+                x_BTD = x_BTD + layer.self_attn(layer.input_layernorm(x_BTD), cache=cache)
                 x_BTD = x_BTD + layer.mlp(layer.post_attention_layernorm(x_BTD))
             return x_BTD
         eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
@@ -102,12 +99,12 @@ class K3Backbone(nn.Module):
             return attn_res_mix(blocks + [src], norm.weight, proj.weight)
 
         partial = x_BTD
-        for i, layer in enumerate(self.layers):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x = mix(partial, layer.attn_res_norm, layer.attn_res_proj) if len(blocks) else partial
             if i % bsz == 0:
                 blocks.append(AttnResSource(partial, eps))
                 partial = None
-            a = mixer(i, layer, layer.input_layernorm(x))
+            a = layer.self_attn(layer.input_layernorm(x), cache=cache)
             partial = a if partial is None else partial + a
             x = mix(partial, layer.mlp_res_norm, layer.mlp_res_proj)
             partial = partial + layer.mlp(layer.post_attention_layernorm(x))
@@ -140,10 +137,8 @@ class K3Model(nn.Module):
         mtp_tokens_BT: the tokens following each input position (t_{i+1}, i.e. the main targets); when given and
         the model has an MTP module, also return `mtp_logits` predicting t_{i+2}.
         """
-        if tokens_BT.dim() != 2:
-            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens_BT.shape)}")
-        hidden = self.model(self.model.embed_tokens(tokens_BT), state)
-        logits = self.lm_head(self.model.norm(hidden))
+        hidden = self.hidden_states(tokens_BT, state)
+        logits = self.logits(hidden)
         mtp_logits = None
         if mtp_tokens_BT is not None and self.mtp is not None:
             mtp_logits = self.mtp_logits(hidden, mtp_tokens_BT, None if state is None else state.mtp)
@@ -151,11 +146,31 @@ class K3Model(nn.Module):
             state.seq_len += tokens_BT.shape[1]
         return K3Output(logits=logits, hidden=hidden, mtp_logits=mtp_logits)
 
+    def hidden_states(self, tokens_BT: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
+        """tokens [B, T] -> final hidden [B, T, D] before the final norm, through the mixers' cache views when a
+        state is given (its seq_len is not advanced: `forward` does that). The serving engine's steps call this
+        with its paged views, then `logits` on the rows it samples from."""
+        if tokens_BT.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens_BT.shape)}")
+        return self.model(self.model.embed_tokens(tokens_BT), state)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over the final norm: hidden [..., D] (before the norm) -> logits [..., V] in the model's dtype."""
+        return self.lm_head(self.model.norm(hidden))
+
+    def mtp_hidden(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
+                   cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
+        """The MTP block's output [B, T, D] (before its norm) from the main hidden h_i and the next token t_{i+1}."""
+        return self.mtp(hidden_BTD, self.model.embed_tokens(next_tokens_BT), cache=cache)
+
+    def mtp_head(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of t_{i+2} from MTP outputs [..., D] (its norm, then the shared LM head)."""
+        return self.lm_head(self.mtp.norm(mtp_hidden))
+
     def mtp_logits(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
-                   cache: MLACache | None = None) -> torch.Tensor:
+                   cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
         """Logits of t_{i+2} from the main hidden h_i and the next token t_{i+1}: [B, T, V]."""
-        h = self.mtp(hidden_BTD, self.model.embed_tokens(next_tokens_BT), cache=cache)
-        return self.lm_head(h)
+        return self.mtp_head(self.mtp_hidden(hidden_BTD, next_tokens_BT, cache))
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]

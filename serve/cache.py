@@ -1,247 +1,221 @@
-"""Memory pools of the serving engine (serving.md section 2.2, kda.md section 8).
+"""The engine's cache views: k3.model.cache's KDA-state and latent views over the paged pools (k3.serve.pools).
 
-1. `PagePool`: the MLA latent cache in fixed-size pages, [pages, page_size, C + R] per MLA layer (the MTP layer
-   included); a sequence owns a block table (list of page ids). Full pages are registered under the hash of the
-   token prefix they end (`block_hashes`), ref-counted, and reused by later sequences with the same prefix; a page
-   with no reference stays cached (LRU) until a new allocation needs it.
-2. `StatePool`: one working slot per running sequence for every KDA layer: state [H, K, V] fp32 and the three conv
-   tails [W-1, C] (last W-1 pre-conv inputs of q, k, v). With speculative decoding every working slot also owns
-   `spec_tokens` scratch states: a verify step writes the state after each draft token there, so a rejected draft
-   rolls back by copying the last accepted one (`token_slot`).
-3. `SnapshotStore`: fp32 KDA state + conv-tail snapshots at block boundaries, keyed by block hash, LRU. Entries are
-   preallocated as NaN; an entry becomes readable only after it has been fully written and marked valid, and
-   reading an invalid entry raises (kda.md 8 rule 3), so a never-written snapshot can never leak into outputs.
-   With speculative decoding an entry also keeps the main model's final hidden of the token before the boundary
-   (`hidden`, [S, D]): the MTP drafter pairs it with the next token after a prefix hit.
+The runner builds one view per layer and step from index tensors it made on the host, and calls the model's own
+forward with them; the views say where the model's results go (conv tails, recurrent states, latents, prefix-cache
+snapshots), never how they are computed.
 
-Legend: P pages or slots, S snapshot entries, L layers, H heads, K key dim, V value dim, W conv kernel, C channels,
-X latent width (kv_lora + qk_rope).
+- `PoolKDAView`: an eager step. Sequence n reads and writes working slot slots[n] (state and conv tails); packed
+  varlen or [N, Tn] rows; with a snapshot plan it writes every snapshot of the step after the recurrence, with a
+  fixed number of tensor ops per layer however many block boundaries the step crosses (`write_snapshots`).
+- `StaticKDAView`: a fixed-shape step of static buffers (CUDA-graph capturable: tensor ops only, no host reads).
+  "plain": row b writes the tails of row src_rows[b] at tail_slots[b] (padded rows repeat row 0, so an index
+  written twice gets one value; live = 0 puts back what was read: the inert warm-up before a capture); "verify":
+  per-token state slots, tails NOT written, the pre-conv inputs kept for the rollback (`pre`).
+- `StaticLatentView`: token i writes the latent of token src[i] at its slot, or puts back what was there where
+  live[i] is 0 (padding and inert runs write values that are already there).
+
+Why the snapshot table: an eager step on a GPU is host-bound (~10-15 us of Python and launch per tensor op). Written
+one boundary at a time, a 2048-token k3-small prefill issued ~11,000 tensor ops for its snapshots (counted on a CPU
+with a TorchFunctionMode, 2026-11-29), about 3x the rest of the step; listed once per step on the host and
+gathered / scattered per layer it is ~15 ops.
+
+Legend: N sequences, T packed tokens, S snapshots written this step, W1 = conv width - 1, C conv channels, NC chunks
+of the KDA chunk kernel call, H heads, K = V head dim, D width, Bb rows of a static step, X latent width.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from k3.model.cache import KDAStateView, PagedLatentView
 
-class OutOfPages(RuntimeError):
-    """The latent page pool has no free or evictable page left."""
+from .pools import SnapshotStore
 
 
-def block_hashes(tokens: list[int], block_size: int, count: int | None = None) -> list[bytes]:
-    """Chained hashes of the first `count` full blocks of `tokens` (default: all full blocks).
+def to_device(parts: dict[str, list[int]], device) -> dict[str, torch.Tensor]:
+    """Named int64 lists -> 1-D device tensors (views of one buffer), in ONE copy.
 
-    h_i = sha256(h_{i-1} || int64 bytes of block i), h_{-1} = b"", so equal hashes mean equal whole prefixes.
-    Example: block_hashes(list(range(130)), 64) -> two 32-byte digests
-    """
-    n = len(tokens) // block_size if count is None else count
-    out, prev = [], b""
-    for i in range(n):
-        prev = chain_hash(prev, tokens[i * block_size:(i + 1) * block_size])
-        out.append(prev)
+    A `torch.tensor(list, device="cuda")` is a blocking copy that waits for the queued GPU work; here the host buffer
+    is pinned on CUDA and copied without blocking (the caching host allocator keeps it alive until the copy ran)."""
+    flat, spans = [], {}
+    for name, vals in parts.items():
+        spans[name] = (len(flat), len(flat) + len(vals))
+        flat += vals
+    host = torch.tensor(flat, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    dev_t = host.to(device, non_blocking=True)
+    return {name: dev_t[a:b] for name, (a, b) in spans.items()}
+
+
+@dataclass(eq=False)
+class SnapshotPlan:
+    """The snapshots one eager step writes (`snapshot_table`'s device lists): entries [S], state rows [S] of the pool
+    (boundary at the step's end) or of cat(chunk states, final states) (`chunk_rows`), conv-tail rows [S * W1]."""
+
+    snaps: SnapshotStore
+    entries: torch.Tensor
+    pool_rows: torch.Tensor
+    chunk_rows: torch.Tensor
+    tail_rows: torch.Tensor
+
+
+class PoolKDAView(KDAStateView):
+    """One KDA layer of an eager step over the StatePool (module docstring)."""
+
+    trusted = True  # slots and offsets were built and checked on the host by the runner
+
+    def __init__(self, state: torch.Tensor, tails: tuple, slots: torch.Tensor, *, layer: int,
+                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: list[int] | None, max_len: int,
+                 allow_recurrent: bool, plan: SnapshotPlan | None):
+        self.state, self.tails, self.slots, self.layer = state, tails, slots, layer
+        self.cu_seqlens, self.cu_seqlens_cpu, self.max_len = cu_seqlens, cu_seqlens_cpu, max_len
+        # the chunk kernel's states in fp32 (its h_fp32 form), whether or not a boundary needs them
+        self.allow_recurrent, self.chunk_states = allow_recurrent, True
+        self.plan, self._pre = plan, None
+
+    def conv_tails(self) -> tuple:
+        return tuple(t[self.slots] for t in self.tails)  # [N, W1, C] each
+
+    def conv_done(self, tails0: tuple, tails1: tuple, pre: list[torch.Tensor]) -> None:
+        for pool, t1 in zip(self.tails, tails1):
+            pool[self.slots] = t1.to(pool.dtype)
+        if self.plan is not None:
+            self._pre = [(t0, p.flatten(0, 1)) for t0, p in zip(tails0, pre)]  # [N, W1, C], [T, C]
+
+    def state_done(self, final: torch.Tensor | None, chunk_states: torch.Tensor | None) -> None:
+        if self.plan is None:
+            return
+        p = self.plan
+        if chunk_states is None:  # recurrent: the boundary states are the pool rows the step left
+            src, rows = self.state, p.pool_rows
+        else:
+            src, rows = torch.cat([chunk_states.flatten(0, 1), final]), p.chunk_rows
+        write_snapshots(p.snaps, self.layer, p.entries, src, rows, p.tail_rows, self._pre)
+
+
+class StaticKDAView(KDAStateView):
+    """One KDA layer of a static step (module docstring). slots: [Bb] working slots ("plain", -1 for padded rows) or
+    [Bb, T] per-token slots ("verify"); tail_slots / src_rows / live_rows [Bb]; `pre` collects the verify step's
+    (tail0 [Bb, W1, C], pre-conv inputs [Bb * T, C]) per projection."""
+
+    trusted = True  # the host layouts were checked before the copy into the buffers
+
+    def __init__(self, mode: str, state: torch.Tensor, tails: tuple, slots: torch.Tensor, tail_slots: torch.Tensor,
+                 src_rows: torch.Tensor, live_rows: torch.Tensor, max_len: int, pre: list | None = None):
+        self.mode, self.state, self.tails, self.slots = mode, state, tails, slots
+        self.tail_slots, self.src_rows, self.live_rows = tail_slots, src_rows, live_rows
+        self.max_len, self.pre = max_len, pre
+
+    def conv_tails(self) -> tuple:
+        return tuple(t[self.tail_slots] for t in self.tails)
+
+    def conv_done(self, tails0: tuple, tails1: tuple, pre: list[torch.Tensor]) -> None:
+        if self.mode == "verify":  # the rollback sets the tails once the accepted length is known
+            for t0, p in zip(tails0, pre):
+                self.pre += [t0, p.flatten(0, 1)]
+            return
+        live = self.live_rows[:, None, None]
+        for pool, t0, t1 in zip(self.tails, tails0, tails1):
+            pool[self.tail_slots] = torch.where(live, t1[self.src_rows].to(pool.dtype), t0)
+
+
+class StaticLatentView(PagedLatentView):
+    """PagedLatentView of a static step: token i writes token src[i]'s latent, or puts back the old value where
+    live[i] is 0 (module docstring)."""
+
+    def __init__(self, kv_pool, slot_mapping, positions, groups, src: torch.Tensor, live: torch.Tensor,
+                 min_key: int = 0):
+        super().__init__(kv_pool, slot_mapping, positions, groups, min_key)
+        self.src, self.live = src, live
+
+    def write(self, latent_NX: torch.Tensor) -> None:
+        flat = self.kv_pool.view(-1, self.kv_pool.shape[-1])
+        old = flat[self.slot_mapping]
+        flat[self.slot_mapping] = torch.where(self.live[:, None], latent_NX[self.src].to(flat.dtype), old)
+
+
+# ---------------------------------------------------------------------------------------------------- snapshots
+
+
+def snapshot_table(seqs, cu: list[int], W1: int, chunk_size: int) -> dict[str, list[int]]:
+    """The host lists of an eager step's snapshots (`StepSeq.snapshots`: boundary p, reserved entry), in sequence
+    order:
+
+    snap_entry [S]: snapshot store entries (distinct: each was reserved for its own block hash this step);
+    snap_hidden [S]: packed row of the token before the boundary (the MTP drafter's hidden, speculation only);
+    snap_tail [S * W1]: rows of cat([pre-conv inputs [T, C], initial tails [N * W1, C]]) holding the last W1 conv
+      inputs at the boundary: row r of sequence n's history [tail0[n] ; its Tn inputs] is T + n * W1 + r for
+      r < W1, else cu[n] + r - W1;
+    snap_slot [S]: the KDA pool slot whose state after the step is the boundary state (boundary = end of the step);
+    snap_chunk [S]: row of cat([chunk states [NC, ...], final states [N, ...]]) of the chunk kernel call over the
+      step's sequences: the state entering chunk j / chunk_size for an interior boundary (a chunk boundary, since
+      prefill chunks start block-aligned), the sequence's final state at the end.
+    Empty lists when no sequence writes a snapshot."""
+    T = cu[-1]
+    total_chunks = sum(-(-len(s.tokens) // chunk_size) for s in seqs)
+    out = {"snap_entry": [], "snap_hidden": [], "snap_tail": [], "snap_slot": [], "snap_chunk": []}
+    chunk_off = 0
+    for n, s in enumerate(seqs):
+        Tn = len(s.tokens)
+        for p, entry in s.snapshots:
+            j = p - s.start  # tokens of this step consumed at the boundary, 1..Tn
+            out["snap_entry"].append(entry)
+            out["snap_hidden"].append(cu[n] + j - 1)
+            out["snap_tail"] += [T + n * W1 + r if r < W1 else cu[n] + r - W1 for r in range(j, j + W1)]
+            out["snap_slot"].append(s.slot)
+            out["snap_chunk"].append(total_chunks + n if j == Tn else chunk_off + j // chunk_size)
+        chunk_off += -(-Tn // chunk_size)
+    if len(set(out["snap_entry"])) != len(out["snap_entry"]):  # index_copy_ needs distinct rows to be deterministic
+        raise RuntimeError(f"step: two snapshots share a store entry: {out['snap_entry']}")
     return out
 
 
-def chain_hash(prev: bytes, block: list[int]) -> bytes:
-    """sha256(prev || int64 bytes of block): the hash of a block given its parent's hash (b"" for the first)."""
-    return hashlib.sha256(prev + np.asarray(block, dtype=np.int64).tobytes()).digest()
+def write_snapshots(snaps: SnapshotStore, layer: int, entries: torch.Tensor, state_src: torch.Tensor,
+                    state_rows: torch.Tensor, tail_rows: torch.Tensor, pre) -> None:
+    """Write one KDA layer's snapshots of a step into their reserved entries, as fp32: entries [S]; state_src
+    [R, H, K, V] and state_rows [S] (the boundary states: snap_slot rows of the pool or snap_chunk rows of the chunk
+    call's states); tail_rows [S * W1] (snap_tail); pre: per conv (q, k, v) the initial tails [N, W1, C] and the
+    pre-conv inputs [T, C] of all packed tokens. Same values as writing each snapshot with SnapshotStore.write."""
+    S = entries.shape[0]
+    snaps.state[layer].index_copy_(0, entries, state_src.index_select(0, state_rows).to(snaps.state[layer].dtype))
+    for dst, (tail0, p_TC) in zip(snaps.tails[layer], pre):
+        buf = torch.cat([p_TC.to(tail0.dtype), tail0.flatten(0, 1)])  # [T + N * W1, C]
+        dst.index_copy_(0, entries, buf.index_select(0, tail_rows).view(S, -1, buf.shape[-1]).to(dst.dtype))
 
 
-class PagePool:
-    """Paged latent cache for `num_layers` MLA layers. kv[l]: [P, page_size, X]."""
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, width: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        if num_pages < 1:
-            raise ValueError(f"the latent page pool needs at least one page, got {num_pages}")
-        self.page_size, self.num_pages = page_size, num_pages
-        self.kv = [torch.zeros(num_pages, page_size, width, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.ref = [0] * num_pages
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # never-hashed free pages (stack)
-        self.cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed: reusable, evicted LRU-first
-        self.hash_of: dict[int, bytes] = {}
-        self.page_of: dict[bytes, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        """Pages an allocation can take now (free plus evictable cached)."""
-        return len(self.free) + len(self.cached)
-
-    def usage(self) -> float:
-        """Fraction of pages referenced by running sequences, 0-1 (k3:kv_cache_usage_perc)."""
-        return 1.0 - self.num_free / self.num_pages
-
-    def allocate(self) -> int:
-        """One page for a sequence (ref 1); evicts the least recently used cached page when no free page is left."""
-        if self.free:
-            p = self.free.pop()
-        elif self.cached:
-            p, _ = self.cached.popitem(last=False)
-            del self.page_of[self.hash_of.pop(p)]
-        else:
-            raise OutOfPages("latent page pool exhausted")
-        self.ref[p] = 1
-        return p
-
-    def lookup(self, h: bytes) -> int | None:
-        """Page holding the full block with prefix hash `h`, or None."""
-        return self.page_of.get(h)
-
-    def acquire(self, p: int) -> None:
-        """Take a reference on a cached page (prefix hit)."""
-        if self.ref[p] == 0:
-            self.cached.pop(p, None)
-        self.ref[p] += 1
-
-    def register(self, p: int, h: bytes) -> None:
-        """Publish a page that was just completely written as the block with prefix hash `h`."""
-        if h in self.page_of or p in self.hash_of:
-            return  # another sequence published the same prefix first; this copy stays private
-        self.page_of[h], self.hash_of[p] = p, h
-
-    def release(self, pages: list[int]) -> None:
-        """Drop one reference on each page; unreferenced hashed pages stay cached, the others become free."""
-        for p in pages:
-            self.ref[p] -= 1
-            if self.ref[p] == 0:
-                if p in self.hash_of:
-                    self.cached[p] = None
-                else:
-                    self.free.append(p)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached page (they become free)."""
-        for p in list(self.cached):
-            del self.page_of[self.hash_of.pop(p)]
-            self.free.append(p)
-        self.cached.clear()
+def write_hidden(snaps: SnapshotStore, entries: torch.Tensor, hidden_rows: torch.Tensor,
+                 hidden_TD: torch.Tensor) -> None:
+    """Store the final hidden [D] of the token before each boundary (rows [S] of hidden_TD [T, D]) with its snapshot
+    entry [S] (speculative decoding: the MTP drafter's h_{p-1} after a prefix hit); as SnapshotStore.write_hidden."""
+    snaps.hidden.index_copy_(0, entries, hidden_TD.index_select(0, hidden_rows).to(snaps.hidden.dtype))
 
 
-class StatePool:
-    """KDA working slots: state[l] [P * (1 + spec_tokens), H, K, V] fp32 (working slots first, then each slot's
-    scratch states) and tails[l] = (q, k, v) each [P, W-1, C] per KDA layer."""
-
-    def __init__(self, num_layers: int, num_slots: int, heads: int, head_dim: int, conv_width: int,
-                 tail_dtype: torch.dtype, device: torch.device | str, spec_tokens: int = 0):
-        C = heads * head_dim
-        self.num_slots, self.spec_tokens = num_slots, spec_tokens
-        rows = num_slots * (1 + spec_tokens)
-        self.state = [torch.zeros(rows, heads, head_dim, head_dim, dtype=torch.float32, device=device)
-                      for _ in range(num_layers)]
-        self.tails = [tuple(torch.zeros(num_slots, conv_width - 1, C, dtype=tail_dtype, device=device)
-                            for _ in range(3)) for _ in range(num_layers)]
-        self.free = list(range(num_slots - 1, -1, -1))
-
-    def allocate(self) -> int:
-        """A zeroed slot (empty history)."""
-        if not self.free:
-            raise RuntimeError("KDA state pool exhausted; the scheduler admits at most max_num_seqs sequences")
-        s = self.free.pop()
-        for st, tails in zip(self.state, self.tails):
-            st[s].zero_()
-            for t in tails:
-                t[s].zero_()
-        return s
-
-    def release(self, s: int) -> None:
-        self.free.append(s)
-
-    def token_slot(self, s: int, t: int) -> int:
-        """Row of state[l] holding slot s's state after token t of a verify step: the working slot itself for t = 0
-        (the first token of a verify step is always kept), scratch row t for a draft token t in 1..spec_tokens."""
-        if t == 0:
-            return s
-        if not 1 <= t <= self.spec_tokens:
-            raise ValueError(f"token index {t} outside the verify step (1 + {self.spec_tokens} tokens)")
-        return self.num_slots + s * self.spec_tokens + t - 1
+def ends_at_step_end(seqs) -> bool:
+    """True when every snapshot the step must write sits at the end of its sequence's step (boundary p = start +
+    Tn): those are the states left in the pools, which a static step can copy after it ran."""
+    return all(p == s.start + len(s.tokens) for s in seqs for p, _ in s.snapshots)
 
 
-class SnapshotStore:
-    """fp32 KDA snapshots at block boundaries: state[l] [S, H, K, V], tails[l] 3 x [S, W-1, C] (fp32), NaN until
-    written. Protocol: `reserve(h)` -> entry index (not yet readable), write it, `publish(h, idx)`; `find(h)` ->
-    valid index or None; `read_into(idx, pool, slot)` copies it into a working slot."""
-
-    def __init__(self, num_layers: int, num_entries: int, heads: int, head_dim: int, conv_width: int,
-                 device: torch.device | str, hidden_dim: int = 0):
-        C = heads * head_dim
-        self.num_entries = num_entries
-        nan = float("nan")
-        self.hidden = torch.full((num_entries, hidden_dim), nan, device=device) if hidden_dim else None
-        self.state = [torch.full((num_entries, heads, head_dim, head_dim), nan, device=device)
-                      for _ in range(num_layers)]
-        self.tails = [tuple(torch.full((num_entries, conv_width - 1, C), nan, device=device) for _ in range(3))
-                      for _ in range(num_layers)]
-        self.valid = [False] * num_entries
-        self.entry_of: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # valid entries, least recently used first
-        self.free = list(range(num_entries - 1, -1, -1))
-        self.evictions = 0
-
-    def find(self, h: bytes) -> int | None:
-        """Index of a valid snapshot for prefix hash `h` (marks it recently used), or None."""
-        i = self.entry_of.get(h)
-        if i is None or not self.valid[i]:
-            return None
-        self.lru.move_to_end(i)
-        return i
-
-    def reserve(self, h: bytes) -> int | None:
-        """An entry to write the snapshot of `h` into (evicting the LRU valid one if needed); None when `h` is
-        already stored or nothing can be evicted. The entry stays invalid until `publish`."""
-        if h in self.entry_of or self.num_entries == 0:
-            return None
-        if self.free:
-            i = self.free.pop()
-        elif self.lru:
-            i, _ = self.lru.popitem(last=False)
-            del self.entry_of[self.hash_of.pop(i)]
-            self.valid[i] = False
-            self.evictions += 1
-        else:
-            return None
-        return i
-
-    def publish(self, h: bytes, i: int) -> None:
-        """Mark entry i (fully written) valid under hash h."""
-        self.entry_of[h], self.hash_of[i] = i, h
-        self.valid[i] = True
-        self.lru[i] = None
-
-    def write(self, i: int, layer: int, state_HKV: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
-        """Copy one layer's state [H, K, V] and tails 3 x [W-1, C] into (reserved) entry i, as fp32."""
-        self.state[layer][i].copy_(state_HKV.float())
-        for dst, src in zip(self.tails[layer], tails):
-            dst[i].copy_(src.float())
-
-    def write_hidden(self, i: int, hidden_D: torch.Tensor) -> None:
-        """Copy the main final hidden [D] of the token before entry i's boundary (speculative decoding only)."""
-        self.hidden[i].copy_(hidden_D.float())
-
-    def read_hidden(self, i: int) -> torch.Tensor:
-        """The hidden [D] stored with valid entry i (fp32 copy)."""
-        if not self.valid[i]:
-            raise RuntimeError(f"snapshot entry {i} was never written (or was evicted); refusing to read it")
-        return self.hidden[i].clone()
-
-    def read_into(self, i: int, pool: StatePool, slot: int) -> None:
-        """Restore valid entry i into working slot `slot` of `pool` (all layers). Reading an unwritten entry is an
-        error (kda.md 8 rule 3)."""
-        if not self.valid[i]:
-            raise RuntimeError(f"snapshot entry {i} was never written (or was evicted); refusing to read it")
-        for layer in range(len(self.state)):
-            pool.state[layer][slot].copy_(self.state[layer][i])
-            for dst, src in zip(pool.tails[layer], self.tails[layer]):
-                dst[slot].copy_(src[i].to(dst.dtype))
-
-    def clear(self) -> None:
-        """Invalidate every entry (reset_prefix_cache)."""
-        for i in list(self.lru):
-            self.valid[i] = False
-            self.free.append(i)
-        self.lru.clear()
-        self.entry_of.clear()
-        self.hash_of.clear()
+def write_step_end_snapshots(snaps: SnapshotStore, states, seqs, hidden_ND: torch.Tensor, Tn: int) -> None:
+    """After a static step of `seqs`, each bringing Tn tokens: write every snapshot of the step (all at the step's
+    end, see ends_at_step_end) from the pools the step left: the KDA state and conv tails of the sequence's slot,
+    and with speculation the final hidden of its last token (row n * Tn + Tn - 1 of hidden_ND [B * Tn, D], packed).
+    Same values as the eager step's write_snapshots, a fixed number of ops per KDA layer."""
+    entries, slots, rows = [], [], []
+    for n, s in enumerate(seqs):
+        for _, entry in s.snapshots:
+            entries.append(entry)
+            slots.append(s.slot)
+            rows.append(n * Tn + Tn - 1)
+    if not entries:
+        return
+    t = to_device({"entry": entries, "slot": slots, "row": rows}, hidden_ND.device)
+    for layer, (state, tails) in enumerate(zip(states.state, states.tails, strict=True)):
+        snaps.state[layer].index_copy_(0, t["entry"], state.index_select(0, t["slot"]).to(snaps.state[layer].dtype))
+        for dst, src in zip(snaps.tails[layer], tails, strict=True):
+            dst.index_copy_(0, t["entry"], src.index_select(0, t["slot"]).to(dst.dtype))
+    if snaps.hidden is not None:
+        write_hidden(snaps, t["entry"], t["row"], hidden_ND)

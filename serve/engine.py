@@ -2,18 +2,16 @@
 
 Every `step()`:
 1. takes new requests and aborts from a thread-safe inbox (the HTTP side never touches engine state);
-2. admits waiting sequences FCFS while a KDA slot and enough latent pages are free (pages are reserved for the
-   whole prompt + max_tokens, so a running sequence never runs out and no preemption is needed); with prefix
-   caching a new sequence starts from the deepest block boundary whose latent pages AND KDA snapshot are cached;
-3. schedules one decode token for every running sequence, then prefill chunks under the token budget
-   `max_num_batched_tokens` (chunks are multiples of the 64-token block, so KDA chunk and page boundaries align);
-4. runs one forward (`ModelRunner`), publishes newly completed pages and snapshots (written before published),
-   samples, detokenizes, applies stop conditions and sends a `SeqEvent` to each sequence's sink.
-With `num_speculative_tokens` = k > 0 (k3.serve.speculative), a decode step verifies the sequence's k MTP drafts
-in the same forward, keeps the accepted prefix plus the bonus/resampled token (greedy match, or speculative
-sampling for temperature > 0), rolling the KDA state back to it, and the MTP then catches up on the committed
-tokens and drafts the next k. Sequences join and leave between any two steps. `start()` runs steps on a background
-thread; without it, call `step()` yourself (tests, `k3 generate`).
+2. the scheduler (k3.serve.scheduler) admits waiting sequences and returns the step's work;
+3. the runner (k3.serve.runner) runs one forward over all of it;
+4. the engine commits the results: verify steps keep their accepted prefix (the KDA state rolled back to it),
+   newly completed pages and snapshots are published, new tokens are sampled and streamed (k3.serve.output), and
+   with speculation the MTP catches up on the committed tokens and drafts the next k (k3.serve.proposer).
+With `num_speculative_tokens` = k > 0 a decode step verifies the sequence's k MTP drafts in the same forward and
+keeps the accepted prefix plus the bonus/resampled token (greedy match, or speculative sampling for temperature > 0;
+k3.serve.verify); a step of plain greedy verifies takes the one-sync path (k3.serve.spec_step). Sequences join and
+leave between any two steps. `start()` runs steps on a background thread; without it, call `step()` yourself
+(tests, `k3 generate`).
 """
 
 from __future__ import annotations
@@ -30,15 +28,17 @@ import torch
 from k3.model.tokenizer import IncrementalDecoder, K3Tokenizer
 from k3.model.transformer import K3Model
 
-from .cache import PagePool, SnapshotStore, StatePool, block_hashes, chain_hash
 from .config import ServeConfig
 from .metrics import Metrics
+from .output import OutputProcessor
+from .pools import PagePool, SnapshotStore, StatePool
+from .proposer import MTPProposer, SpecState, make_job, num_drafts
 from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, token_logprob
-from .runner import ModelRunner, StepSeq
-from .sampling import apply_penalties, greedy_picks, sample, token_probs
-from .spec_fast import fast_spec_step
-from .speculative import MTPDrafter, SpecState, verify_tokens
-from .tail_graphs import GRAPH_PREFILL_MAX_TOKENS, prefill_chunk  # graph prefill: 64-token chunks, then powers of two
+from .runner import ModelRunner
+from .sampling import apply_penalties, greedy_picks, plain_greedy, sample, token_probs
+from .scheduler import Scheduled, Scheduler
+from .spec_step import OneSyncStep
+from .verify import accepted_prefix, greedy_verify, rejection_verify
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -64,8 +64,8 @@ class Engine:
             raise ValueError(f"kv_block_size={bs} must be a multiple of the KDA chunk size {mc.kda_chunk_size} so "
                              "snapshots land on chunk boundaries (kda.md 8); use 64")
         dev = next(model.parameters()).device
-        self.token_budget = cfg.max_num_batched_tokens or (2048 if dev.type == "cuda" else 256)
-        if self.token_budget < bs:
+        token_budget = cfg.max_num_batched_tokens or (2048 if dev.type == "cuda" else 256)
+        if token_budget < bs:
             raise ValueError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= kv_block_size={bs} "
                              "(prefill chunks are whole blocks)")
         if cfg.max_num_seqs < 1:
@@ -84,7 +84,7 @@ class Engine:
                              "serve this one without --speculative-tokens")
         n_kda = mc.layer_types.count("kda")
         n_mla = len(mc.layer_types) - n_kda
-        # with speculation the MTP's latent cache is one more page layer (k3.serve.speculative)
+        # with speculation the MTP's latent cache is one more page layer (k3.serve.proposer)
         self.pages = PagePool(n_mla + (1 if k else 0), num_pages, bs, mc.kv_lora_rank + mc.qk_rope_head_dim, dtype,
                               dev)
         self.states = StatePool(n_kda, cfg.max_num_seqs, mc.kda_num_heads, mc.kda_head_dim, mc.kda_conv_kernel,
@@ -93,25 +93,38 @@ class Engine:
                                     mc.kda_conv_kernel, dev, hidden_dim=mc.d_model if k else 0)
                       if cfg.enable_prefix_caching else None)
         self.runner = ModelRunner(model, self.pages, self.states, self.snaps, cfg, pages_per_seq)
-        self.drafter = MTPDrafter(self.runner, k) if k else None
-        self._spec: dict[int, SpecState] = {}  # id(seq) -> drafting state (speculation on)
-        self.d_model, self.dtype = mc.d_model, dtype
-        self.device = dev
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(self.pages, self.states, self.snaps, block_size=bs, token_budget=token_budget,
+                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                   metrics=self.metrics, graph_prefill=lambda: self.runner.graph_prefill)
+        self.scheduler.on_admit = self._on_admit
+        self.output = OutputProcessor(tokenizer, self.max_model_len, self.metrics)
+        self.proposer = MTPProposer(self.runner, k) if k else None
+        self.one_sync = OneSyncStep(self.runner, k) if k else None  # one host read per all-greedy verify step
+        self.d_model, self.dtype, self.device = mc.d_model, dtype, dev
         self._inbox: deque = deque()
         self._cv = threading.Condition()
         self._num_queued = 0  # waiting + inbox submissions, for the bounded queue
-        self._reserved = 0  # pages promised to running sequences but not yet allocated
-        self._reserve: dict[int, int] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.dead: BaseException | None = None
         self.ready = False
-        self.record_metrics = True
-        self.spec_fast = self.spec_fused = True  # spec_fast.py: one-sync greedy spec steps, post-verify as one graph
-        self._n_gen, self._itl = 0, []  # this step's generated tokens and inter-token latencies (metrics)
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def record_metrics(self) -> bool:
+        return self.output.record_metrics
+
+    @record_metrics.setter
+    def record_metrics(self, on: bool) -> None:
+        self.output.record_metrics = self.scheduler.record_metrics = on
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -204,7 +217,10 @@ class Engine:
             L = min(self.block_size + 3, self.max_model_len - 4)
             bos = self.tok.bos_id
             # first: a shape the generate calls below meet would be captured plain (uncompiled, k3.serve.graphs)
-            self.runner.capture_decode_graphs(self.cfg.cuda_graph_batches)  # CUDA graphs on: before /health is 200
+            batches = self.cfg.cuda_graph_batches
+            self.runner.capture_graphs(batches)  # CUDA graphs on: before /health is 200
+            if self.one_sync is not None:
+                self.one_sync.capture_common(batches)
             for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
                 self.generate(prompt, p, n=2)
             self.reset_prefix_cache()
@@ -231,87 +247,169 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - the engine must report, not vanish
             self.dead = e
             for s in list(self.running) + list(self.waiting):
-                self._emit(s, "", [], None, "error", error=f"engine failure: {e!r}")
+                self.output.emit(s, "", [], None, "error", error=f"engine failure: {e!r}")
 
     def step(self) -> bool:
         """One scheduling iteration; returns False when there was nothing to run."""
         self._drain_inbox()
         self._expire()
-        self._admit()
-        batch = self._schedule()
+        moved = self.scheduler.admit()
+        if moved:
+            with self._cv:
+                self._num_queued -= moved
+        sched = self.scheduler.schedule()
         self._gauges()
-        if not batch:
+        if not sched.items:
             return False
-        n_tok = sum(len(st.tokens) for _, st, _ in batch)
-        if self.spec_fast and fast_spec_step(self, batch, n_tok):  # all-greedy full-draft verify: one host read
+        batch, n_tok = sched.items, sched.num_tokens
+        if self.one_sync is not None and self.runner.static_steps and self._one_sync_step(batch, n_tok):
             self._gauges()
             return True
         with self._threads(n_tok):
-            out = self.runner.step([st for _, st, _ in batch])
-            greedy = greedy_picks([(seq, st) for seq, st, _ in batch], out.logits)  # one argmax, one host read
+            out = self.runner.step([it.step for it in batch])
+            greedy = greedy_picks([(it.seq, it.step) for it in batch], out.logits)  # one argmax, one host read
         now = time.monotonic()
         if self.record_metrics:
             self.metrics.observe("k3:iteration_tokens_total", n_tok)
         # 1. commit what the caches now hold (verify steps: the accepted prefix), publish, pick the new tokens
         picks = []  # per batch item: (new tokens, their logprobs, tokens committed to the caches this step)
-        for i, (seq, st, publish) in enumerate(batch):
+        for i, it in enumerate(batch):
+            seq, st, publish = it.seq, it.step, it.publish
             toks, lps, kept = [], [], len(st.tokens)
             logits = out.logits[i]
             if st.spec:
-                toks, lps = verify_tokens(self, seq, st, logits)
+                toks, lps = self._verify_tokens(seq, st, logits)
                 kept = len(toks)
-                publish = self._commit_verify(i, seq, st, kept, toks)
+                publish, snaps = self.scheduler.verify_publish(seq, st, kept, toks)
+                self.runner.commit_spec(st, kept, snaps)
             seq.num_computed = st.start + kept
-            for kind, h, ref in publish:  # everything this step wrote is complete: publish pages and snapshots
-                if kind == "page":
-                    self.pages.register(ref, h)
-                else:
-                    self.snaps.publish(h, ref)
+            self.scheduler.publish(publish)  # everything this step wrote is complete
             if seq.status == "running":
                 if st.logits == "all" and seq.params.prompt_logprobs is not None:
-                    self._gather_prompt_logprobs(seq, st, logits)
+                    self.output.prompt_logprobs(seq, st.start, len(st.tokens), logits)
                 if not st.spec and not seq.prefilling and seq.params.max_tokens > 0:
                     tok, lp = (greedy[i], None) if i in greedy else self._sample(seq, logits[-1])
                     toks, lps = [tok], [lp]
             picks.append((toks, lps, kept))
         # 2. MTP: catch up on the committed tokens and draft the next ones (before any sequence frees its pages)
-        if self.drafter is not None:
+        if self.proposer is not None:
             with self._threads(n_tok):  # the MTP catches up on the same tokens
-                self.drafter.after_step(self, batch, picks, out)
+                self._draft(batch, picks, out)
         # 3. stream the new tokens (stop conditions may finish sequences here)
-        for (seq, st, _), (toks, lps, _) in zip(batch, picks):
+        for it, (toks, lps, _) in zip(batch, picks):
+            seq = it.seq
             if seq.status != "running" or seq.prefilling:
                 continue
             if seq.params.max_tokens == 0:  # prompt scoring only (echo + logprobs)
                 self._finish(seq, "length")
                 continue
-            for tok, lp in zip(toks, lps):
-                self._append(seq, tok, lp, now)
-                if seq.status != "running":
-                    break
+            self._append_all(seq, toks, lps, now)
         self._gauges()
         return True
 
+    def _append_all(self, seq: Sequence, toks: list[int], lps, now: float) -> None:
+        """Stream a sequence's new tokens in order until one finishes it."""
+        for tok, lp in zip(toks, lps):
+            reason = self.output.append(seq, tok, lp, now)
+            if reason is not None:
+                self._finish(seq, reason, **({} if reason == "abort" else {"token": tok, "lp": lp}))
+                return
+
     # ------------------------------------------------------------------------------------------------ speculation
 
-    def _commit_verify(self, i: int, seq: Sequence, st: StepSeq, kept: int, toks: list[int]) -> list:
-        """Roll the verify step of batch item i back to its first `kept` tokens; returns the pages and snapshots
-        to publish (block boundaries among the kept tokens, whose per-token KDA states the runner still holds)."""
-        bs, start = self.block_size, st.start
-        known = seq.all_tokens + toks[:kept - 1]  # accepted drafts are not in seq.output yet
-        publish, snaps = [], []
-        if self.snaps is not None:
-            for p in range((start // bs + 1) * bs, start + kept + 1, bs):
-                h = self._hash(seq, p // bs - 1, known)
-                publish.append(("page", h, seq.block_table[p // bs - 1]))
-                entry = self.snaps.reserve(h)
-                if entry is not None:
-                    snaps.append((p, entry))
-                    publish.append(("snap", h, entry))
-        self.runner.commit_spec(i, kept, snaps)
-        return publish
+    def _on_admit(self, seq: Sequence, entry: int | None) -> None:
+        """A sequence starts running: with speculation its drafting state, h_{p-1} from the snapshot after a hit."""
+        if self.proposer is not None:
+            hidden = self.snaps.read_hidden(entry) if entry is not None else torch.zeros(self.d_model,
+                                                                                         device=self.device)
+            seq.spec = SpecState(hidden=hidden)
 
-    # ------------------------------------------------------------------------------------------------ scheduling
+    def _verify_tokens(self, seq: Sequence, st, logits_TV: torch.Tensor) -> tuple[list[int], list]:
+        """Acceptance over a verify step's logits [K+1, V] (row j = target after tokens[:j+1]). Greedy: the target's
+        token at every position up to and including the first one that differs from the draft. Sampled:
+        speculative sampling against the drafts' q rows. Penalties see the tokens accepted before each position,
+        as one-token steps would. Returns the emitted tokens and their logprobs (the target's)."""
+        drafts = st.tokens[1:]
+        counts = dict(seq.counts)  # appending counts the emitted tokens again
+        spec = seq.spec
+        if seq.params.temperature > 0:  # speculative sampling
+            q_KV, spec.verify_q = spec.verify_q, None
+            toks, a = rejection_verify(drafts, q_KV, lambda j: self._probs(seq, logits_TV[j], counts), counts,
+                                       seq.generator)
+            lps = [self._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
+        else:
+            saved, seq.counts = seq.counts, counts
+            if plain_greedy(seq.params):  # the bare argmax at every position: one kernel and one host read
+                best = logits_TV.argmax(-1).tolist()
+                toks, lps = greedy_verify(drafts, lambda row: (best[row], None), seq.counts)
+            else:
+                toks, lps = greedy_verify(drafts, lambda row: self._sample(seq, logits_TV[row]), seq.counts)
+            seq.counts = saved
+            a = accepted_prefix(drafts, toks)
+        self.output.acceptance(drafts, a)
+        return toks, lps
+
+    def _draft(self, batch: list[Scheduled], picks, out) -> None:
+        """One MTP call for a whole step (before any sequence of it frees its pages): pairs for every committed
+        token, so pages published to the prefix cache are complete for the MTP too, plus the first draft pair for
+        sequences that just got a token, then the recursive drafts (with their q rows for sampled requests)."""
+        jobs = []
+        for it, (toks, _, kept), row in zip(batch, picks, out.cu):
+            seq, st = it.seq, it.step
+            k = 0
+            if toks and seq.status == "running":
+                p = seq.params
+                k = num_drafts(self.proposer.k, len(seq.output) + len(toks), p.max_tokens,
+                               len(seq.all_tokens) + len(toks), self.max_model_len)
+                self.scheduler.grow(seq, st.start + kept + k)  # draft slots n .. n + k - 1 (n = tokens cached)
+            job = make_job(seq.spec, seq.block_table, st.start, st.tokens[:kept], out.hidden[row:row + kept],
+                           toks[-1] if k else None, k)
+            if k and seq.params.temperature > 0:
+                job.draw = self._draft_sampler(seq, toks)
+            jobs.append(job)
+        for it, job, drafts in zip(batch, jobs, self.proposer.run(jobs)):
+            it.seq.spec.drafts, it.seq.spec.draft_q = drafts, job.q
+
+    def _one_sync_step(self, batch: list[Scheduled], n_tok: int) -> bool:
+        """Run the step on the one-sync path (k3.serve.spec_step) when every item is a verify of all k drafts of a
+        plain greedy request, no 64-token block boundary lies in (start, start + T + k] (no page or snapshot to
+        publish, every draft slot in the current page) and the next step gets k drafts whatever the acceptance.
+        Returns False, having changed nothing, when the step does not qualify."""
+        k = self.one_sync.k
+        T, bs = k + 1, self.block_size
+        for it in batch:
+            seq, st, p = it.seq, it.step, it.seq.params
+            if (not st.spec or len(st.tokens) != T or it.publish or seq.status != "running" or not plain_greedy(p)
+                    or (st.start + T + k) // bs != st.start // bs):
+                return False
+            if num_drafts(k, len(seq.output) + T, p.max_tokens, len(seq.all_tokens) + T, self.max_model_len) != k:
+                return False
+        seqs = [it.step for it in batch]
+        if self.one_sync.shapes(seqs) is None:
+            return False
+        for it in batch:  # draft slots up to start + 2k (kept = T); inside the current page (checked above)
+            self.scheduler.grow(it.seq, it.step.start + 2 * k + 1)
+        with self._threads(n_tok):
+            res = self.one_sync.run(seqs, [it.seq.spec.hidden for it in batch])
+        if res is None:
+            return False
+        targets, kept, drafts, h_next = res
+        now = time.monotonic()
+        if self.record_metrics:
+            self.metrics.observe("k3:iteration_tokens_total", n_tok)
+        emitted = []
+        for n, it in enumerate(batch):
+            seq, st = it.seq, it.step
+            seq.num_computed = st.start + kept[n]
+            self.output.acceptance(st.tokens[1:], kept[n] - 1)
+            spec = seq.spec
+            spec.hidden, spec.drafts, spec.draft_q, spec.verify_q = h_next[n], drafts[n * k:(n + 1) * k], [], None
+            emitted.append(targets[n * T:n * T + kept[n]])
+        for it, toks in zip(batch, emitted):  # the host path's emit loop (stop conditions may finish sequences)
+            self._append_all(it.seq, toks, [None] * len(toks), now)
+        return True
+
+    # ------------------------------------------------------------------------------------------------ queues
 
     def _drain_inbox(self) -> None:
         with self._cv:
@@ -336,125 +434,21 @@ class Engine:
             if limit and now - s.arrival > limit:
                 self._finish(s, "abort", error=f"request exceeded request_timeout_s={limit}")
 
-    def _pages_needed(self, seq: Sequence) -> int:
-        return math.ceil(min(len(seq.prompt) + seq.params.max_tokens, self.max_model_len) / self.block_size)
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs and self.states.free:
-            seq = self.waiting[0]
-            hit_pages, entry = self._lookup_prefix(seq)
-            for p in hit_pages:
-                self.pages.acquire(p)
-            need = self._pages_needed(seq) - len(hit_pages)
-            if self.pages.num_free - self._reserved < need:
-                self.pages.release(hit_pages)
-                return  # FCFS: wait until running sequences free pages
-            self.waiting.popleft()
+    def _finish(self, seq: Sequence, reason: str, *, token: int | None = None, lp: TokenLogprob | None = None,
+                error: str | None = None) -> None:
+        """Free the sequence's slot and pages at once and send its last event."""
+        if seq.status == "running":
+            self.scheduler.free(seq)
+            seq.spec = None
+        elif seq.status == "waiting":
+            self.waiting.remove(seq)
             with self._cv:
                 self._num_queued -= 1
-            seq.slot = self.states.allocate()
-            seq.block_table = list(hit_pages)
-            if self.drafter is not None:
-                self._spec[id(seq)] = SpecState(hidden=torch.zeros(self.d_model, device=self.device))
-            if hit_pages:
-                self.snaps.read_into(entry, self.states, seq.slot)
-                seq.num_computed = seq.num_cached = len(hit_pages) * self.block_size
-                if self.drafter is not None:  # h_{p-1} pairs with token p in the MTP
-                    self._spec[id(seq)].hidden = self.snaps.read_hidden(entry)
-            self._reserve[id(seq)] = need
-            self._reserved += need
-            seq.status, seq.t_scheduled = "running", time.monotonic()
-            self.running.append(seq)
-            if self.record_metrics:
-                self.metrics.observe("k3:request_queue_time_seconds", seq.t_scheduled - seq.arrival)
-                if self.snaps is not None:
-                    self.metrics.inc("k3:prefix_cache_queries", len(seq.prompt))
-                    self.metrics.inc("k3:prefix_cache_hits", seq.num_cached)
-                    if hit_pages:
-                        self.metrics.inc("k3:state_checkpoint_hits")
+        self.output.finished(seq, reason, token=token, lp=lp, error=error)
 
-    def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
-        """Deepest cached prefix: (pages of blocks 0..k-1, snapshot entry after block k-1). At least one prompt
-        token is always left to compute (it produces the first logits); prompt logprobs need the whole prompt."""
-        if self.snaps is None or seq.params.prompt_logprobs is not None:
-            return [], None
-        nb = (len(seq.prompt) - 1) // self.block_size
-        seq.hashes = block_hashes(seq.prompt, self.block_size, nb)
-        k = 0
-        while k < nb and self.pages.lookup(seq.hashes[k]) is not None:
-            k += 1
-        entry = None
-        while k > 0 and (entry := self.snaps.find(seq.hashes[k - 1])) is None:
-            k -= 1
-        return [self.pages.lookup(h) for h in seq.hashes[:k]], entry
-
-    def _grow(self, seq: Sequence, end: int) -> None:
-        """Extend the block table to cover positions [0, end) from the sequence's reserved pages."""
-        while len(seq.block_table) * self.block_size < end:
-            seq.block_table.append(self.pages.allocate())
-            self._reserve[id(seq)] -= 1
-            self._reserved -= 1
-
-    def _hash(self, seq: Sequence, block: int, toks: list[int] | None = None) -> bytes:
-        """Chained hash of block `block` of the sequence's tokens (extends seq.hashes as tokens become known);
-        `toks` overrides seq.all_tokens when tokens are known before they are appended."""
-        toks = seq.all_tokens if toks is None else toks
-        bs = self.block_size
-        while len(seq.hashes) <= block:
-            b = len(seq.hashes)
-            seq.hashes.append(chain_hash(seq.hashes[-1] if seq.hashes else b"", toks[b * bs:(b + 1) * bs]))
-        return seq.hashes[block]
-
-    def _schedule(self) -> list[tuple[Sequence, StepSeq, list]]:
-        budget = self.token_budget
-        bs = self.block_size
-        batch = []
-        decodes, prefills = [], []
-        for s in self.running:
-            (prefills if s.prefilling else decodes).append(s)
-        for seq in decodes + prefills:
-            if budget <= 0:
-                break
-            start = seq.num_computed
-            if pre := start < len(seq.prompt):
-                rem = len(seq.prompt) - start
-                take = rem if rem <= budget else (budget // bs) * bs
-                if self.runner.graph_prefill and rem <= GRAPH_PREFILL_MAX_TOKENS and seq.params.prompt_logprobs is None:
-                    take = prefill_chunk(take, bs)  # warmed graph lengths; never across a block (prompt logprobs: eager)
-                if take <= 0:
-                    continue
-                tokens = seq.prompt[start:start + take]
-                last = start + take == len(seq.prompt)
-                mode = "all" if seq.params.prompt_logprobs is not None else ("last" if last else "none")
-            else:
-                tokens, mode = [seq.output[-1]], "last"
-                spec = self._spec.get(id(seq)) if self._spec else None
-                if spec is not None and spec.drafts:  # verify the drafts that fit the budget in one forward
-                    tokens += spec.drafts[:budget - 1]
-                    mode = "all" if len(tokens) > 1 else mode
-                    if spec.draft_q and len(tokens) > 1:
-                        spec.verify_q = torch.stack(spec.draft_q[:len(tokens) - 1])  # [K, V]
-                    spec.drafts, spec.draft_q = [], []
-            budget -= len(tokens)
-            end = start + len(tokens)
-            if len(seq.block_table) * bs < end:
-                self._grow(seq, end)
-            st = StepSeq(tokens=tokens, start=start, slot=seq.slot, block_table=seq.block_table, logits=mode,
-                         spec=len(tokens) > 1 and not pre)
-            publish = []  # (a verify step's pages and snapshots are published after acceptance: _commit_verify)
-            if self.snaps is not None and not st.spec and (first := (start // bs + 1) * bs) <= end:
-                for p in range(first, end + 1, bs):  # block boundaries in (start, end]
-                    h = self._hash(seq, p // bs - 1)
-                    publish.append(("page", h, seq.block_table[p // bs - 1]))
-                    if p == end or start % bs == 0:  # a state the kernels expose there (serve/prefill.py)
-                        entry = self.snaps.reserve(h)
-                        if entry is not None:
-                            st.snapshots.append((p, entry))
-                            publish.append(("snap", h, entry))
-            batch.append((seq, st, publish))
-        if self.snaps is not None and self.record_metrics:
-            self.metrics.set("k3:state_checkpoint_evictions", self.snaps.evictions)
-        return batch
+    def _gauges(self) -> None:
+        self.output.gauges(len(self.running), len(self.waiting) + len(self._inbox), self.pages.usage(),
+                           1.0 - len(self.states.free) / self.states.num_slots)
 
     # ------------------------------------------------------------------------------------------------ sampling
 
@@ -463,7 +457,7 @@ class Engine:
         """CPU: `cpu_small_step_threads` intra-op threads for steps of <= 64 tokens (2 cores, k3-tiny, engine thread:
         waking a second thread per small op cost more than it saved; decode 50 -> 60, speculative 46 -> 74 tok/s)."""
         n, small = torch.get_num_threads(), self.cfg.cpu_small_step_threads
-        if self.runner.device.type != "cpu" or not small or n_tokens > 64:
+        if self.device.type != "cpu" or not small or n_tokens > 64:
             yield  # GPU steps and large CPU steps: nothing to change
             return
         torch.set_num_threads(min(small, n))
@@ -491,7 +485,7 @@ class Engine:
         logits = apply_penalties(row_V, p, counts, seq.prompt)
         return token_probs(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)[0]
 
-    def draft_sampler(self, seq: Sequence, new_tokens: list[int]):
+    def _draft_sampler(self, seq: Sequence, new_tokens: list[int]):
         """The MTP draw function of a sampled sequence whose step just produced `new_tokens` (not yet appended):
         draft r is drawn from q = the request's processed distribution of the MTP logits, with penalties counting
         the output so far, `new_tokens` and drafts 1..r-1, i.e. exactly what the target sees at that position."""
@@ -506,95 +500,3 @@ class Engine:
             return tok, q_V
 
         return draw
-
-    def _gather_prompt_logprobs(self, seq: Sequence, st: StepSeq, logits_TV: torch.Tensor) -> None:
-        """Row j of the chunk predicts prompt token start + j + 1."""
-        if st.start == 0:
-            seq.prompt_lp.append(None)
-        lsm = torch.log_softmax(logits_TV.float(), -1)
-        for j in range(len(st.tokens)):
-            i = st.start + j + 1
-            if i < len(seq.prompt):
-                seq.prompt_lp.append(token_logprob(lsm[j], seq.prompt[i], seq.params.prompt_logprobs))
-
-    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
-        p = seq.params
-        seq.output.append(tok)
-        seq.counts[tok] = seq.counts.get(tok, 0) + 1
-        if self.record_metrics:  # generation_tokens and the ITLs go to the registry once per step (_gauges)
-            if seq.t_first is None:
-                self.metrics.observe("k3:time_to_first_token_seconds", now - seq.arrival)
-            else:
-                self._itl.append(now - seq.t_last)
-            self._n_gen += 1
-        if seq.t_first is None:
-            seq.t_first = now
-        seq.t_last = now
-        finish = seq.add_text(tok, self.tok.eos_id)
-        n_out = len(seq.output)
-        if finish is None and (n_out >= p.max_tokens or len(seq.prompt) + n_out >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            if finish == "length":
-                seq.text += seq.decoder.flush()  # an incomplete trailing character becomes U+FFFD
-            self._finish(seq, finish, token=tok, lp=lp)
-            return
-        self._emit(seq, seq.take_delta(), [tok], [lp] if lp is not None else None, None)
-
-    # ------------------------------------------------------------------------------------------------ finishing
-
-    def _finish(self, seq: Sequence, reason: str, *, token: int | None = None, lp: TokenLogprob | None = None,
-                error: str | None = None) -> None:
-        """Free the sequence's slot and pages at once and send its last event."""
-        if seq.status == "running":
-            self.running.remove(seq)
-            self.states.release(seq.slot)
-            self.pages.release(seq.block_table)
-            self._reserved -= self._reserve.pop(id(seq), 0)
-            self._spec.pop(id(seq), None)
-            seq.block_table = []
-        elif seq.status == "waiting":
-            self.waiting.remove(seq)
-            with self._cv:
-                self._num_queued -= 1
-        seq.status, seq.finish_reason = "finished", reason
-        delta = seq.text[seq.emitted:]
-        seq.emitted = len(seq.text)
-        now = time.monotonic()
-        if self.record_metrics:
-            self.metrics.inc("k3:request_success", finished_reason=reason)
-            self.metrics.observe("k3:e2e_request_latency_seconds", now - seq.arrival)
-            self.metrics.observe("k3:request_prompt_tokens", len(seq.prompt))
-            self.metrics.observe("k3:request_generation_tokens", len(seq.output))
-            self.metrics.inc("k3:prompt_tokens", max(0, min(seq.num_computed, len(seq.prompt)) - seq.num_cached))
-            if seq.t_first is not None and seq.t_scheduled is not None:
-                self.metrics.observe("k3:request_prefill_time_seconds", seq.t_first - seq.t_scheduled)
-                self.metrics.observe("k3:request_decode_time_seconds", now - seq.t_first)
-        self._emit(seq, delta, [] if token is None else [token], None if lp is None else [lp], reason, error=error)
-
-    def _emit(self, seq: Sequence, text: str, toks: list[int], lps, finish: str | None, error: str | None = None):
-        ev = SeqEvent(seq_id=seq.seq_id, index=seq.index, text=text, token_ids=toks, logprobs=lps,
-                      finish_reason=finish, num_prompt_tokens=len(seq.prompt), num_cached_tokens=seq.num_cached,
-                      num_output_tokens=len(seq.output), error=error)
-        if not seq.sent_first:
-            seq.sent_first = True
-            if seq.params.prompt_logprobs is not None:
-                ev.prompt_logprobs = seq.prompt_lp
-        try:
-            seq.sink(ev)
-        except Exception:  # noqa: BLE001 - a broken client sink must not stop the engine
-            if finish is None:
-                self._finish(seq, "abort")
-
-    def _gauges(self) -> None:
-        if not self.record_metrics:
-            return
-        m = self.metrics
-        if self._n_gen:  # the step's per-token series: one registry call each, not two per token
-            m.inc("k3:generation_tokens", self._n_gen)
-            m.observe_many("k3:inter_token_latency_seconds", self._itl)
-            self._n_gen, self._itl = 0, []
-        m.set("k3:num_requests_running", len(self.running))
-        m.set("k3:num_requests_waiting", len(self.waiting) + len(self._inbox))
-        m.set("k3:kv_cache_usage_perc", self.pages.usage())
-        m.set("k3:kda_state_slots_usage_perc", 1.0 - len(self.states.free) / self.states.num_slots)

@@ -16,6 +16,7 @@ from k3.model.tokenizer import K3Tokenizer
 from k3.model.transformer import K3Model
 
 from .config import ServeConfig
+from .engine import Engine
 from .request import SamplingParams, SeqEvent
 from .sampling import sample
 
@@ -25,8 +26,6 @@ def stream_text(model: K3Model, tok: K3Tokenizer, prompt_ids: list[int], *, max_
                 seed: int | None = None) -> Iterator[SeqEvent]:
     """Yield the engine's events (new text, token ids, finish reason) for one prompt, stopping at EOS or
     `max_tokens`. The engine is sized for this one sequence; on a GPU its decode steps run as CUDA graphs."""
-    from .engine import Engine  # the engine imports this package's modules
-
     if not prompt_ids:
         raise ValueError("prompt is empty: give at least one token (e.g. a BOS token)")
     block = 64

@@ -17,13 +17,16 @@ import asyncio
 import json
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .engine import EngineDead, QueueFull
+from .chat import ChatTemplate
+from .config import ServeConfig
+from .engine import Engine, EngineDead, QueueFull
+from .metrics import Metrics
 from .protocol import (
     APIError,
     ChatRequest,
@@ -35,8 +38,21 @@ from .protocol import (
 )
 from .request import SeqEvent
 
-if TYPE_CHECKING:
-    from .server import ServerState
+@dataclass
+class ServerState:
+    """What the routes share. `engine` is None until the model is loaded; ready after warmup."""
+
+    cfg: ServeConfig
+    model_name: str
+    metrics: Metrics
+    engine: Engine | None = None
+    chat: ChatTemplate | None = None
+    created: int = field(default_factory=now)
+    load_error: str | None = None
+    draining: bool = False  # shutting down: new requests get 503 "draining"
+    in_flight: dict = field(default_factory=dict)  # API key ("" without keys) -> generation requests in flight
+    delivery: Delivery | None = None  # engine thread -> event loop hand-over, created with the first request
+
 
 class Delivery:
     """Hands engine events to the event loop's per-request queues with one loop wake-up per burst: the engine thread

@@ -84,6 +84,7 @@ class Sequence:
     t_last: float | None = None
     finish_reason: str | None = None
     sent_first: bool = False
+    spec: object | None = None  # k3.serve.proposer.SpecState while running with speculation
 
     @property
     def all_tokens(self) -> list[int]:
@@ -116,7 +117,7 @@ class Sequence:
         return delta
 
 
-# ---------------------------------------------------------------------------------------------------- helpers (engine)
+# ---------------------------------------------------------------------------------------------------- helpers
 
 
 def token_logprob(lsm_V: torch.Tensor, tok: int, k: int) -> TokenLogprob:

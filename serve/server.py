@@ -20,7 +20,6 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -30,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .chat import ChatTemplate
 from .config import ServeConfig, serve_dtype
 from .engine import Engine
-from .jobs import Delivery, Job, sse_response
+from .jobs import Delivery, Job, ServerState, sse_response
 from .metrics import Metrics
 from .protocol import (
     APIError,
@@ -46,22 +45,6 @@ from .protocol import (
 )
 
 log = logging.getLogger("k3.serve")
-
-
-@dataclass
-class ServerState:
-    """What the routes share. `engine` is None until the model is loaded; ready after warmup."""
-
-    cfg: ServeConfig
-    model_name: str
-    metrics: Metrics
-    engine: Engine | None = None
-    chat: ChatTemplate | None = None
-    created: int = field(default_factory=now)
-    load_error: str | None = None
-    draining: bool = False  # shutting down: new requests get 503 "draining"
-    in_flight: dict = field(default_factory=dict)  # API key ("" without keys) -> generation requests in flight
-    delivery: Delivery | None = None  # engine thread -> event loop hand-over, created with the first request
 
 
 def _error_response(e: APIError) -> JSONResponse:

@@ -59,7 +59,7 @@ def test_batched_greedy_equals_single_sequence(model_tok, budget):
         assert reasons[i] == "length"
     # everything was freed
     assert len(eng.states.free) == eng.states.num_slots
-    assert eng.pages.num_free == eng.pages.num_pages and eng._reserved == 0
+    assert eng.pages.num_free == eng.pages.num_pages and eng.scheduler.reserved == 0
 
 
 def test_more_requests_than_slots_queue_and_finish(model_tok):
@@ -80,7 +80,7 @@ def test_abort_frees_slot_and_pages(model_tok):
     eng.step()
     assert events[-1].finish_reason == "abort"
     assert not eng.running and len(eng.states.free) == eng.states.num_slots
-    assert eng.pages.usage() == 0.0 and eng._reserved == 0
+    assert eng.pages.usage() == 0.0 and eng.scheduler.reserved == 0
 
 
 def test_bounded_queue(model_tok):
@@ -182,7 +182,7 @@ def test_token_budget_default_depends_on_the_device(model_tok):
     """max_num_batched_tokens 0 (the default) = 256 tokens per step on a CPU (2048 on a GPU); an explicit value wins;
     a budget below one 64-token block is a clear error."""
     model, tok = model_tok
-    assert Engine(model, tok, ServeConfig(max_model_len=256, warmup=False)).token_budget == 256
-    assert Engine(model, tok, ServeConfig(max_model_len=256, max_num_batched_tokens=128)).token_budget == 128
+    assert Engine(model, tok, ServeConfig(max_model_len=256, warmup=False)).scheduler.token_budget == 256
+    assert Engine(model, tok, ServeConfig(max_model_len=256, max_num_batched_tokens=128)).scheduler.token_budget == 128
     with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be >= kv_block_size=64"):
         Engine(model, tok, ServeConfig(max_model_len=256, max_num_batched_tokens=32))

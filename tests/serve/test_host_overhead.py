@@ -276,4 +276,4 @@ def test_serve_host_counts_the_batch_decode_steps(model_tok, capsys):
     assert 0 <= res["model_ms"] <= res["step_ms"] and res["host_ms"] >= 0 and res["host_cpu_us_tok"] > 0
     prof.report(top=40)
     out = capsys.readouterr().out
-    assert "| Engine._append |" in out and "| ModelRunner.step |" not in out  # host rows only, not the model
+    assert "| OutputProcessor.append |" in out and "| ModelRunner.step |" not in out  # host rows only, not the model

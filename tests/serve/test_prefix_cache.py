@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from k3.serve.cache import block_hashes
+from k3.serve.pools import block_hashes
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams

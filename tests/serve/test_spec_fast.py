@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import k3.serve.engine as engine_mod
-from k3.serve.cache import StatePool
+from k3.serve.pools import StatePool
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams

@@ -15,7 +15,7 @@ from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
 from k3.serve.sampling import token_probs
-from k3.serve.speculative import rejection_verify
+from k3.serve.verify import rejection_verify
 
 V = 5  # vocabulary of the unit tests
 N_TOKENS = 2  # tokens generated per trial: 25 outcomes
@@ -201,8 +201,8 @@ def test_engine_speculative_sampling_end_to_end(model_tok):
 
 
 def _assert_all_free(eng):
-    assert len(eng.states.free) == eng.states.num_slots and not eng._spec
-    assert eng.pages.num_free == eng.pages.num_pages and eng._reserved == 0
+    assert len(eng.states.free) == eng.states.num_slots and not eng.running
+    assert eng.pages.num_free == eng.pages.num_pages and eng.scheduler.reserved == 0
 
 
 def test_engine_sampled_tokens_follow_the_target_distribution(model_tok):

@@ -15,7 +15,8 @@ from k3.model.transformer import build_model
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
-from k3.serve.speculative import accepted_prefix, num_drafts
+from k3.serve.proposer import num_drafts
+from k3.serve.verify import accepted_prefix
 
 LENGTHS = [1, 5, 63, 64, 65, 130, 200]
 MAX_TOKENS = [12, 20, 7, 20, 15, 20, 9]
@@ -60,8 +61,8 @@ def _run(eng, prompts, params, stagger=True):
 
 
 def _assert_all_free(eng):
-    assert len(eng.states.free) == eng.states.num_slots and not eng._spec
-    assert eng.pages.num_free == eng.pages.num_pages and eng._reserved == 0
+    assert len(eng.states.free) == eng.states.num_slots and not eng.running
+    assert eng.pages.num_free == eng.pages.num_pages and eng.scheduler.reserved == 0
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_mtp_catch_up_reproduces_model_mtp_logits(model_tok):
 def _drafter_from(eng, continuation, corrupt):
     """Replace the drafts of the real drafter (which still writes the MTP cache) by the target's own greedy
     continuation `continuation[prompt_len]`, with positions chosen by `corrupt(step, j)` made wrong."""
-    orig = eng.drafter.run
+    orig = eng.proposer.run
     step = [0]
 
     def run(jobs):
@@ -147,7 +148,7 @@ def _drafter_from(eng, continuation, corrupt):
             d[:] = new
         return drafts
 
-    eng.drafter.run = run
+    eng.proposer.run = run
 
 
 def _continuations(prompts, outs):
@@ -190,7 +191,7 @@ def test_snapshot_written_inside_a_verify_step_serves_a_second_turn(model_tok):
     out, steps, _ = _run(eng, [prompt], params)
     assert out == ref and steps[0][:2] == [1, 4]
     turn2 = prompt + ref[0] + _prompts([9], seed=9)[0]
-    eng.drafter.run = type(eng.drafter).run.__get__(eng.drafter)  # the real drafter again
+    eng.proposer.run = type(eng.proposer).run.__get__(eng.proposer)  # the real drafter again
     off = _engine(model_tok, 0, enable_prefix_caching=False).generate(turn2, params)[0]
     on = eng.generate(turn2, params)[0]
     assert on[-1].num_cached_tokens == 64
