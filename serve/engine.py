@@ -99,7 +99,8 @@ class Engine:
         self.scheduler.on_admit = self._on_admit
         self.output = OutputProcessor(tokenizer, self.max_model_len, self.metrics)
         self.proposer = MTPProposer(self.runner, k) if k else None
-        self.one_sync = OneSyncStep(self.runner, k) if k else None  # one host read per all-greedy verify step
+        # one host read per all-greedy verify step (None: every step on the host path)
+        self.one_sync = OneSyncStep(self.runner, k) if k else None
         self.d_model, self.dtype, self.device = mc.d_model, dtype, dev
         self._inbox: deque = deque()
         self._cv = threading.Condition()
@@ -262,7 +263,7 @@ class Engine:
         if not sched.items:
             return False
         batch, n_tok = sched.items, sched.num_tokens
-        if self.one_sync is not None and self.runner.static_steps and self._one_sync_step(batch, n_tok):
+        if self._one_sync_step(batch, n_tok):  # all plain greedy verifies of k drafts: one host read
             self._gauges()
             return True
         with self._threads(n_tok):
@@ -370,11 +371,13 @@ class Engine:
         for it, job, drafts in zip(batch, jobs, self.proposer.run(jobs)):
             it.seq.spec.drafts, it.seq.spec.draft_q = drafts, job.q
 
-    def _one_sync_step(self, batch: list[Scheduled], n_tok: int) -> bool:
-        """Run the step on the one-sync path (k3.serve.spec_step) when every item is a verify of all k drafts of a
-        plain greedy request, no 64-token block boundary lies in (start, start + T + k] (no page or snapshot to
-        publish, every draft slot in the current page) and the next step gets k drafts whatever the acceptance.
-        Returns False, having changed nothing, when the step does not qualify."""
+    def one_sync_eligible(self, batch: list[Scheduled]) -> bool:
+        """True when every item of the step verifies all k drafts of a plain greedy request, no 64-token block
+        boundary lies in (start, start + T + k] (no page or snapshot to publish, every draft slot in the current
+        page) and the next step gets k drafts whatever the acceptance: the one-sync path's conditions on the
+        requests (its shapes are checked by OneSyncStep)."""
+        if self.one_sync is None or not self.runner.static_steps or not batch:
+            return False
         k = self.one_sync.k
         T, bs = k + 1, self.block_size
         for it in batch:
@@ -384,9 +387,15 @@ class Engine:
                 return False
             if num_drafts(k, len(seq.output) + T, p.max_tokens, len(seq.all_tokens) + T, self.max_model_len) != k:
                 return False
-        seqs = [it.step for it in batch]
-        if self.one_sync.shapes(seqs) is None:
+        return True
+
+    def _one_sync_step(self, batch: list[Scheduled], n_tok: int) -> bool:
+        """Run the step on the one-sync path (k3.serve.spec_step) when it qualifies (`one_sync_eligible` and every
+        shape served); returns False, having changed nothing, when it does not (the host path runs it)."""
+        if not self.one_sync_eligible(batch) or self.one_sync.shapes([it.step for it in batch]) is None:
             return False
+        seqs, k = [it.step for it in batch], self.one_sync.k
+        T = k + 1
         for it in batch:  # draft slots up to start + 2k (kept = T); inside the current page (checked above)
             self.scheduler.grow(it.seq, it.step.start + 2 * k + 1)
         with self._threads(n_tok):

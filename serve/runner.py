@@ -64,14 +64,17 @@ class ModelRunner:
             logging.getLogger("k3.serve").warning(
                 "compile_decode compiles the CUDA-graph steps: it needs a CUDA device and cuda_graphs on (device %s, "
                 "cuda_graphs %s); ignored", self.device.type, serve_cfg.cuda_graphs)
+        self.max_pages = max_pages
         self.graphs = GraphRunner(self, max_pages, capture=capture, compile=compile and capture)
         # plain steps through the static path: always when captured; on the CPU only when asked (tests)
         self.static_steps = capture
         self.split_mixed_steps = False  # split decode + prefill steps without capture too (CPU tests of the split)
         self.has_mtp_pages = model.mtp is not None and len(pages.kv) > self.mtp_layer
 
-    def enable_static_steps(self) -> None:
-        """Serve plain steps through the static path without capture too (the CPU tests of that path)."""
+    def enable_static_steps(self, capture: bool = False, compile: bool = False) -> None:
+        """Serve plain steps (and MTP drafts) through the static path, on a new graph runner: captured in CUDA graphs
+        (`capture`, a CUDA model), else run eagerly on the buffers (the CPU tests of that path)."""
+        self.graphs = GraphRunner(self, self.max_pages, capture=capture, compile=compile)
         self.static_steps = True
 
     def capture_graphs(self, batches=None) -> None:

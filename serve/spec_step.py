@@ -94,6 +94,7 @@ class OneSyncStep:
         self.runner, self.g, self.k = runner, runner.graphs, k
         self.fused = True  # steps 2-6 as one function (one graph per shape)
         self.post: dict[tuple, PostBuffers] = {}
+        self.calls = 0  # steps served by the post function
 
     def shapes(self, seqs: list[StepSeq]) -> tuple | None:
         """The (verify, catch-up, draft) buffers of a step (None when a shape is unavailable), and the MTP calls'
@@ -149,6 +150,7 @@ class OneSyncStep:
         """Steps 1-6 through the post function of `pb`: the verify forward, then every host input of the commit and
         MTP calls and h0 copied in, and the post function run (replayed). Returns post_forward's outputs."""
         g, vb = self.g, pb.vbuf
+        self.calls += 1
         outs = g.launch_verify(seqs, vb)  # 1. verify forward
         rec = self._record(seqs, vb, outs)
         pb.logits, pb.hidden = outs[0], outs[1]

@@ -1,4 +1,4 @@
-"""ServeConfig.compile_decode: the decode fast path through torch.compile (CPU inductor here, bf16 as served on a
+"""ServeConfig.compile_decode: the static decode step through torch.compile (CPU inductor here, bf16 as served on a
 GPU, where torch._grouped_mm's compiled form needs bf16) tracks the eager static-buffer step: logits within bf16
 rounding and the same greedy tokens over several steps, caches written the same way."""
 
@@ -25,7 +25,7 @@ def test_compiled_decode_matches_eager(ckpt):
     runs = []
     for compile_ in (False, True):
         eng = _engine(model, tok)
-        eng.runner.enable_decode_graphs(4, capture=False, compile=compile_)
+        eng.runner.enable_static_steps(compile=compile_)
         logits = []
         orig = eng.runner.graphs.step
 
@@ -39,7 +39,7 @@ def test_compiled_decode_matches_eager(ckpt):
                                                                            ignore_eos=True))[0]
         runs.append(([t for ev in events for t in ev.token_ids], logits))
     (tok_e, log_e), (tok_c, log_c) = runs
-    assert len(log_c) == len(log_e) >= 4  # every decode step went through the (compiled) fast path
+    assert len(log_c) == len(log_e) >= 4  # every decode step went through the (compiled) static path
     assert tok_c == tok_e
     for a, b in zip(log_e, log_c):
         assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
@@ -62,7 +62,7 @@ def test_cuda_compiled_graphs_match_eager(ckpt, monkeypatch):
         eng = Engine(model, tok, cfg)
         eng.warmup()
         if graphs:
-            assert eng.runner.graphs.num_graphs >= 1
+            assert eng.runner.graphs.used >= 1
             assert not any(b.failed for b in eng.runner.graphs.shapes.values())
         events = eng.generate(tok.encode("def main():\n    "), SamplingParams(temperature=0.0, max_tokens=8,
                                                                            ignore_eos=True))[0]
@@ -95,6 +95,7 @@ def test_cuda_steps_run_on_the_compiled_bucket(ckpt, monkeypatch):
         outs.append(got)
         if graphs:
             g = eng.runner.graphs
-            assert {k[0] for k in g.shapes} <= {1, 4}, sorted(g.shapes)  # 2 and 3 streams ran on bucket 4
-            assert all(b.compiled for b in g.shapes.values() if not b.failed)
+            decodes = {k: b for k, b in g.shapes.items() if k[0] == "step" and k[2] == 1}
+            assert {k[1] for k in decodes} <= {1, 4}, sorted(g.shapes)  # 2 and 3 streams ran on bucket 4
+            assert all(b.compiled for b in decodes.values() if not b.failed)
     assert outs[0] == outs[1]

@@ -1,6 +1,6 @@
-"""Prefix-cache snapshots written by the graph steps (k3.serve.prefill.write_step_end_snapshots): a decode step in
-which a sequence completes a 64-token block stays on the decode fast path (before, the snapshot sent the whole step
-to the eager path: on a GPU ~70 ms instead of a ~3-8 ms replay, in ~40% of the steps of 32 staggered streams), and
+"""Prefix-cache snapshots written by the static steps (k3.serve.cache.write_step_end_snapshots): a decode step in
+which a sequence completes a 64-token block stays on the static path (an eager step costs a GPU ~70 ms instead of a
+~3-8 ms replay, and ~40% of the steps of 32 staggered streams cross a boundary), and
 the snapshots it stores equal the eager engine's, so a later prompt that extends a generated text hits them and
 decodes exactly as without a cache. On the CPU the static step runs without capture (the function CUDA captures).
 
@@ -22,7 +22,7 @@ def _engine(model_tok, graphs: bool, cache: bool = True, spec: int = 0) -> Engin
                                          warmup=False, enable_prefix_caching=cache, cuda_graphs=False,
                                          num_speculative_tokens=spec))
     if graphs:
-        eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
+        eng.runner.enable_static_steps()
     return eng
 
 
@@ -43,13 +43,13 @@ def _prompts(lengths, seed=3):
 
 
 def _spy_snapshot_steps(eng: Engine) -> list[int]:
-    """Count the decode fast-path steps that wrote at least one snapshot."""
+    """Count the static decode steps that wrote at least one snapshot."""
     hits = []
     real = eng.runner.graphs.step
 
     def step(seqs):
         out = real(seqs)
-        if out is not None and any(s.snapshots for s in seqs):
+        if out is not None and len(seqs[0].tokens) == 1 and any(s.snapshots for s in seqs):
             hits.append(sum(len(s.snapshots) for s in seqs))
         return out
 
@@ -93,10 +93,11 @@ def test_multi_turn_hits_snapshots_written_while_decoding(model_tok, graphs):
 
 @pytest.mark.parametrize("spec", [0, 2], ids=["plain", "speculative"])
 def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok, spec):
-    """With graphs on, a request joining running decodes no longer sends the step eager: the decodes take the decode
-    graph step and the newcomer's prompt comes in 64-token chunks through the tail graphs (prompts <= 512 tokens).
-    Greedy outputs equal the eager engine's and a cache-off engine's; the snapshots stored are the same. With MTP
-    speculation (verify steps are never split) the drafter reads the merged hidden rows of split steps."""
+    """With graphs on, a request joining running decodes does not send the step eager: the decodes take the static
+    decode step and the newcomer's prompt comes in 64-token chunks through static chunk steps (prompts <= 512
+    tokens). Greedy outputs equal the eager engine's and a cache-off engine's; the snapshots stored are the same.
+    With MTP speculation a verify step beside prefill chunks runs as its own call, and the drafter reads the merged
+    hidden rows of the split step."""
     prompts = _prompts([100, 300, 40], seed=5)
     engines = {"eager": _engine(model_tok, graphs=False, spec=spec), "split": _engine(model_tok, graphs=True, spec=spec),
                "nocache": _engine(model_tok, graphs=False, cache=False, spec=spec)}
@@ -104,8 +105,9 @@ def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok, spec):
     split.runner.split_mixed_steps = True  # on a GPU: whenever graphs are captured
     seen, real = [], split.runner._split_step
     split.runner._split_step = lambda seqs: seen.append([len(s.tokens) for s in seqs]) or real(seqs)
-    chunks, real_tail = [], split.runner.tail_graphs.step
-    split.runner.tail_graphs.step = lambda seqs: chunks.append(len(seqs[0].tokens)) or real_tail(seqs)
+    chunks, real_step = [], split.runner.graphs.step
+    split.runner.graphs.step = lambda seqs: (len(seqs[0].tokens) > 1 and chunks.append(len(seqs[0].tokens))
+                                             ) or real_step(seqs)
     outs = {}
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for name, eng in engines.items():
@@ -119,21 +121,19 @@ def test_mixed_steps_split_and_short_prompts_in_graph_chunks(model_tok, spec):
             eng.step()
         outs[name] = out
     assert outs["split"] == outs["eager"] == outs["nocache"]
-    # request 0's 100 tokens: 64 + 32 + 4 (tail graphs); requests 1 (300 = 4 x 64 + 32 + 8 + 4) and 2 (40 = 32 + 8)
-    # join decoding request 0: their chunks of unequal lengths run one tail call per length beside the decode graph
+    # request 0's 100 tokens: 64 + 32 + 4; requests 1 (300 = 4 x 64 + 32 + 8 + 4) and 2 (40 = 32 + 8) join decoding
+    # request 0: their chunks of unequal lengths run one static call per length beside the decode (or verify) call
+    assert chunks == [64, 32, 4, 64, 32, 64, 8, 64, 64, 32, 8, 4], chunks
     if not spec:
-        assert chunks == [64, 32, 4, 64, 32, 64, 8, 64, 64, 32, 8, 4], chunks
         assert any(1 in lens and max(lens) > 1 for lens in seen), seen  # a decode + prefill step was split
-    else:  # request 0's prompt; the newcomers' chunks share steps with its verify steps, which are not split (eager)
-        assert chunks == [64, 32, 4], chunks
     for eng in (split, engines["eager"]):
         eng.stored = {h for h, i in eng.snaps.entry_of.items() if eng.snaps.valid[i]}
     assert split.stored == engines["eager"].stored and len(split.stored) >= 6
 
 
 def test_prompt_logprobs_prefill_is_not_chunked(model_tok):
-    """Prompt logprobs need every position's logits, which the tail graphs do not return: such a prompt keeps its
-    one eager prefill step instead of 64-token chunks that would all run eagerly."""
+    """Prompt logprobs need every position's logits, which the static chunk steps do not return: such a prompt keeps
+    its one eager prefill step instead of 64-token chunks that would all run eagerly."""
     eng = _engine(model_tok, graphs=True)
     eng.runner.split_mixed_steps = True
     sizes, real = [], eng.runner.step

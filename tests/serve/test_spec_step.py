@@ -1,5 +1,5 @@
-"""One-sync greedy speculative step (k3.serve.spec_fast), run eagerly on the CPU through the static verify and MTP
-functions (capture=False): greedy output with it equals the host path's (Engine.spec_fast = False) and plain greedy
+"""One-sync greedy speculative step (k3.serve.spec_step), run eagerly on the CPU through the static verify and MTP
+functions (capture=False): greedy output with it equals the host path's (Engine.one_sync = None) and plain greedy
 decoding, token for token, at batch 1 and 3, across 64-token block boundaries and up to max_tokens (steps that take
 the host path), prefix caching on and off; the path ran and read the host exactly once per step; after each step
 the working KDA states, conv tails, main and MTP latents of the committed positions, the drafts and the carried
@@ -12,27 +12,27 @@ import copy
 import pytest
 import torch
 
-import k3.serve.engine as engine_mod
-from k3.serve.pools import StatePool
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
+from k3.serve.pools import StatePool
 from k3.serve.request import SamplingParams
-from k3.serve.spec_fast import accept_lengths, commit_src, eligible, latent_rows
-from k3.serve.speculative import accepted_prefix
+from k3.serve.spec_step import OneSyncStep
+from k3.serve.verify import accept_lengths, accepted_prefix, commit_src, latent_rows
 
 MAX_SEQS, MAX_LEN, PAGE = 8, 512, 64
 METRICS = ("k3:spec_decode_num_drafts", "k3:spec_decode_num_draft_tokens", "k3:spec_decode_num_accepted_tokens")
 
 
 def _engine(model_tok, k, fast=True, **kw):
-    """An engine with the static verify / MTP functions on (eager, as CUDA would capture them); fast: spec_fast."""
+    """An engine with the static steps on (eager, as CUDA would capture them); fast: the one-sync path on."""
     model, tok = model_tok
     cfg = {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": 256, "max_model_len": MAX_LEN, "warmup": False,
            "num_speculative_tokens": k, "cuda_graphs": False, **kw}
     eng = Engine(model, tok, ServeConfig(**cfg))
     if k:
-        eng.runner.enable_decode_graphs(MAX_LEN // PAGE, capture=False)
-    eng.spec_fast = fast
+        eng.runner.enable_static_steps()
+    if not fast:
+        eng.one_sync = None
     return eng
 
 
@@ -62,14 +62,14 @@ def _serve(eng, prompts, params, stagger=True):
 def fast_log(monkeypatch):
     """Wraps the engine's hook: per step (engine, took the one-sync path, all items verify sequences, batch size)."""
     log = []
-    orig = engine_mod.fast_spec_step
+    orig = Engine._one_sync_step
 
     def spy(eng, batch, n_tok):
         took = orig(eng, batch, n_tok)
-        log.append((eng, took, all(st.spec for _, st, _ in batch), len(batch)))
+        log.append((eng, took, all(it.step.spec for it in batch), len(batch)))
         return took
 
-    monkeypatch.setattr(engine_mod, "fast_spec_step", spy)
+    monkeypatch.setattr(Engine, "_one_sync_step", spy)
     return log
 
 
@@ -141,8 +141,8 @@ def test_fast_path_greedy_equals_host_path_and_plain(model_tok, fast_log, prefix
 
 @pytest.mark.parametrize("lens", [(40,), (40, 9, 70)], ids=["batch1", "batch3-bucket4"])
 def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
-    """Three engines in lockstep, k = 3: the post-verify function (k3.serve.spec_fused, run eagerly on its static
-    buffers), the one-by-one device path (spec_fused = False) and the host path (spec_fast = False); batch 1, and
+    """Three engines in lockstep, k = 3: the post-verify function (k3.serve.spec_step, run eagerly on its static
+    buffers), the one-by-one device path (one_sync.fused = False) and the host path (one_sync None); batch 1, and
     batch 3 in bucket 4 (a padded row; one prompt crossing 64). After every step: the fused and one-by-one paths
     agree exactly (tokens, committed lengths, drafts, carried hidden, and every pool bit for bit: KDA states and
     scratch states, conv tails, main and MTP latent pages); against the host path the sequences' outputs,
@@ -153,7 +153,7 @@ def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 40)[:len(lens)]]
     engs = [_engine(model_tok, 3, enable_prefix_caching=False) for _ in range(2)]
     engs.append(_engine(model_tok, 3, fast=False, enable_prefix_caching=False))
-    engs[1].spec_fused = False
+    engs[1].one_sync.fused = False
     outs = [{i: [] for i in range(len(lens))} for _ in engs]
     for e, o in zip(engs, outs):
         _submit(e, prompts, params, o)
@@ -171,9 +171,9 @@ def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
             assert torch.equal(x, y)
         _compare_running(engs[0], engs[2], tol=1e-5)
     assert not engs[2].has_work() and checked >= 6
-    post = engs[0].runner.verify_graphs.post
-    assert post.calls == checked and engs[1].runner.verify_graphs.post is None  # each engine took its own path
-    assert (1 if len(lens) == 1 else 4) in {key[3] for key in post.shapes}  # bucket 4: a padded row
+    post = engs[0].one_sync
+    assert post.calls == checked and engs[1].one_sync.calls == 0 and not engs[1].one_sync.post  # each its own path
+    assert (1 if len(lens) == 1 else 4) in {key[4] for key in post.post}  # bucket 4: a padded row
     for name in METRICS:
         assert engs[0].metrics.get(name) == engs[1].metrics.get(name) == engs[2].metrics.get(name)
 
@@ -196,11 +196,10 @@ def test_post_verify_inert_run_changes_no_pool(model_tok, caches):
     eng = _engine(model_tok, 3, enable_prefix_caching=False)
     out = {i: [] for i in range(3)}
     _submit(eng, prompts, params, out)
-    pg = None
-    while pg is None or pg.calls < 3:
+    pg = eng.one_sync
+    while pg.calls < 3:
         eng.step()
-        pg = eng.runner.verify_graphs.post
-    (pb,) = pg.shapes.values()
+    (pb,) = pg.post.values()
     assert pb.cbuf.Bb == 4 and pb.vbuf.commit.rows.tolist() == [0, 1, 2, 0] and 0 in {s.slot for s in eng.running}
     logits, hidden = pb.logits, pb.hidden
     Bv, T = pb.vbuf.Bb, pb.vbuf.T
@@ -212,7 +211,7 @@ def test_post_verify_inert_run_changes_no_pool(model_tok, caches):
         variants.append((x.view_as(logits), kept))
     for x, kept in variants:
         before = caches.pools(eng)
-        pg.fill_inert(pb)
+        pg._post_inert(pb)
         pb.logits, pb.hidden = x, hidden
         ints, _ = pg.post_forward(pb)
         if kept is not None:
@@ -230,9 +229,7 @@ def test_padded_rows_verify_outputs_reach_nothing(model_tok, caches, monkeypatch
     fused step runs twice from the same pools: once with the padded row's verify logits and hidden replaced by
     noise, once as is: the real rows' tokens, accepted lengths, drafts and next hidden, and every pool, are equal;
     the padded row's outputs repeat row 0's."""
-    from k3.serve.spec_fused import PostVerifyGraphs
-
-    orig, seen = PostVerifyGraphs.post_forward, []
+    orig, seen = OneSyncStep.post_forward, []
     g = torch.Generator().manual_seed(0)
 
     def twice(self, pb):
@@ -260,7 +257,7 @@ def test_padded_rows_verify_outputs_reach_nothing(model_tok, caches, monkeypatch
         seen.append(B)
         return out
 
-    monkeypatch.setattr(PostVerifyGraphs, "post_forward", twice)
+    monkeypatch.setattr(OneSyncStep, "post_forward", twice)
     eng = _engine(model_tok, 3, enable_prefix_caching=False)
     out = {i: [] for i in range(3)}
     prompts, params = _prompts([40, 9, 70], seed=6), [SamplingParams(temperature=0, max_tokens=24,
@@ -278,7 +275,7 @@ def _compare_running(fast, host, tol):
     n_kda = len(fast.states.state)
     for sf, sh in zip(fast.running, host.running):
         assert sf.output == sh.output and sf.num_computed == sh.num_computed and sf.slot == sh.slot
-        pf, ph = fast._spec[id(sf)], host._spec[id(sh)]
+        pf, ph = sf.spec, sh.spec
         assert pf.drafts == ph.drafts
         torch.testing.assert_close(pf.hidden.to(ph.hidden.dtype), ph.hidden, atol=tol, rtol=0)
         for li in range(n_kda):
@@ -299,7 +296,7 @@ def _compare_running(fast, host, tol):
 
 
 def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch, spy_reads):
-    """Batch 2, k = 2: every step on the one-sync path makes exactly one tensor -> host read (spec_fast's tolist);
+    """Batch 2, k = 2: every step on the one-sync path makes exactly one tensor -> host read (spec_step's tolist);
     a host-path verify step of the same engine (at the 64 boundary, near max_tokens) reads once per sequence (acceptance) and per MTP call: up to 2 + 2."""
     eng = _engine(model_tok, 2, enable_prefix_caching=False)
     prompts = _prompts([50, 20], seed=5)
@@ -317,28 +314,28 @@ def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch, spy_rea
     fast = [w for took, w in per_step if took]
     host = [w for took, w in per_step if not took]
     assert len(fast) >= 3 and host, per_step
-    assert all(w == {("serve/spec_fast.py", "tolist"): 1} for w in fast), fast
-    assert eng.runner.verify_graphs.post.calls == len(fast)  # those were post-verify function steps
+    assert all(w == {("serve/spec_step.py", "tolist"): 1} for w in fast), fast
+    assert eng.one_sync.calls == len(fast)  # those were post-verify function steps
     assert max(sum(w.values()) for w in host) == 4, host
 
 
 def test_steps_that_do_not_qualify_take_the_host_path(model_tok, fast_log):
     """A sampled request (or greedy with a penalty) in the batch, or drafts cut by max_tokens: the all-verify step
-    runs on the host path (`eligible` is False); the greedy request alone afterwards qualifies again."""
+    runs on the host path (`one_sync_eligible` is False); the greedy request alone afterwards qualifies again."""
     eng = _engine(model_tok, 2, enable_prefix_caching=False)
     prompts = _prompts([7, 11, 6], seed=7)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=8, seed=1, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5, ignore_eos=True)]
     seen = []
-    orig = eng._schedule
+    orig = eng.scheduler.schedule
 
     def schedule():
-        batch = orig()
-        seen.append((len(batch), eligible(eng, batch) if batch else False))
-        return batch
+        out = orig()
+        seen.append((len(out.items), eng.one_sync_eligible(out.items)))
+        return out
 
-    eng._schedule = schedule
+    eng.scheduler.schedule = schedule
     _serve(eng, prompts, params, stagger=False)
     took = [t for e, t, spec, _ in fast_log if spec]
     assert [ok for _, ok in seen if ok] == [t for t in took if t]
@@ -348,19 +345,20 @@ def test_steps_that_do_not_qualify_take_the_host_path(model_tok, fast_log):
 
 @pytest.mark.cuda
 def test_cuda_fast_path_with_captured_graphs_equals_plain(model_tok, fast_log):
-    """On CUDA with captured graphs: the one-sync path with its post-verify graphs (k3.serve.spec_fused: the
-    verify replay, then one post replay; the batch-1 and batch-4 post graphs captured at warm-up by
-    ModelRunner.capture_decode_graphs, others on first use), the one-sync path without them (commit, MTP catch-up
-    and draft graphs replayed one by one) and the host path: greedy output == plain greedy, batch 1 then 3."""
+    """On CUDA with captured graphs: the one-sync path with its post-verify graphs (k3.serve.spec_step: the verify
+    replay, then one post replay; the batch-1 and batch-4 post graphs captured at warm-up, others on first use),
+    the one-sync path without them (commit, MTP catch-up and draft graphs replayed one by one) and the host path:
+    greedy output == plain greedy, batch 1 then 3."""
     model, tok = model_tok
     cuda_model = copy.deepcopy(model).to("cuda")
     cfg = {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": 256, "max_model_len": MAX_LEN, "warmup": False}
     plain = Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=0, **cfg))
     fused, fast, host = (Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=2, **cfg)) for _ in range(3))
-    fast.spec_fused, host.spec_fast = False, False
-    fused.runner.capture_decode_graphs([1, 4])
-    pg = fused.runner.verify_graphs.post
-    assert {key[0] for key in pg.shapes} == {1, 4} and all(b.graph is not None for b in pg.shapes.values())
+    fast.one_sync.fused, host.one_sync = False, None
+    fused.runner.capture_graphs([1, 4])
+    fused.one_sync.capture_common([1, 4])
+    pg = fused.one_sync
+    assert {key[1] for key in pg.post} == {1, 4} and all(b.graph is not None for b in pg.post.values())
     prompts = _prompts([58, 5, 120], seed=1)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 20)]
     for n in (1, 3):
@@ -368,9 +366,9 @@ def test_cuda_fast_path_with_captured_graphs_equals_plain(model_tok, fast_log):
         assert _serve(fused, prompts[:n], params[:n]) == _serve(fast, prompts[:n], params[:n]) == ref
         assert _serve(host, prompts[:n], params[:n]) == ref
     assert sum(t for e, t, *_ in fast_log if e is fused) == pg.calls >= 5
-    assert all(b.graph is not None for b in pg.shapes.values())
-    vg, mg = fast.runner.verify_graphs, fast.runner.mtp_graphs
-    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5 and vg.post is None
-    assert all(b.graph is not None for b in vg.shapes.values()) and all(b.commit.graph is not None
-                                                                          for b in vg.shapes.values())
-    assert all(b.graph is not None for b in mg.shapes.values())
+    assert all(b.graph is not None for b in pg.post.values())
+    shapes = fast.runner.graphs.shapes
+    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5 and not fast.one_sync.post
+    verify = [b for k, b in shapes.items() if k[0] == "verify"]
+    assert verify and all(b.graph is not None and b.commit.graph is not None for b in verify)
+    assert all(b.graph is not None for k, b in shapes.items() if k[0] == "mtp")
