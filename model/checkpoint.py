@@ -37,7 +37,8 @@ import torch
 import yaml
 from torch import nn
 
-from .config import K3_FORMAT_VERSION, ConfigError, ModelConfig
+from .config import K3_FORMAT_VERSION, CheckpointError, ConfigError, ModelConfig
+from .quant import apply_quantization, validate_quantization_config
 
 MODEL_TYPE = "k3"
 ARCHITECTURES = ["K3ForCausalLM"]
@@ -55,10 +56,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # HF's shard size; a smaller model is one model.safetensors
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, foreign, too new, corrupt or inconsistent; the message names the file and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -311,8 +308,6 @@ def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: 
                 tok_files[fname] = tok_dir / fname
     has_scales = any(k.endswith(".scales") for k in state_dict)
     if quantization_config is not None or has_scales:
-        from .quant import validate_quantization_config  # lazy: quant imports this module
-
         if quantization_config is None or not has_scales:
             raise CheckpointError("a quantized state dict ('.scales' tensors) needs quantization_config and vice "
                                   "versa; pass both from k3.model.quant.quantize_state_dict")
@@ -415,8 +410,6 @@ def read_quantization_config(path: str | Path) -> dict | None:
     qc = json.loads(cfg_path.read_text(encoding="utf-8")).get("quantization_config")
     if qc is None:
         return None
-    from .quant import validate_quantization_config  # lazy: quant imports this module
-
     return validate_quantization_config(qc, where=str(cfg_path))
 
 
@@ -587,8 +580,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu",
     def build() -> nn.Module:
         if qc is None:
             return K3Model(cfg)
-        from .quant import apply_quantization
-
         return apply_quantization(K3Model(cfg), qc)
 
     try:

@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A config value or key is invalid; the message names the key and the fix."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, foreign, too new, corrupt or inconsistent; the message names the file and the fix."""
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # strict coercion
 

@@ -21,11 +21,7 @@ Legend: E experts, L latent width, F expert width, N out-features, K in-features
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-import yaml
 from torch import nn
 
 from k3.kernels.quant import (
@@ -36,8 +32,7 @@ from k3.kernels.quant import (
     quantize_int8_channel,
 )
 
-from .checkpoint import CheckpointError, load_release, read_quantization_config, save_release
-from .config import ModelConfig
+from .config import CheckpointError, ModelConfig
 from .layers import glu_activation
 from .moe import GroupedExperts
 
@@ -77,7 +72,7 @@ def validate_quantization_config(qc: object, where: str = "config.json") -> dict
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
         raise CheckpointError(f"{pre}.quant_method is {method!r}; k3 loads only quant_method {QUANT_METHOD!r} "
-                              "(written by k3 quantize / k3.model.quant.quantize_release); re-quantize the bf16 "
+                              "(written by k3.train.quantize.quantize_release); re-quantize the bf16 "
                               "release with k3")
     version = qc.get("k3_quant_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -277,30 +272,3 @@ def apply_quantization(model: nn.Module, quantization_config: dict) -> nn.Module
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, q)
     return model
-
-
-def quantize_release(src_dir: str | Path, out_dir: str | Path, fmt: str = "w4a8", group_size: int | None = 32, *,
-                     run_info: dict | None = None) -> Path:
-    """Read a bf16 / fp32 release, RTN-quantize its routed experts, write a new release (atomically, via
-    save_release) with quantization_config in config.json; tokenizer files and generation_config.json are kept.
-
-    Example: quantize_release("runs/x/final", "runs/x/final-q", fmt="w4a8", group_size=32)
-    """
-    src, out = Path(src_dir), Path(out_dir)
-    if out.resolve() == src.resolve():
-        raise CheckpointError(f"{out}: quantize_release writes a new release; choose an output directory other than "
-                              "the source")
-    if read_quantization_config(src) is not None:
-        raise CheckpointError(f"{src}: already quantized ({read_quantization_config(src)['format']}); quantize the "
-                              "bf16 / fp32 release instead")
-    cfg, sd = load_release(src)
-    qsd, qc = quantize_state_dict(sd, cfg, fmt, group_size)
-    gen_path = src / "generation_config.json"
-    gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else None
-    parent_run = src / "k3_run.yaml"
-    info = {"parent_checkpoint": str(src), "quantization": {**qc, "algorithm": "rtn"},
-            **({"parent_run": yaml.safe_load(parent_run.read_text(encoding="utf-8"))}
-               if parent_run.is_file() else {}), **(run_info or {})}
-    tok = src if (src / "tokenizer.json").is_file() else None
-    return save_release(out, qsd, cfg, tokenizer_dir=tok, run_info=info, generation_config=gen,
-                        quantization_config=qc)

@@ -38,6 +38,7 @@ from .protocol import (
 )
 from .request import SeqEvent
 
+
 @dataclass
 class ServerState:
     """What the routes share. `engine` is None until the model is loaded; ready after warmup."""

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .chat import ChatTemplate
 from .config import ServeConfig, serve_dtype
 from .engine import Engine
-from .jobs import Delivery, Job, ServerState, sse_response
+from .jobs import Job, ServerState, sse_response
 from .metrics import Metrics
 from .protocol import (
     APIError,
@@ -39,7 +39,6 @@ from .protocol import (
     TokenizeRequest,
     context_error,
     new_id,
-    now,
     parse,
     sampling_params,
 )

@@ -27,10 +27,10 @@ from k3.model.quant import (
     QuantGroupedExperts,
     expert_weight_names,
     quantize_experts,
-    quantize_release,
     quantize_state_dict,
 )
 from k3.model.transformer import build_model
+from k3.train.quantize import quantize_release
 
 CFG = ModelConfig()  # k3-debug: 3 MoE layers, E 8, l = m = 32
 

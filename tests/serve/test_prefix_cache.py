@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from k3.serve.pools import block_hashes
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
+from k3.serve.pools import block_hashes
 from k3.serve.request import SamplingParams
 
 TOL = 1e-4

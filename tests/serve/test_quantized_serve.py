@@ -12,11 +12,12 @@ from k3.kernels.quant import dequantize_weight, fake_quant_fp8_per_token
 from k3.model.checkpoint import load_model
 from k3.model.layers import glu_activation
 from k3.model.moe import GroupedExperts
-from k3.model.quant import QuantGroupedExperts, quantize_release
+from k3.model.quant import QuantGroupedExperts
 from k3.model.tokenizer import K3Tokenizer
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
 from k3.serve.request import SamplingParams
+from k3.train.quantize import quantize_release
 
 
 @pytest.fixture(scope="module")

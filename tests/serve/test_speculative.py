@@ -14,8 +14,8 @@ import torch
 from k3.model.transformer import build_model
 from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine
-from k3.serve.request import SamplingParams
 from k3.serve.proposer import num_drafts
+from k3.serve.request import SamplingParams
 from k3.serve.verify import accepted_prefix
 
 LENGTHS = [1, 5, 63, 64, 65, 130, 200]
