@@ -3,7 +3,7 @@ input dtype, key and value dims, length and form (whole, K halves; q's rows by r
 against the float64 recurrence on the normalised q, k. One table row per case, each case in a process of its own,
 so that an illegal address in one (session 22 saw one) cannot fail the others.
 
-Run on a CUDA machine (never in tests): `python benchmarks/kda_split_check.py [--dtypes bfloat16 float16 float32]
+Run on a CUDA machine (never in tests): `python benchmarks/repro/kda_split_check.py [--dtypes bfloat16 float16 float32]
 [--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch path
 (a check of the script itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
 chunk_kda takes for bf16 / fp16 inputs).

@@ -1,6 +1,6 @@
 """Registers and spills of every Triton KDA chunk kernel for an H200 (sm_90a), without a GPU.
 
-Run anywhere Triton is installed (never in tests): `python benchmarks/kda_ptxas.py [--shape K,V,BT] [--intra-bk 32]`;
+Run anywhere Triton is installed (never in tests): `python benchmarks/repro/kda_ptxas.py [--shape K,V,BT] [--intra-bk 32]`;
 `--decode`: the recurrent decode kernel instead (decode_launch).
 Each kernel is compiled by Triton's own front end for sm_90a with the launch settings of triton_chunk.LAUNCH /
 triton_chunk_bwd.LAUNCH and the specialisation a GPU launch gets (pointers 16-byte aligned, T and NT multiples of

@@ -1,7 +1,7 @@
 """Gradient accuracy of `chunk_kda` for bf16 inputs: k3's Triton kernels (at their defaults and at other launch
 settings) next to fla-core 0.6.0, both against a float64 reference on the same inputs.
 
-Run on a CUDA machine (never in tests): `python benchmarks/kda_grad_error.py [--shape B,T,H,D ...]
+Run on a CUDA machine (never in tests): `python benchmarks/repro/kda_grad_error.py [--shape B,T,H,D ...]
 [--set NAME.KEY=VALUE ...] [--no-fla]`. Each `--set` (as kda_tune.py's) adds one k3 row with that one LAUNCH entry
 changed; the defaults are restored after it.
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 os.environ["K3_KERNELS"] = "triton"
@@ -60,7 +62,8 @@ def main() -> None:
                     help="one extra k3 row with this LAUNCH entry (as kda_tune.py --set; repeatable, one row each)")
     ap.add_argument("--no-fla", action="store_true", help="k3 rows only")
     args = ap.parse_args()
-    from kda import KW, chunk_inputs, rel_rms  # benchmarks/ is the script's directory, so on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for kda.py and kda_tune.py
+    from kda import KW, chunk_inputs, rel_rms
     from kda_tune import set_launch
 
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """k3's and fla-core's chunk_kda fwd+bwd, one step each, for Nsight Compute: run it under
 `ncu --profile-from-start off ...` (the warm-up and fla's autotuning stay outside the profiled range, which
 cudaProfilerStart / Stop bound). Prints nothing of its own but the shape; ncu prints each kernel's figures.
-    ncu --clock-control none --profile-from-start off --section SpeedOfLight --csv python3 benchmarks/kda_ncu.py
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --csv python3 benchmarks/repro/kda_ncu.py
 """
 
 from __future__ import annotations
