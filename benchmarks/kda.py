@@ -4,17 +4,17 @@ Run on a CUDA machine (never in tests): `python benchmarks/kda.py [--shapes all|
 [--only B,T,H,D ...] [--fwd-only] [--no-decode | --decode-only] [--decode-sweep] [--bwd-inter-bk 256 64]
 [--bwd-intra-bk 128 64 32] [--bwd-prec bf16x3 tf32 bf16] [--gate-in-kernel] [--set NAME.KEY=VALUE ...]`.
 `--only 16,2048,32,64` times just those chunk shapes. `--bwd-inter-bk` / `--bwd-intra-bk` time k3 once per K block
-of the backward inter / intra kernel (triton_chunk_bwd.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
+of the backward inter / intra kernel (launch.LAUNCH["bwd_inter" / "bwd_intra"]["BK"]), `--bwd-prec` once
 per dot precision of the backward scan and inter kernels, in the same process, one table row per combination;
 default: the library defaults.
 fla-core is the anchor (kda.md section 7): installed only in the benchmark environment
 (`pip install --no-deps fla-core==0.6.0 einops`); FLA_FLASH_KDA=0 keeps fla on its Triton path.
 
-Shapes (B, T, H, D) from issue 4; bf16 q/k/v, fp32 log gates g = -5 * sigmoid(z) (lower-bound gate range), beta in
+Shapes (B, T, H, D): SHAPES below; bf16 q/k/v, fp32 log gates g = -5 * sigmoid(z) (lower-bound gate range), beta in
 (0, 1) bf16; both libraries get use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5. Correctness against
 fla is checked (rel_rms of o, kda.md 6.1) before timing. Times are medians of triton.testing.do_bench (CUDA
 events); fwd+bwd resets the inputs' .grad before each call, so it times computing the gradients, not adding them into
-.grad (the rows of RESULTS.md before commit 7c07d6a, 2026-11-30, included that add for both libraries).
+.grad.
 
 Roofline floor: FLOPs counted per token and head for BT = 64 (fwd: Aqk, L, w, u 2*BT*(3K + 2V); state scan and
 inter-chunk output 6*K*V; the 16x16 solve is ignored; fwd+bwd taken as 3x fwd) over the measured bf16 matmul rate,
@@ -41,7 +41,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.kda import chunk_kda, fused_recurrent_kda, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3.kernels.kda.triton import launch
 
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (16, 2048, 32, 64)]
 DECODE_BATCHES = (1, 64, 256)
@@ -57,7 +58,7 @@ def rel_rms(ref, out):
 def bench(fn, ms=300, grad_to_none=None):
     """Median ms of fn. grad_to_none: leaves whose .grad is reset before each call, outside the timed region, so a
     fwd+bwd times the gradients' computation, not their accumulation into .grad (an extra read-add-write of every
-    input's gradient: 0.47 ms of both libraries' fwd+bwd at (8, 4096, 16, 128) on the H200, 2026-11-30)."""
+    input's gradient: 0.47 ms of both libraries' fwd+bwd at (8, 4096, 16, 128) on the H200)."""
     return do_bench(fn, warmup=max(25, ms // 4), rep=ms, grad_to_none=grad_to_none, return_mode="median")
 
 
@@ -189,15 +190,15 @@ def time_inplace(B, H, D):
 
 
 def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
-    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton_recurrent.LAUNCH), each row's
+    """The k3 decode kernel at B = 64 and 256 over V blocks and warp counts (triton/recurrent.py's LAUNCH), each row's
     output and pool after one step checked against the default launch's."""
-    from k3.kernels.kda import triton_recurrent
+    from k3.kernels.kda.triton import recurrent
 
-    saved = dict(triton_recurrent.LAUNCH)
+    saved = dict(recurrent.LAUNCH)
     print(f"\n## decode sweep: k3 fused_recurrent_kda, H={H}, D={D}; fraction of copy bandwidth")
     print("| B | BV | num_warps | us | fraction | rel_rms o / pool vs default launch |")
     print("|---|---|---|---|---|---|")
-    # 1 warp spills at BV >= 64 and 8 warps lost everywhere in the 2026-11-29 sweep
+    # not swept: 1 warp spills at BV >= 64, and 8 warps lose at every B
     grid = list(itertools.product((32, 64, 128), (2, 4)))
 
     def step(B):  # one decode step on decode_inputs (seeded): (output, pool after the step)
@@ -205,10 +206,10 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
         return fused_recurrent_kda(*xs, **kw)[0], kw["initial_state"]
 
     for B in (64, 256):
-        triton_recurrent.LAUNCH.update(saved)
+        recurrent.LAUNCH.update(saved)
         ref = step(B)  # the default launch
         for bv, nw in grid:
-            triton_recurrent.LAUNCH.update(BV=bv, num_warps=nw)
+            recurrent.LAUNCH.update(BV=bv, num_warps=nw)
             try:  # the same step's results before timing it
                 err = [rel_rms(r, x) for r, x in zip(ref, step(B), strict=True)]
             except (RuntimeError, TypeError, ValueError) as e:  # as time_decode: report and go on
@@ -217,7 +218,7 @@ def decode_sweep(bw: float, H: int = 16, D: int = 128) -> None:
             t = time_decode(fused_recurrent_kda, B, H, D)
             print(f"| {B} | {bv} | {nw} | {t:.1f} | "
                   f"{2 * B * H * D * D * 4 / (t * 1e-6) / bw:.2f} | {err[0]:.1e} / {err[1]:.1e} |", flush=True)
-    triton_recurrent.LAUNCH.update(saved)
+    recurrent.LAUNCH.update(saved)
 
 
 def floor_ms(B, T, H, D, bw, mm, bwd):
@@ -246,7 +247,7 @@ def main():
                     "kernel to time side by side (256 = one pass at K <= 256; default: the library default)")
     ap.add_argument("--bwd-intra-bk", nargs="+", type=int, default=None, help="K blocks of the backward intra "
                     "kernel (one program per chunk, head and K block) to time side by side (default: the library's)")
-    ap.add_argument("--bwd-prec", nargs="+", choices=triton_chunk_bwd.INTER_PRECISIONS, default=None,
+    ap.add_argument("--bwd-prec", nargs="+", choices=launch.INTER_PRECISIONS, default=None,
                     help="dot precisions of the backward scan and inter kernels to time side by side (default: the "
                     "library's)")
     ap.add_argument("--gate-in-kernel", action="store_true", help="pass the raw gate projection z with A_log and "
@@ -271,8 +272,8 @@ def main():
             ap.error("--state-v-first times k3 alone (fla's by-slot step reads K-first pools): add --no-fla")
         global STATE_V_FIRST
         STATE_V_FIRST = True
-    launch = triton_chunk_bwd.LAUNCH
-    default_bks = (launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"], launch["bwd_inter"]["PREC"])
+    table = launch.LAUNCH
+    default_bks = (table["bwd_inter"]["BK"], table["bwd_intra"]["BK"], table["bwd_inter"]["PREC"])
     bks = list(itertools.product(args.bwd_inter_bk or [default_bks[0]], args.bwd_intra_bk or [default_bks[1]],
                                  args.bwd_prec or [default_bks[2]]))
     fla_chunk = fla_rec = None
@@ -280,7 +281,7 @@ def main():
         try:
             # fla_rec: the in-place, by-slot decode entry point (what serving engines call); the public
             # fused_recurrent_kda passes inplace_final_state=False and swallows ssm_state_indices in **kwargs, so
-            # with output_final_state=False it writes no state (fla-core 0.6.0; rows before 2026-11-30 timed that)
+            # with output_final_state=False it writes no state (fla-core 0.6.0)
             from fla.ops.kda import chunk_kda as fla_chunk
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_rec
         except ImportError as e:
@@ -319,9 +320,9 @@ def main():
         sd_f, sd_fb = time_sdpa(xs, do, args.fwd_only)
         fl_f, fl_fb = floor_ms(B, T, H, D, bw, mm, False), floor_ms(B, T, H, D, bw, mm, True)
         for bk in bks:  # k3 per (inter, intra) K block pair, same inputs, same process
-            launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = bk[:2]
-            launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = bk[2]
-            bk_intra = triton_chunk_bwd.intra_launch(max(16, triton.next_power_of_2(D)))[0]  # capped at K
+            table["bwd_inter"]["BK"], table["bwd_intra"]["BK"] = bk[:2]
+            table["bwd_scan"]["PREC"] = table["bwd_inter"]["PREC"] = bk[2]
+            bk_intra = launch.intra_launch(max(16, triton.next_power_of_2(D)))[0]  # capped at K
             with torch.no_grad():
                 o_k3 = chunk_kda(*xs, **KW)[0]
             err = rel_rms(o_fla, o_k3) if o_fla is not None else float("nan")
@@ -331,8 +332,8 @@ def main():
                   f"{fla_fb / k3_fb:.2f} | {fl_f / k3_f:.2f} | {fl_fb / k3_fb:.2f} | {k3_mem:.2f} / {fla_mem:.2f} |",
                   flush=True)
             del o_k3
-        launch["bwd_inter"]["BK"], launch["bwd_intra"]["BK"] = default_bks[:2]
-        launch["bwd_scan"]["PREC"] = launch["bwd_inter"]["PREC"] = default_bks[2]
+        table["bwd_inter"]["BK"], table["bwd_intra"]["BK"] = default_bks[:2]
+        table["bwd_scan"]["PREC"] = table["bwd_inter"]["PREC"] = default_bks[2]
         del xs, do, o_fla
         torch.cuda.empty_cache()
 

@@ -4,19 +4,19 @@ Run on a CUDA machine (never in tests): `python benchmarks/kda_tune.py [--shape 
 [--stages 1,2,3] [--bv 32,64] [--iters 5] [--bwd-inter-bk 64] [--bwd-intra-bk 32] [--bwd-prec bf16x3,tf32,bf16]
 [--bwd-intra-prec bf16x3,tf32] [--wu-bk 64] [--scan-bv 32] [--output-from 0] [--scan-stages 2] [--scan-warps 8]
 [--set bwd_intra.num_warps=2 ...] [--fwd-only] [--defaults] [--fla]`.
-Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward
-(triton_chunk.LAUNCH) and backward (triton_chunk_bwd.LAUNCH) kernels at once; one fwd+bwd of `chunk_kda`
-(bf16, lower-bound gates, in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the
-table gives each kernel's mean device time per fwd+bwd in microseconds (the w/u and scan kernels run once, in the
-forward, which keeps its states; twice with K3_KDA_RECOMPUTE=1 in the environment, the second time in the backward's
-recompute; before commit 74d573c always twice). "torch ops" sums every non-Triton kernel (L2 norm, casts,
-reductions); the inputs' .grad is reset before each fwd+bwd, so it holds no accumulation into .grad (before commit
-7c07d6a it did: 0.47 ms at the default shape). The best configuration per kernel is starred, and its registers /
-spilled bytes per thread are printed, so the defaults in LAUNCH can be set from one run. `--defaults` profiles once
-with every kernel at its own LAUNCH entry instead of a sweep. `--fla` then profiles fla-core's chunk_kda on the same
-inputs, in the same process: its kernels and their time, the stage-by-stage side by side.
-`--set NAME.KEY=VALUE` (repeatable) sets one LAUNCH entry of one kernel (NAME a key of triton_chunk.LAUNCH or
-triton_chunk_bwd.LAUNCH, e.g. bwd_inter.BV=32), after the sweep flags. `--fwd-only` profiles the inference forward
+Every configuration (num_warps, num_stages, V block, backward dot precisions) is applied to all forward and
+backward kernels at once (k3.kernels.kda.triton.launch.LAUNCH); one fwd+bwd of `chunk_kda` (bf16, lower-bound gates,
+in-kernel q/k L2 norm, K3_KDA_BWD=triton) runs `--iters` times under the profiler, and the table gives each kernel's
+mean device time per fwd+bwd in microseconds (the w/u and scan kernels run once, in the forward, which keeps its
+states; twice with K3_KDA_RECOMPUTE=1 in the environment, the second time in the backward's recompute). "torch ops"
+sums every non-Triton kernel (L2 norm, casts, reductions); the inputs' .grad is reset before each fwd+bwd, so it holds
+no accumulation into .grad (that add costs 0.47 ms at the default shape). The best configuration per kernel is
+starred, and its registers / spilled bytes per thread are printed, so the defaults in LAUNCH can be set from one run.
+`--defaults` profiles once with every kernel at its own LAUNCH entry instead of a sweep. `--fla` then profiles
+fla-core's chunk_kda on the same inputs, in the same process: its kernels and their time, the stage-by-stage side by
+side.
+`--set NAME.KEY=VALUE` (repeatable) sets one LAUNCH entry of one kernel (NAME a key of LAUNCH, e.g.
+bwd_inter.BV=32), after the sweep flags. `--fwd-only` profiles the inference forward
 (no gradients: what benchmarks/kda.py's fwd column times) instead of a fwd+bwd.
 """
 
@@ -38,8 +38,9 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 from k3.kernels.kda import chunk_kda
-from k3.kernels.kda import triton_chunk as fwd_mod
-from k3.kernels.kda import triton_chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import chunk_fwd as fwd_mod
+from k3.kernels.kda.triton import launch
 
 KERNELS = {"_intra_sub_kernel": (fwd_mod, "intra"), "_solve_kernel": (fwd_mod, "solve"), "_wu_kernel": (fwd_mod, "wu"),
            "_scan_kernel": (fwd_mod, "scan"), "_output_kernel": (fwd_mod, "output"),
@@ -56,26 +57,26 @@ DEFAULTS = "defaults"  # the configuration "every kernel at its own LAUNCH entry
 
 
 def apply(nw: int, ns: int, bv: int, prec: str, intra_prec: str) -> None:
-    bwd_mod.LAUNCH["bwd_scan"]["PREC"] = bwd_mod.LAUNCH["bwd_inter"]["PREC"] = prec
-    bwd_mod.LAUNCH["bwd_intra"]["PREC"] = intra_prec
-    for mod, name in KERNELS.values():
-        mod.LAUNCH[name]["num_warps"] = nw
-        if "SMALL_K_WARPS" in mod.LAUNCH[name]:  # the forward intra kernel's K <= 64 setting: swept alike
-            mod.LAUNCH[name]["SMALL_K_WARPS"] = nw
-        if "num_stages" in mod.LAUNCH[name]:
-            mod.LAUNCH[name]["num_stages"] = ns
-        if "BV" in mod.LAUNCH[name]:
-            mod.LAUNCH[name]["BV"] = bv
+    launch.LAUNCH["bwd_scan"]["PREC"] = launch.LAUNCH["bwd_inter"]["PREC"] = prec
+    launch.LAUNCH["bwd_intra"]["PREC"] = intra_prec
+    for _, name in KERNELS.values():
+        launch.LAUNCH[name]["num_warps"] = nw
+        if "SMALL_K_WARPS" in launch.LAUNCH[name]:  # the forward intra kernel's K <= 64 setting: swept alike
+            launch.LAUNCH[name]["SMALL_K_WARPS"] = nw
+        if "num_stages" in launch.LAUNCH[name]:
+            launch.LAUNCH[name]["num_stages"] = ns
+        if "BV" in launch.LAUNCH[name]:
+            launch.LAUNCH[name]["BV"] = bv
 
 
 def set_launch(ap: argparse.ArgumentParser, item: str) -> None:
-    """Apply one `--set NAME.KEY=VALUE` (triton_chunk_bwd.set_launch_entry: an int, True / False, or a string such as
+    """Apply one `--set NAME.KEY=VALUE` (launch.set_launch_entry: an int, True / False, or a string such as
     a dot precision); a bad one is a usage error."""
     try:
-        table, key, _ = bwd_mod.set_launch_entry(item)
+        table, key, _ = launch.set_launch_entry(item)
     except ValueError as e:
         ap.error(f"--set {e}")
-    name = next(n for mod in (fwd_mod, bwd_mod) for n, t in mod.LAUNCH.items() if t is table)
+    name = next(n for n, t in launch.LAUNCH.items() if t is table)
     print(f"# LAUNCH[{name!r}][{key!r}] = {table[key]!r}")
 
 
@@ -173,30 +174,30 @@ def main():
     ap.add_argument("--bv", default="32,64")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--scan-bv", type=int, default=None, help="V block of the two forward state scans only "
-                    "(triton_chunk.LAUNCH['scan']['BV']; with --defaults the other kernels keep theirs)")
+                    "(launch.LAUNCH['scan']['BV']; with --defaults the other kernels keep theirs)")
     ap.add_argument("--output-from", type=int, default=None, help="fuse the forward's output into its state scan "
-                    "from this many scan programs on (triton_chunk.LAUNCH['scan']['OUTPUT_FROM']; 0: always, "
+                    "from this many scan programs on (launch.LAUNCH['scan']['OUTPUT_FROM']; 0: always, "
                     "1073741824: never)")
     ap.add_argument("--scan-stages", type=int, default=None, help="num_stages of both state scans (LAUNCH['scan'] "
                     "and ['bwd_scan'] num_stages)")
     ap.add_argument("--scan-warps", type=int, default=None, help="num_warps of both state scans")
     ap.add_argument("--fp32-partials", action="store_true", help="the backward inter kernel's partial dq / dk in "
-                    "fp32 (triton_chunk_bwd.LAUNCH['bwd_inter']['HALF_PARTIALS'] off; bf16 by default)")
+                    "fp32 (launch.LAUNCH['bwd_inter']['HALF_PARTIALS'] off; bf16 by default)")
     ap.add_argument("--bwd-scan-bv", type=int, default=None, help="V block of the backward's reverse state scan "
-                    "(triton_chunk_bwd.LAUNCH['bwd_scan']['BV'])")
+                    "(launch.LAUNCH['bwd_scan']['BV'])")
     ap.add_argument("--wu-bk", type=int, default=None, help="K block of the w/u kernel's loop over K "
-                    "(triton_chunk.LAUNCH['wu']['BK'])")
+                    "(launch.LAUNCH['wu']['BK'])")
     ap.add_argument("--defaults", action="store_true", help="one profile with every kernel at its own launch "
                     "defaults (LAUNCH as shipped) instead of the --warps / --stages / --bv / precision sweep")
     ap.add_argument("--bwd-inter-bk", type=int, default=None, help="K block of the backward inter kernel's outer loop "
-                    "(triton_chunk_bwd.LAUNCH; 64 splits K = 128 in two passes)")
+                    "(launch.LAUNCH; 64 splits K = 128 in two passes)")
     ap.add_argument("--bwd-intra-bk", type=int, default=None, help="K block of the backward intra kernel (one "
-                    "program per chunk, head and K block; triton_chunk_bwd.LAUNCH)")
+                    "program per chunk, head and K block; launch.LAUNCH)")
     ap.add_argument("--fla", action="store_true", help="also profile fla-core's chunk_kda on the same inputs (installed in "
                     "the benchmark environment only), fwd+bwd or with --fwd-only its forward: its kernels, us per step")
-    ap.add_argument("--bwd-prec", default=bwd_mod.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
-                    f"scan and inter kernels to sweep, comma-separated, of {bwd_mod.INTER_PRECISIONS}")
-    ap.add_argument("--bwd-intra-prec", default=bwd_mod.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
+    ap.add_argument("--bwd-prec", default=launch.LAUNCH["bwd_inter"]["PREC"], help="dot precisions of the backward "
+                    f"scan and inter kernels to sweep, comma-separated, of {launch.INTER_PRECISIONS}")
+    ap.add_argument("--bwd-intra-prec", default=launch.LAUNCH["bwd_intra"]["PREC"], help="precisions of the "
                     "backward intra kernel's off-diagonal dots to sweep (its diagonal blocks keep bf16x3)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE", help="one kernel's LAUNCH entry "
                     "(e.g. bwd_intra.num_warps=2, bwd_inter.BV=32; repeatable), applied after the other flags")
@@ -204,26 +205,26 @@ def main():
     args = ap.parse_args()
     precs, intra_precs = args.bwd_prec.split(","), args.bwd_intra_prec.split(",")
     for p in precs + intra_precs:
-        if p not in bwd_mod.INTER_PRECISIONS:
-            ap.error(f"unknown dot precision {p!r}: use one of {bwd_mod.INTER_PRECISIONS}")
+        if p not in launch.INTER_PRECISIONS:
+            ap.error(f"unknown dot precision {p!r}: use one of {launch.INTER_PRECISIONS}")
     if args.scan_bv:
-        fwd_mod.LAUNCH["scan"]["BV"] = args.scan_bv
+        launch.LAUNCH["scan"]["BV"] = args.scan_bv
     if args.scan_stages:
-        fwd_mod.LAUNCH["scan"]["num_stages"] = bwd_mod.LAUNCH["bwd_scan"]["num_stages"] = args.scan_stages
+        launch.LAUNCH["scan"]["num_stages"] = launch.LAUNCH["bwd_scan"]["num_stages"] = args.scan_stages
     if args.scan_warps:
-        fwd_mod.LAUNCH["scan"]["num_warps"] = bwd_mod.LAUNCH["bwd_scan"]["num_warps"] = args.scan_warps
+        launch.LAUNCH["scan"]["num_warps"] = launch.LAUNCH["bwd_scan"]["num_warps"] = args.scan_warps
     if args.fp32_partials:
-        bwd_mod.LAUNCH["bwd_inter"]["HALF_PARTIALS"] = False
+        launch.LAUNCH["bwd_inter"]["HALF_PARTIALS"] = False
     if args.bwd_scan_bv:
-        bwd_mod.LAUNCH["bwd_scan"]["BV"] = args.bwd_scan_bv
+        launch.LAUNCH["bwd_scan"]["BV"] = args.bwd_scan_bv
     if args.output_from is not None:
-        fwd_mod.LAUNCH["scan"]["OUTPUT_FROM"] = args.output_from
+        launch.LAUNCH["scan"]["OUTPUT_FROM"] = args.output_from
     if args.wu_bk:
-        fwd_mod.LAUNCH["wu"]["BK"] = args.wu_bk
+        launch.LAUNCH["wu"]["BK"] = args.wu_bk
     if args.bwd_inter_bk:
-        bwd_mod.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
+        launch.LAUNCH["bwd_inter"]["BK"] = args.bwd_inter_bk
     if args.bwd_intra_bk:
-        bwd_mod.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
+        launch.LAUNCH["bwd_intra"]["BK"] = args.bwd_intra_bk
     for item in args.set:
         set_launch(ap, item)
     B, T, H, D = ints(args.shape)
@@ -235,8 +236,8 @@ def main():
     do = torch.randn(B, T, H, D, device=dev, dtype=bf)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}, triton {triton.__version__}; shape (B,T,H,D) = ({B},{T},{H},{D}), us per fwd+bwd; "
-          f"backward K blocks: inter {bwd_mod.LAUNCH['bwd_inter']['BK']}, intra "
-          f"{bwd_mod.intra_launch(max(16, triton.next_power_of_2(D)))[0]}; "
+          f"backward K blocks: inter {launch.LAUNCH['bwd_inter']['BK']}, intra "
+          f"{launch.intra_launch(max(16, triton.next_power_of_2(D)))[0]}; "
           "configurations w(arps) s(tages) bv p(scan / inter dot precision) ip(intra off-diagonal dot precision)")
     configs = list(itertools.product(ints(args.warps), ints(args.stages), ints(args.bv), precs, intra_precs))
     if args.defaults:
@@ -266,12 +267,12 @@ def main():
         cells = [f"{v:.0f}{'*' if n in best and c == best[n] else ''}" for v, c in zip(vals, ok, strict=True)]
         print(f"| {n} | " + " | ".join(cells) + " |")
     print("\n# best per kernel (registers / spills of that variant):")
-    for n, (mod, name) in KERNELS.items():
+    for n, (_, name) in KERNELS.items():
         if n in best:
-            nw, ns = ((mod.LAUNCH[name]["num_warps"], mod.LAUNCH[name].get("num_stages", 1)) if best[n] == DEFAULTS
-                      else best[n][:2])
+            entry = launch.LAUNCH[name]
+            nw, ns = (entry["num_warps"], entry.get("num_stages", 1)) if best[n] == DEFAULTS else best[n][:2]
             if best[n] == DEFAULTS and name == "intra":  # its warps depend on K (intra_opts)
-                nw = fwd_mod.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
+                nw = launch.intra_opts(max(16, triton.next_power_of_2(D)))["num_warps"]
             print(f"#   {n}: {label(best[n])}: {results[best[n]][n]:.0f} us; "
                   f"{regs_spills(n, nw, ns)}")
     if OTHER_OPS:

@@ -1,10 +1,13 @@
-"""Kernel backend selection: "torch" (plain PyTorch, runs everywhere) or "triton" (GPU kernels).
+"""Kernel backend selection: "torch" (plain PyTorch, runs everywhere) or "triton" (GPU kernels), and the process's
+KernelConfig (config.py).
 
-The backend is read ONCE per process from the environment variable `K3_KERNELS`:
+`configure(cfg)` applies a KernelConfig for the process; its fields' environment variables override it (read at that
+call). When configure is never called, the first kernel call applies `KernelConfig()` with the same overrides, so
+the variables alone select as they always did. The backend (`KernelConfig.backend`, overridden by `K3_KERNELS`):
 
-    K3_KERNELS=torch    always the PyTorch implementations
-    K3_KERNELS=triton   the Triton kernels; an error if they are not available (no silent fallback)
-    unset / empty       triton when a CUDA GPU is present and `triton` imports, torch otherwise
+    torch    always the PyTorch implementations
+    triton   the Triton kernels; an error if they are not available (no silent fallback)
+    auto     (K3_KERNELS unset or empty) triton when a CUDA GPU is present and `triton` imports, torch otherwise
 
 "triton" without a GPU is allowed only under Triton's CPU interpreter (`TRITON_INTERPRET=1`, slow; used by the CPU
 tests); otherwise asking for it raises KernelBackendError naming the fix.
@@ -27,13 +30,15 @@ from collections.abc import Callable
 
 import torch
 
-ENV_VAR = "K3_KERNELS"
+from .config import ENV_VARS, KernelConfig, with_env_overrides
+
+ENV_VAR = ENV_VARS["backend"]
 BACKENDS = ("torch", "triton")
 
 # op name -> "importable.module:function" of its Triton implementation (imported lazily, on first use).
 TRITON_OPS: dict[str, str] = {
-    "fused_recurrent_kda": "k3.kernels.kda.triton_recurrent:fused_recurrent_kda_triton",
-    "chunk_kda": "k3.kernels.kda.triton_chunk:chunk_kda_triton",
+    "fused_recurrent_kda": "k3.kernels.kda.triton.recurrent:fused_recurrent_kda_triton",
+    "chunk_kda": "k3.kernels.kda.chunk:chunk_kda_triton",
     "c2_glu": "k3.kernels.glu.triton:c2_glu_dispatch",
     "paged_mla_decode": "k3.kernels.mla.triton_decode:paged_mla_decode_triton",
 }
@@ -60,8 +65,9 @@ def triton_kernels_available() -> bool:
 
 
 def parse_backend(value: str | None) -> str:
-    """Map a `K3_KERNELS` value to "torch" | "triton" (pure function; `kernel_backend` caches its result)."""
-    if value is None or not value.strip():
+    """Map a backend setting (KernelConfig.backend or a `K3_KERNELS` value; None, "" and "auto" mean auto) to
+    "torch" | "triton" (pure function; `kernel_backend` caches its result)."""
+    if value is None or not value.strip() or value.strip().lower() == "auto":
         return "triton" if triton_kernels_available() else "torch"
     v = value.strip().lower()
     if v == "torch":
@@ -69,27 +75,56 @@ def parse_backend(value: str | None) -> str:
     if v == "triton":
         if not TRITON_OPS:
             raise KernelBackendError(
-                f"{ENV_VAR}=triton was requested, but the Triton KDA kernels are not available in this build "
+                f"the triton backend was requested ({ENV_VAR}=triton or KernelConfig.backend), but the Triton KDA "
+                f"kernels are not available in this build "
                 f"(no Triton kernels are registered in k3.kernels.dispatch.TRITON_OPS). "
-                f"Set {ENV_VAR}=torch (or unset it) to use the PyTorch kernels."
+                f"Set {ENV_VAR}=torch or KernelConfig(backend='torch') to use the PyTorch kernels."
             )
         has_triton = importlib.util.find_spec("triton") is not None
         if not (has_triton and (torch.cuda.is_available() or triton_interpreter())):
             raise KernelBackendError(
-                f"{ENV_VAR}=triton was requested, but the Triton KDA kernels are not available here: they need the "
+                f"the triton backend was requested ({ENV_VAR}=triton or KernelConfig.backend), but the Triton KDA "
+                f"kernels are not available here: they need the "
                 f"`triton` package (installed: {has_triton}) and a CUDA GPU (available: {torch.cuda.is_available()}),"
                 f" or TRITON_INTERPRET=1 to run them on the CPU under Triton's interpreter. "
-                f"Set {ENV_VAR}=torch (or unset it) to use the PyTorch kernels."
+                f"Set {ENV_VAR}=torch or KernelConfig(backend='torch') to use the PyTorch kernels."
             )
         return "triton"
-    raise KernelBackendError(f"{ENV_VAR}={value!r} is not a kernel backend; use {ENV_VAR}=torch or {ENV_VAR}=triton")
+    raise KernelBackendError(f"{value!r} is not a kernel backend; use {ENV_VAR}=torch or {ENV_VAR}=triton")
+
+
+# (effective config, the environment overrides that applied): set by configure; None until then
+_CONFIG: tuple[KernelConfig, dict[str, str]] | None = None
+
+
+def configure(cfg: KernelConfig) -> tuple[KernelConfig, dict[str, str]]:
+    """Apply `cfg` to the kernels of this process, each field overridden by its environment variable where that is
+    set (config.ENV_VARS, read now). Returns (the effective config, {variable: value} of the overrides that applied),
+    for the caller to record. ValueError names a bad field or variable; nothing changes then. A later call replaces
+    the config and forgets the backend resolved under the previous one."""
+    global _CONFIG
+    effective, overrides = with_env_overrides(cfg)
+    _CONFIG = (effective, overrides)
+    kernel_backend.cache_clear()
+    log.info("k3 kernels: %s (environment overrides: %s)", effective, overrides or "none")
+    return effective, dict(overrides)
+
+
+def active_config() -> KernelConfig:
+    """The config the kernels run with: the configured one, or on first use without configure
+    `configure(KernelConfig())` (the defaults with the environment's overrides)."""
+    if _CONFIG is None:
+        configure(KernelConfig())
+    return _CONFIG[0]
 
 
 @functools.cache
 def kernel_backend() -> str:
-    """The process-wide backend, "torch" or "triton", read once from `K3_KERNELS` (see module docstring)."""
-    backend = parse_backend(os.environ.get(ENV_VAR))
-    log.info("k3 kernels: backend=%s (%s=%r)", backend, ENV_VAR, os.environ.get(ENV_VAR))
+    """The process-wide backend, "torch" or "triton", resolved once from active_config().backend (module
+    docstring); configure() resolves it again."""
+    cfg = active_config()
+    backend = parse_backend(cfg.backend)
+    log.info("k3 kernels: backend=%s (KernelConfig.backend=%r)", backend, cfg.backend)
     return backend
 
 

@@ -8,7 +8,7 @@ changed; the defaults are restored after it.
 Inputs, flags and the error measure are benchmarks/kda.py's (chunk_inputs, KW, rel_rms: q, k, v ~ N(0, 1) bf16,
 fp32 log gates -5 sigmoid(z), beta in (0, 1); use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5);
 loss = sum(o * do) with do ~ N(0, 1).
-Reference: chunk_kda on the same values upcast to float64 (k3's PyTorch implementation, chunk.py, with its
+Reference: chunk_kda on the same values upcast to float64 (k3's PyTorch implementation, chunk_torch.py, with its
 hand-derived backward). Columns: relative RMS error (kda.md 6.1) of o and of the gradients of q, k, v, g, beta.
 Why: a dot precision (LAUNCH[...]["PREC"]) is a speed / accuracy trade; fla's own error on the same inputs says
 what accuracy users of the anchor already accept.
@@ -29,9 +29,10 @@ os.environ["K3_KDA_BWD"] = "triton"
 import torch
 import triton
 
-from k3.kernels.kda import chunk_kda, triton_chunk, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda
+from k3.kernels.kda.triton.launch import LAUNCH
 
-SHAPES = [(1, 4096, 16, 128), (1, 2048, 32, 64)]  # the issue's two head sizes, one sequence each
+SHAPES = [(1, 4096, 16, 128), (1, 2048, 32, 64)]  # the two benchmark head sizes, one sequence each
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
 
@@ -43,15 +44,14 @@ def outputs(fn, xs: list[torch.Tensor], do: torch.Tensor, kw: dict) -> list[torc
     return [o.detach(), *grads]
 
 
-def snapshot() -> list[dict]:
-    return [{n: dict(e) for n, e in mod.LAUNCH.items()} for mod in (triton_chunk, triton_chunk_bwd)]
+def snapshot() -> dict[str, dict]:
+    return {n: dict(e) for n, e in LAUNCH.items()}
 
 
-def restore(saved: list[dict]) -> None:
-    for mod, launch in zip((triton_chunk, triton_chunk_bwd), saved, strict=True):
-        for name, entry in launch.items():
-            mod.LAUNCH[name].clear()
-            mod.LAUNCH[name].update(entry)
+def restore(saved: dict[str, dict]) -> None:
+    for name, entry in saved.items():
+        LAUNCH[name].clear()
+        LAUNCH[name].update(entry)
 
 
 def main() -> None:

@@ -1,19 +1,19 @@
 """Which inference forwards in K halves are right on a GPU: chunk_kda with the q / k L2 norm and no gradients, per
 input dtype, key and value dims, length and form (whole, K halves; q's rows by rstd or q normalised by the pass),
 against the float64 recurrence on the normalised q, k. One table row per case, each case in a process of its own,
-so that an illegal address in one (session 22 saw one) cannot fail the others.
+so that an illegal address in one cannot fail the others.
 
-Run on a CUDA machine (never in tests): `python benchmarks/repro/kda_split_check.py [--dtypes bfloat16 float16 float32]
-[--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch path
-(a check of the script itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the split needs fp16 L, which
-chunk_kda takes for bf16 / fp16 inputs).
+Run on a CUDA machine (never in tests): `python benchmarks/repro/kda_split_check.py [--dtypes bfloat16 float16
+float32] [--quick] [--set NAME.KEY=VALUE ...]`; `--backend torch --device cpu` runs the same cases through the PyTorch
+path (a check of the script itself; the K split and q's rstd then change nothing). fp32 rows run whole only (the
+split needs fp16 L, which chunk_kda takes for bf16 / fp16 inputs).
 
-Why: on the H200 a bf16 forward in halves of 32 (K = 64, T = 70, V = 32) was off by rel_rms 0.81 (session 22, call
-7), while fp32 in halves and the bf16 table shapes in halves of 64 matched. This script's first run (session 23)
-showed the fault whole as well as split, at V = 32 only, in bf16 and fp16: the w/u kernel's V block of 32, a Triton
-3.6 miscompile (triton_chunk.v_block, LAUNCH["wu"]["MIN_BV"]); `--set wu.MIN_BV=32` restores that launch. With the fix
-every bf16 row passed (RESULTS.md session 23, call 2), and the split (triton_chunk.LAUNCH["intra"]["KSPLIT_FROM"])
-is on at K = 128. Threshold 0.02, the bf16 one of the tests.
+Why: Triton 3.6 miscompiles the w/u kernel's u dot at V blocks below 64 on the H200, whole as well as in K halves,
+in bf16 and fp16 (at V = 32: rel_rms 0.6-0.8 or an illegal address), which launch.v_block's floor
+LAUNCH["wu"]["MIN_BV"] avoids; `--set wu.MIN_BV=32` restores the faulty launch, `--set wu.BV=16 --set wu.MIN_BV=16`
+the V-block-16 one at V = 128 (compute-sanitizer: an out-of-bounds shared-memory read in the u dot). Run this on a
+new Triton or GPU before lowering the floor, or after changing the K split (LAUNCH["intra"]["KSPLIT_FROM"]).
+Threshold 0.02, the bf16 one of the tests.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ def run_case(case: dict) -> dict:
     import torch
 
     from k3.kernels.kda import chunk_kda, naive_recurrent_kda
-    from k3.kernels.kda import triton_chunk as fwd
-    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
+    from k3.kernels.kda.triton.launch import LAUNCH, set_launch_entry
 
-    fwd.LAUNCH["intra"]["KSPLIT_FROM"] = case["split"]
-    fwd.LAUNCH["intra"]["Q_RSTD"] = case["q_rstd"]
+    LAUNCH["intra"]["KSPLIT_FROM"] = case["split"]
+    LAUNCH["intra"]["Q_RSTD"] = case["q_rstd"]
     for item in case["set"]:  # --set NAME.KEY=VALUE, as kda_tune.py's
         set_launch_entry(item)
     dt = getattr(torch, case["dtype"])
@@ -72,7 +71,7 @@ def main() -> None:
     ap.add_argument("--backend", default="triton", choices=["triton", "torch"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE",
-                    help="a launch setting for every case (triton_chunk_bwd.set_launch_entry), e.g. wu.MIN_BV=32")
+                    help="a launch setting for every case (launch.set_launch_entry), e.g. wu.MIN_BV=32")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case (JSON) and print its result
     args = ap.parse_args()
     if args.case:

@@ -1,426 +1,46 @@
-"""Chunkwise KDA in PyTorch (`chunk_kda`): the training and prefill path, with a hand-written backward.
+"""Chunkwise KDA (`chunk_kda`): the public op, and the "triton" backend's entry and autograd Function.
 
-Legend: B batch, T tokens, N sequences (B, or len(cu_seqlens) - 1 with varlen), H q/k heads, HV value heads,
-K key dim, V value dim, BT = chunk_size (16/32/64), BC = 16 block, NT blocks, Z = N * HV, Tp padded length.
+Legend: B batch, T tokens, N sequences (B, or len(cu_seqlens) - 1 with varlen), H q/k heads, HV value heads, K key
+dim, V value dim, BT = chunk_size, T_all = B * T (or the packed varlen length), NT_all chunks over all sequences.
 
-Equations: kda.md section 3.1 (the chunkwise form is exact for any block length). Pipeline:
-1. in-kernel steps (l2norm, gate, beta sigmoid) in fp32 via autograd (gate.py); q scaled; q/k heads repeated (GVA);
-2. every sequence is zero-padded to a multiple of BC (varlen: gathered into one padded row per sequence); a padded
-   token has g = k = beta = 0, an identity step, so states and earlier outputs are unaffected;
-3. per BC-token block, for all blocks at once: Aqk (j <= i) and L (j < i) from exp(Gamma_i - Gamma_j), Gamma the
-   block-local cumsum of g, never split over a span where it could overflow (kda.md 3.3):
-     - default: exact pairwise exponents per element [.., BC, BC, K] (any g, including -1000);
-     - `safe_gate` (every g >= lb >= -5): one matmul with the fixed anchor C = Gamma_0 - (BC - 1) * s / 2,
-       s = -lb (2 if unset): query factor exp(Gamma_i - C) <= e^(7.5 s), key factor exp(C - Gamma_j) <= e^(75 - 7.5 s),
-       both finite in fp32. C depends only on the block's first token, so appending tokens cannot move it;
-4. M = (I + L)^-1 by block doubling (unit_lower_inverse), then [w | u] = M diag(beta) [k * exp(Gamma) | v];
-5. the only sequential part: the state scan over blocks (fp32 states), then o = (q * exp(Gamma)) h + Aqk v_new.
+`chunk_kda` checks its arguments (checks.py) and runs the backend's implementation (dispatch.resolve): on "torch"
+`chunk_kda_torch` (chunk_torch.py: 16-token blocks, hand-written backward), on "triton" `chunk_kda_triton` below,
+whose `_ChunkKDATriton` runs the forward kernels (triton/chunk_fwd.py) and the backward kernels (triton/chunk_bwd.py).
+float64 inputs (the reference precision) run on the PyTorch implementation either way. `triton` is an optional
+dependency, so the Triton modules are imported inside the functions that launch them.
 
-Why 16-token blocks whatever `chunk_size` is: on CPU the intra-block work grows with the block length while the scan
-is cheap, and a 16-token block with the fixed anchor needs no sub-chunk bookkeeping. `chunk_size` keeps its meaning
-for callers: `h` holds the state entering every chunk of `chunk_size` tokens (kda.md section 8 alignment).
-The backward (reverse state scan, then batched gradients of M, Aqk, L and the decays) is derived by hand from the
-forward; tests check it against autograd through `naive_recurrent_kda` in float64.
+Triton path. A forward that needs gradients (grad mode on and an input requiring grad) has the intra kernel store
+Akk = k k^T with decay (no beta, fp32) in place of L (the solve applies beta to its row sums) and keeps Gamma, Aqk,
+Akk and M, and by default (keep_states) also w, kg, qg, and v_new and the states, which its fused scan then stores
+too; with KernelConfig.kda_recompute (K3_KDA_RECOMPUTE=1) the backward recomputes those (the forward's steps 3 and 4,
+recompute_states). It then runs the reverse state scan, inter-chunk and intra-chunk gradient kernels.
+Per token and value head this keeps Gam 4K bytes + Aqk 2 BT + Akk 4 BT + M 2 BT (bf16 inputs; the last three 512
+bytes together at BT = 64) in place of g's 4K, as fla-core 0.6.0 does (its `ChunkKDAFunction` saves the gate cumsum,
+Aqk and Akk and recomputes w, u and h in its backward), plus by default the states' 1,536 bytes at K = V = 128
+(keep_states; u not among them: the backward takes v_new = u - w h instead). A forward without gradients
+(inference) stores no Akk and keeps nothing.
+KernelConfig.kda_backward (K3_KDA_BWD), read by the forward, selects the backward: "triton" (the default; tested
+under the interpreter in fp32 and on an H200 in fp32 and bf16) or "torch", for which the forward keeps q, k, v, g,
+beta, h0 (not Gamma, Aqk, Akk, M) and the backward recomputes the forward with the PyTorch implementation and
+returns its gradients, at PyTorch speed.
+The in-kernel steps run around the core under autograd: the q/k L2 norm and the gate as one Triton pass each way
+(triton/norm.py, triton/gate.py), the beta sigmoid as a PyTorch op.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass
-
 import torch
 
-from ..dispatch import inputs_trusted, resolve
-from .gate import compute_dtype, prepare_kda_inputs
-from .naive import _expand_heads
-
-SUPPORTED_CHUNK_SIZES = (16, 32, 64)
-SUB_CHUNK = 16  # BC: diagonal block size (kda.md 3.2-3.3)
-MAX_HEAD_DIM = 256  # K <= 256 (the Triton state scan holds K in <= 4 register blocks of 64)
-SAFE_GATE_FLOOR = -5.0  # safe_gate needs every g >= lower_bound (>= -5 when lower_bound is unset)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# boundary validation (shared with fused_recurrent.py)
-
-
-def host_offsets(cu_seqlens_cpu) -> list[int] | None:
-    """`cu_seqlens_cpu` (a list/tuple of ints or a CPU integer tensor [N+1], or None) as a list of ints."""
-    if cu_seqlens_cpu is None or isinstance(cu_seqlens_cpu, list):
-        return cu_seqlens_cpu
-    if isinstance(cu_seqlens_cpu, torch.Tensor):
-        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.is_floating_point() or cu_seqlens_cpu.dim() != 1:
-            raise ValueError(f"cu_seqlens_cpu must be a 1-D integer CPU tensor or a list of ints, got a "
-                             f"{cu_seqlens_cpu.dtype} tensor of shape {tuple(cu_seqlens_cpu.shape)} on "
-                             f"{cu_seqlens_cpu.device}; pass cu_seqlens.cpu() or the offsets as a list")
-        return cu_seqlens_cpu.tolist()  # a host tensor: no device wait
-    return list(cu_seqlens_cpu)
-
-
-def check_kda_args(fn, q, k, v, g, beta, *, initial_state, cu_seqlens, state_v_first, use_gate_in_kernel, A_log,
-                   dt_bias, lower_bound, state_is_pool=False, cu_seqlens_cpu: list[int] | None = None) -> int:
-    """Validate the public arguments of `fn` loudly; return N, the number of sequences (rows of the state).
-
-    cu_seqlens_cpu: the offsets of `cu_seqlens` as host ints (see `host_offsets`), or None. With them the offset
-    checks read no device value, and outside dispatch.trusted_inputs() they must equal cu_seqlens."""
-    def need(cond, msg):
-        if not cond:
-            raise ValueError(f"{fn}: {msg}")
-
-    for name, t, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
-        need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        need(t.dim() == nd, f"{name} must be {nd}-D ({'[B, T, HV]' if nd == 3 else '[B, T, heads, dim]'}), "
-                            f"got shape {tuple(t.shape)}; the layout is [B, T, H, D] (no head-first variant)")
-        need(t.is_floating_point(), f"{name} must be a floating tensor, got {t.dtype}")
-    B, T, H, K = q.shape
-    need(k.shape == q.shape, f"q and k must have the same shape [B, T, H, K], got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    need(v.shape[:2] == (B, T), f"v must be [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    need(HV % H == 0, f"value heads HV={HV} (v.shape[2]) must be a multiple of q/k heads H={H} (GVA)")
-    need(K <= MAX_HEAD_DIM, f"key dim K={K} exceeds {MAX_HEAD_DIM}; split heads or use a smaller head dim")
-    need(g.shape == (B, T, HV, K), f"g must be [B, T, HV, K] = {(B, T, HV, K)} (one log decay per value head and key "
-                                   f"channel), got {tuple(g.shape)}")
-    need(beta.shape == (B, T, HV), f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
-    N = B
-    if cu_seqlens is not None:
-        need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and not cu_seqlens.is_floating_point()
-             and cu_seqlens.numel() >= 2, "cu_seqlens must be a 1-D integer tensor [N+1] of sequence offsets")
-        need(B == 1, f"cu_seqlens requires B == 1 (sequences packed along T), got B={B}; flatten the batch to "
-                     f"[1, total_tokens, ...] or pass cu_seqlens=None")
-        N = cu_seqlens.numel() - 1
-        cu = None
-        if cu_seqlens_cpu is not None:  # the caller's host copy: checked for free, against the device tensor only
-            cu = cu_seqlens_cpu  # for untrusted callers (that read waits for the GPU queue)
-            need(len(cu) == N + 1, f"cu_seqlens_cpu must have the N+1={N + 1} entries of cu_seqlens, got {len(cu)}")
-            if not inputs_trusted():
-                need(cu == cu_seqlens.tolist(), f"cu_seqlens_cpu {cu} differs from cu_seqlens "
-                                                f"{cu_seqlens.tolist()}; pass the same offsets (cu_seqlens.cpu())")
-        elif not (cu_seqlens.is_cuda and inputs_trusted()):  # a trusted caller built the offsets on the host itself
-            cu = cu_seqlens.tolist()
-        if cu is not None:
-            need(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in itertools.pairwise(cu)),
-                 f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu}")
-    else:
-        need(cu_seqlens_cpu is None, "cu_seqlens_cpu was given without cu_seqlens; pass both or neither")
-    if lower_bound is not None:
-        need(-5.0 <= lower_bound < 0.0, f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. -5.0, "
-                                        f"or lower_bound=None for the softplus gate")
-    if use_gate_in_kernel:
-        need(A_log is not None or lower_bound is not None,
-             "use_gate_in_kernel=True with the softplus gate needs A_log [HV]; pass A_log, or set lower_bound for "
-             "the lower-bound gate")
-    else:
-        need(A_log is None and dt_bias is None, "A_log/dt_bias are only used with use_gate_in_kernel=True; pass "
-                                                "use_gate_in_kernel=True or compute g yourself (gate.py)")
-    if A_log is not None:
-        need(A_log.numel() == HV, f"A_log must have HV={HV} entries (one per value head), got {tuple(A_log.shape)}")
-    if dt_bias is not None:
-        need(dt_bias.numel() == HV * K, f"dt_bias must have HV*K={HV * K} entries, got {tuple(dt_bias.shape)}")
-    if initial_state is not None and not state_is_pool:
-        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        need(tuple(initial_state.shape) == want,
-             f"initial_state must be [N, HV, {'V, K' if state_v_first else 'K, V'}] = {want} "
-             f"(state_v_first={state_v_first}), got {tuple(initial_state.shape)}")
-    if initial_state is not None:
-        ok = (torch.float32,) if compute_dtype(q) == torch.float32 else (torch.float32, torch.float64)
-        need(initial_state.dtype in ok, f"initial_state must be float32 (float64 allowed for float64 inputs), got "
-                                        f"{initial_state.dtype}; pass initial_state.float()")
-    return N
-
-
-def _reject_unsupported(fn, kwargs):
-    if "allow_neg_eigval" in kwargs:
-        raise NotImplementedError(f"{fn}: allow_neg_eigval (beta in (0, 2)) is not supported by k3 (kda.md section 2);"
-                                  " remove the argument")
-    if kwargs:
-        raise TypeError(f"{fn}: unexpected keyword arguments {sorted(kwargs)}")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# padding / varlen packing
-
-
-@dataclass
-class SeqLayout:
-    """How [B, T] tokens map onto N zero-padded rows of length Tp (a multiple of `multiple`)."""
-
-    N: int
-    Tp: int
-    lengths: list[int]
-    gather: torch.Tensor | None  # [N, Tp] index into T_total + 1 rows (last = zero row); None without varlen
-    scatter: torch.Tensor | None  # [T_total] row-major position of each token in [N, Tp]
-
-
-def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, multiple: int, device,
-                cu_host: list[int] | None = None) -> SeqLayout:
-    """Layout for fixed-length [B, T] (pad at the end) or varlen cu_seqlens (one padded row per sequence);
-    `cu_host`: the same offsets as host ints, read instead of cu_seqlens when given."""
-    if cu_seqlens is None:
-        return SeqLayout(B, math.ceil(T / multiple) * multiple, [T] * B, None, None)
-    cu = cu_host if cu_host is not None else cu_seqlens.tolist()
-    lengths = [b - a for a, b in itertools.pairwise(cu)]
-    N, Tp = len(lengths), max(math.ceil(n / multiple) * multiple for n in lengths)
-    t = torch.arange(Tp, device=device)
-    starts = torch.tensor(cu[:-1], device=device).unsqueeze(1)
-    lens = torch.tensor(lengths, device=device).unsqueeze(1)
-    gather = torch.where(t < lens, starts + t, torch.full_like(t, T))  # [N, Tp]
-    scatter = torch.cat([n * Tp + torch.arange(L, device=device) for n, L in enumerate(lengths)])
-    return SeqLayout(N, Tp, lengths, gather, scatter)
-
-
-def to_padded(x: torch.Tensor, lay: SeqLayout) -> torch.Tensor:
-    """[B, T, ...] -> [N, Tp, ...], zeros in the padding."""
-    if lay.gather is None:
-        B, T = x.shape[:2]
-        return x if lay.Tp == T else torch.cat([x, x.new_zeros((B, lay.Tp - T) + x.shape[2:])], dim=1)
-    flat = torch.cat([x[0], x.new_zeros((1,) + x.shape[2:])])  # [T_total + 1, ...]
-    return flat[lay.gather]
-
-
-def from_padded(y: torch.Tensor, lay: SeqLayout, T: int) -> torch.Tensor:
-    """[N, Tp, ...] -> [B, T, ...] (inverse of to_padded on the real tokens)."""
-    if lay.gather is None:
-        return y[:, :T]
-    return y.reshape((lay.N * lay.Tp,) + y.shape[2:])[lay.scatter].unsqueeze(0)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the blockwise algorithm (blocks of BC = 16 tokens) with a hand-written backward
-
-
-def _tri_masks(n: int, device):
-    pos = torch.arange(n, device=device)
-    causal = pos.unsqueeze(1) >= pos.unsqueeze(0)  # [n, n] j <= i
-    return causal, causal.tril(-1)  # (j <= i, j < i)
-
-
-def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower-triangular L [..., n, n] (n a power of 2) by block doubling, no autograd.
-
-    With the inverse X of the diagonal blocks of size b known, each 2b block [[A, 0], [C, D]] has inverse
-    [[A^-1, 0], [-D^-1 C A^-1, D^-1]] (the block-inverse merge of kda.md 3.2); log2(n) batched matmul levels.
-    """
-    n = L.shape[-1]
-    M = torch.eye(n, dtype=L.dtype, device=L.device).expand(L.shape).clone()
-    b = 1
-    while b < n:
-        P = n // (2 * b)  # number of 2b x 2b diagonal blocks; view them as [..., P, 2b, 2b] (shares memory with M)
-        Lb = torch.diagonal(L.view(*L.shape[:-2], P, 2 * b, P, 2 * b), dim1=-4, dim2=-2).movedim(-1, -3)
-        Mb = torch.diagonal(M.view(*M.shape[:-2], P, 2 * b, P, 2 * b), dim1=-4, dim2=-2).movedim(-1, -3)
-        Mb[..., b:, :b] = -(Mb[..., b:, b:] @ (Lb[..., b:, :b] @ Mb[..., :b, :b]))
-        b *= 2
-    return M
-
-
-def _pairwise_kE(k, Gam, causal):
-    """E[i, j, d] = exp(Gamma_i[d] - Gamma_j[d]) for j <= i (else 0), exact for any g; [.., BC, BC, K]."""
-    diff = Gam.unsqueeze(-2) - Gam.unsqueeze(-3)
-    E = diff.masked_fill_(~causal.unsqueeze(-1), float("-inf")).exp_()
-    return E, E * k.unsqueeze(-3)  # (E, k_j * E)
-
-
-def _intra_fwd(q, k, Gam, shift):
-    """Aqk (j <= i) and Akk (j < i, no beta) of every block; q, k, Gam: [NT, Z, BC, K] -> [NT, Z, BC, BC].
-
-    Also returns what the safe-path backward reuses: (rows [q * rf ; k * rf] [.., 2BC, K], k * cf, rf, cf), or ().
-    """
-    BC = q.shape[-2]
-    causal, strict = _tri_masks(BC, q.device)
-    if shift is not None:  # fixed anchor C = Gamma_0 - shift: both factors finite when every g >= lb >= -5
-        C = Gam[..., :1, :] - shift
-        rf, cf = (Gam - C).exp(), (C - Gam).exp()  # row factor <= e^shift, column factor <= e^(75 - shift)
-        rows = (torch.stack([q, k], dim=-3) * rf.unsqueeze(-3)).flatten(-3, -2)  # [NT, Z, 2BC, K]
-        Kc = k * cf
-        A = rows @ Kc.transpose(-1, -2)  # [NT, Z, 2BC, BC]
-        Aq, Ak = A[..., :BC, :], A[..., BC:, :]
-        saved = (rows, Kc, rf, cf)
-    else:
-        _, kE = _pairwise_kE(k, Gam, causal)
-        d = kE @ torch.stack([q, k], dim=-1)  # [NT, Z, BC(i), BC(j), 2]
-        Aq, Ak = d[..., 0], d[..., 1]
-        saved = ()
-    return Aq.masked_fill(~causal, 0.0), Ak.masked_fill(~strict, 0.0), saved
-
-
-def _intra_bwd(q, k, Gam, saved, dAq, dAk, dq, dk, dG):
-    """Add the gradients of (Aqk, Akk) to dq, dk, dGamma in place; dAq, dAk already masked like the forward."""
-    BC = q.shape[-2]
-    if saved:
-        rows, Kc, rf, cf = saved
-        dA = torch.cat([dAq, dAk], dim=-2)  # [.., 2BC, BC]
-        drows = dA @ Kc  # [.., 2BC, K]
-        dKc = dA.transpose(-1, -2) @ rows  # [.., BC, K]
-        # d/dGamma through rf (+) and cf (-); C = Gamma_0 - shift adds dC = -sum_i t_i to row 0
-        t = (drows * rows).unflatten(-2, (2, BC)).sum(-3).sub_(dKc * Kc)
-        dG += t
-        dG[..., 0, :] -= t.sum(-2)
-        dQr, dKr = drows[..., :BC, :], drows[..., BC:, :]
-        dq.addcmul_(dQr, rf)
-        dk.addcmul_(dKr, rf).addcmul_(dKc, cf)
-        return
-    causal, _ = _tri_masks(BC, q.device)
-    E, kE = _pairwise_kE(k, Gam, causal)
-    drow = torch.stack([dAq, dAk], dim=-2) @ kE  # [.., i, 2, K]: sum_j dA_ij k_j E_ij
-    dq_row, dk_row = drow[..., 0, :], drow[..., 1, :]
-    Y = torch.stack([dAq, dAk], dim=-1) @ torch.stack([q, k], dim=-2)  # [.., i, j, K]: dAq_ij q_i + dAk_ij k_i
-    dk_col = (Y * E).sum(-3)  # sum_i (..) E_ij
-    # dGamma_i = sum_j X_ij - sum_j X_ji with X_ij = (dAq_ij q_i + dAk_ij k_i) k_j E_ij, folded into row/col sums
-    dq += dq_row
-    dk += dk_row + dk_col
-    dG += q * dq_row + k * (dk_row - dk_col)
-
-
-class _ChunkKDA(torch.autograd.Function):
-    """Blockwise KDA core. q (scaled), k, g: [NT, Z, BC, K]; v: [NT, Z, BC, V]; beta: [NT, Z, BC]; h0: [Z, K, V].
-
-    Returns o [NT, Z, BC, V], final state [Z, K, V], hs [NT, Z, K, V] (state entering each block, no gradient).
-    The exp factors are saved rather than recomputed: the backward is memory-bound on CPU.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, shift):
-        NT, Z, BC, K = q.shape
-        V = v.shape[-1]
-        Gam = g.cumsum(-2)  # block-local inclusive cumsum
-        Aq, Ak, intra = _intra_fwd(q, k, Gam, shift)
-        b = beta.unsqueeze(-1)
-        M = unit_lower_inverse(b * Ak)  # (I + L)^-1, L = diag(beta) Akk
-        eG = Gam.exp()  # <= 1: only underflow
-        rhs = torch.empty(NT, Z, BC, K + V, dtype=q.dtype, device=q.device)
-        torch.mul(b * eG, k, out=rhs[..., :K])
-        torch.mul(b, v, out=rhs[..., K:])
-        wu = M @ rhs  # [w | u] = M diag(beta) [k * exp(Gamma) | v]
-        w, u = wu[..., :K], wu[..., K:]
-        last = Gam[..., -1:, :]
-        eL = (last - Gam).exp()  # exp(Gamma_last - Gamma) <= 1
-        kg = k * eL
-        dec = last.exp().transpose(-1, -2)  # [NT, Z, K, 1]
-        hs = torch.empty(NT + 1, Z, K, V, dtype=q.dtype, device=q.device)  # hs[c] = state entering block c
-        vn = u.clone()
-        hs[0] = h0
-        for c in range(NT):  # the only sequential loop: state scan over blocks
-            vn[c].baddbmm_(w[c], hs[c], alpha=-1)  # v_new = u - w S
-            torch.mul(dec[c], hs[c], out=hs[c + 1]).baddbmm_(kg[c].transpose(-1, -2), vn[c])  # Diag(dec) S + kg^T v_new
-        S, hs = hs[NT].clone(), hs[:NT]
-        qg = q * eG
-        o = torch.baddbmm((Aq @ vn).reshape(NT * Z, BC, V), qg.reshape(NT * Z, BC, K), hs.view(NT * Z, K, V))
-        ctx.save_for_backward(q, k, v, beta, Gam, Aq, Ak, M, wu, hs, vn, eG, eL, kg, qg, *intra)
-        ctx.mark_non_differentiable(hs)
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for hs (and for o / S when unused)
-        return o.view(NT, Z, BC, V), S, hs
-
-    @staticmethod
-    def backward(ctx, do, dS, _dhs):
-        q, k, v, beta, Gam, Aq, Ak, M, wu, hs, vn, eG, eL, kg, qg, *intra = ctx.saved_tensors
-        NT, _, BC, K = q.shape
-        causal, strict = _tri_masks(BC, q.device)
-        w = wu[..., :K]
-        dec = Gam[..., -1:, :].exp().transpose(-1, -2)  # [NT, Z, K, 1]
-        do = torch.zeros_like(vn) if do is None else do.contiguous()
-        dS = torch.zeros_like(hs[0]) if dS is None else dS.contiguous()
-        # reverse scan: dv_new = Aq^T do + kg dS';  dS = qg^T do + Diag(decay) dS' - w^T dv_new
-        dvn = Aq.transpose(-1, -2) @ do  # [NT, Z, BC, V]
-        dh = qg.transpose(-1, -2) @ do  # [NT, Z, K, V]
-        dSn = torch.empty((NT + 1,) + hs.shape[1:], dtype=q.dtype, device=q.device)  # dSn[c + 1]: grad leaving c
-        dSn[NT] = dS
-        for c in range(NT - 1, -1, -1):
-            dvn[c].baddbmm_(kg[c], dSn[c + 1])
-            torch.addcmul(dh[c], dec[c], dSn[c + 1], out=dSn[c]).baddbmm_(w[c].transpose(-1, -2), dvn[c], alpha=-1)
-        dS, dSn = dSn[0].clone(), dSn[1:]
-        dqg = do @ hs.transpose(-1, -2)  # [NT, Z, BC, K]
-        dAq = (do @ vn.transpose(-1, -2)).masked_fill_(~causal, 0.0)
-        dkg = vn @ dSn.transpose(-1, -2)  # [NT, Z, BC, K]
-        # [w | u] = M [kb | vb]:  d[kb | vb] = M^T [dw | du],  dL = -M^T dM M^T = -(dkb w^T + dvb u^T) (strict lower)
-        dwu = torch.cat([-(dvn @ hs.transpose(-1, -2)), dvn], dim=-1)
-        dkbvb = M.transpose(-1, -2) @ dwu
-        dL = (dkbvb @ wu.transpose(-1, -2)).neg_().masked_fill_(~strict, 0.0)
-        dkb, dvb = dkbvb[..., :K], dkbvb[..., K:]
-        b = beta.unsqueeze(-1)
-        kbg = dkb * eG  # d(beta k exp(Gamma)) / beta, w.r.t. k
-        kbgk = kbg * k
-        dbeta = (dL * Ak).sum(-1) + kbgk.sum(-1) + (dvb * v).sum(-1)
-        dv = b * dvb
-        dq = dqg * eG
-        dk = torch.addcmul(b * kbg, dkg, eL)
-        dkg_kg = dkg * kg
-        dG = torch.addcmul(b * kbgk, dqg, qg).sub_(dkg_kg)
-        dG[..., -1, :] += dkg_kg.sum(-2) + (dSn * hs).sum(-1) * dec.squeeze(-1)  # through last = Gamma_{BC-1}
-        _intra_bwd(q, k, Gam, intra, dAq, b * dL, dq, dk, dG)
-        dg = dG.sum(-2, keepdim=True) - dG.cumsum(-2) + dG  # Gamma = cumsum(g): reverse cumsum
-        return dq, dk, dv, dg, dbeta, dS, None
-
-
-def chunk_core(q, k, v, g, beta, h0, safe_shift: float | None):
-    """Blockwise KDA on padded inputs (Tp % 16 == 0), all in the compute dtype.
-
-    q (scaled), k, g: [N, Tp, HV, K] (heads repeated for GVA); v: [N, Tp, HV, V]; beta: [N, Tp, HV];
-    h0: [N, HV, K, V] or None. Returns o [N, Tp, HV, V], final state [N, HV, K, V], hs [N, Tp/16, HV, K, V].
-    """
-    N, Tp, HV, K = q.shape
-    V = v.shape[-1]
-    NT, BC = Tp // SUB_CHUNK, SUB_CHUNK
-    S0 = q.new_zeros(N, HV, K, V) if h0 is None else h0
-    if NT == 0:
-        return q.new_zeros(N, 0, HV, V), S0.clone(), q.new_zeros(N, 0, HV, K, V)
-
-    def blocks(x):  # [N, Tp, HV, D] -> [NT, N * HV, BC, D]: block-major so the scan reads contiguous slices
-        y = x.reshape(N, NT, BC, HV, -1).permute(1, 0, 3, 2, 4)
-        return y.reshape(NT, N * HV, BC, x.shape[-1]).contiguous()
-
-    o, S, hs = _ChunkKDA.apply(blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta.unsqueeze(-1)).squeeze(-1),
-                               S0.reshape(N * HV, K, V), safe_shift)
-    o = o.view(NT, N, HV, BC, V).permute(1, 0, 3, 2, 4).reshape(N, Tp, HV, V)
-    return o, S.view(N, HV, K, V), hs.view(NT, N, HV, K, V).transpose(0, 1)
-
-
-def chunk_kda_torch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, chunk_size,
-                    cu_seqlens, return_intermediate_states, state_v_first, cu_seqlens_cpu=None):
-    """PyTorch implementation behind `chunk_kda` (arguments already validated; see chunk_kda; cu_seqlens_cpu is a
-    list of ints or None here)."""
-    B, T, _, K = q.shape
-    HV = v.shape[2]
-    out_dtype = v.dtype
-    # The reference path computes in fp32 at least (bf16/fp16 inputs are upcast, float64 stays float64) and
-    # ignores any surrounding autocast, so mixed-precision training gets fp32 states; the Triton path stores
-    # intermediates in the input dtype instead (kda.md 3.3).
-    dt = torch.promote_types(q.dtype, torch.float32)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q, k, g, beta = prepare_kda_inputs(
-        q, k, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-    safe_shift = None
-    if safe_gate:
-        floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound
-        if not use_gate_in_kernel and g.numel() and g.min().item() < floor:
-            raise ValueError(f"chunk_kda: safe_gate=True needs every g >= {floor} (lower_bound), got min(g)="
-                             f"{g.min().item():.4g}; clamp g to [lower_bound, 0] or pass safe_gate=False")
-        s = -lower_bound if lower_bound is not None else 2.0
-        safe_shift = (SUB_CHUNK - 1) * s / 2  # C = Gamma_0 - (BC - 1) s / 2 (kda.md 3.3)
-    scale = K**-0.5 if scale is None else scale
-    q, k = _expand_heads(q * scale, k, HV)
-    lay = make_layout(B, T, cu_seqlens, SUB_CHUNK, q.device, cu_seqlens_cpu)
-    q, k, v, g, beta = (to_padded(x, lay) for x in (q, k, v.to(dt), g, beta))
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.to(dt)
-        h0 = h0.transpose(-1, -2) if state_v_first else h0
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        o, S, hs = chunk_core(q, k, v, g, beta, h0, safe_shift)
-    o = from_padded(o, lay, T).to(out_dtype)
-    final = None
-    if output_final_state:
-        final = S.transpose(-1, -2).contiguous() if state_v_first else S
-    if not return_intermediate_states:
-        return o, final
-    every = chunk_size // SUB_CHUNK  # states entering each chunk = every `every`-th block state
-    if lay.gather is None:
-        h = hs[:, ::every]  # [B, ceil(T / chunk_size), HV, K, V]
-    else:  # keep only real chunks, sequence after sequence: [1, total chunks, ...]
-        h = torch.cat([hs[n, : math.ceil(L / SUB_CHUNK) : every] for n, L in enumerate(lay.lengths)]).unsqueeze(0)
-    h = h.transpose(-1, -2).contiguous() if state_v_first else h
-    return o, final, h
+from ..dispatch import active_config, check_device, resolve
+from .checks import (
+    SAFE_GATE_FLOOR,
+    SUB_CHUNK,
+    SUPPORTED_CHUNK_SIZES,
+    check_kda_args,
+    host_offsets,
+    reject_unsupported,
+)
+from .chunk_torch import chunk_kda_torch
 
 
 def chunk_kda(
@@ -464,7 +84,7 @@ def chunk_kda(
     `return_intermediate_states` h [B, NT, HV, K, V] fp32, the state entering each chunk (varlen: [1, total chunks,
     ...] in sequence order). States are float64 when the inputs are float64.
     """
-    _reject_unsupported("chunk_kda", unsupported)
+    reject_unsupported("chunk_kda", unsupported)
     cu_host = host_offsets(cu_seqlens_cpu)
     check_kda_args("chunk_kda", q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                    state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -481,3 +101,198 @@ def chunk_kda(
                 lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
                 cu_seqlens_cpu=cu_host)
+
+
+class _ChunkKDATriton(torch.autograd.Function):
+    """Triton forward; backward chosen by KernelConfig.kda_backward (Triton by default, or the PyTorch recompute),
+    read when the forward runs with gradients needed (cfg["grad"]: grad mode at the call, and some input requires
+    grad).
+
+    q, k: [B, T, H, K] (unscaled; normalized, or raw with cfg["l2norm"]: the Function then normalizes them and keeps
+    the normalized ones and their rstd [B T H] fp32 for the backward); v: [B, T, HV, V];
+    g: [B, T, HV, K] fp32; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None.
+    Returns o [B, T, HV, V], final state [N, HV, K, V] fp32, h [NT_all, HV, K, V] (no gradient; None when the
+    scan computed o, which it never does for return_intermediate_states).
+
+    Kept for the backward (ctx.bwd):
+      None (inference): nothing, and the intra kernel stores no Akk.
+      "triton": q, k, v, beta, h0 and the forward's Gam fp32 [T_all, HV, K], Aqk [T_all, HV, BT] (input dtype),
+        Akk fp32 [T_all, HV, BT], Mm [T_all, HV, BT] (input dtype); not g. Per token and value head that is Gam 4K
+        bytes + Aqk 2 BT + Akk 4 BT + Mm 2 BT (bf16; those three 512 bytes at BT = 64) in place of g's 4K, and no
+        intra or solve kernel in the backward. By default (keep_states()) also the forward's w, v_new, the states
+        entering each chunk, kg and qg (chunk_fwd_pipeline's "states"; bf16 for bf16 inputs: 2 (3K + V + KV / BT)
+        bytes, 1,536 at K = V = 128, BT = 64), so the backward recomputes nothing; with KernelConfig.kda_recompute
+        the backward recomputes those (recompute_states), the policy of fla-core 0.6.0's `ChunkKDAFunction`
+        (fla.ops.kda.chunk), which saves the gate cumsum, Aqk and Akk and recomputes w, u and h.
+      "torch": q, k, v, g, beta, h0 (the PyTorch backward recomputes everything from them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cfg):
+        from .triton.chunk_fwd import chunk_fwd_pipeline
+        from .triton.launch import LAUNCH, l_in_fp16, q_norm_from_output
+        from .triton.norm import l2norm_fwd
+
+        ctx.bwd = backward_impl() if cfg["grad"] and any(ctx.needs_input_grad[:6]) else None
+        ctx.cfg = cfg
+        norm, q_rstd = (), None
+        if cfg["l2norm"]:  # q, k <- their L2 norms; the backward runs the norm's own (in the intra kernel if it can)
+            if ctx.bwd is None and LAUNCH["intra"]["Q_RSTD"]:  # inference: q's rows scaled by the intra kernel
+                (_, q_rstd), (k, rk) = l2norm_fwd(q, store_y=False), l2norm_fwd(k)
+            else:
+                (q, rq), (k, rk) = l2norm_fwd(q), l2norm_fwd(k)
+                norm = (rq, rk)
+        # no zero-filled gradients for unused outputs: autograd would write one for hbuf ([NT_all, HV, K, V], never
+        # differentiable) on every backward, 81 us at (8, 4096, 16, 128) on an H200
+        ctx.set_materialize_grads(False)
+        r = chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=cfg["scale"], safe_shift=cfg["safe_shift"],
+                               chunk_size=cfg["chunk_size"], cu_seqlens=cfg["cu_seqlens"], h_fp32=cfg["h_fp32"],
+                               store_akk=ctx.bwd == "triton", cu_host=cfg["cu_host"], g_check=cfg["g_check"],
+                               keep_states=ctx.bwd == "triton" and keep_states(),
+                               l_fp16=l_in_fp16(cfg["l2norm"], q.dtype), q_rstd=q_rstd)
+        if ctx.bwd == "triton":
+            # the output too where the backward's intra kernel takes q's norm backward from it
+            ctx.o_saved = bool(norm) and q_norm_from_output(q.shape[2], v.shape[2], q.shape[3])
+            ctx.save_for_backward(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], *norm,
+                                  *((r["o"],) if ctx.o_saved else ()), *(r["states"] or ()))
+            ctx.g_dtype = g.dtype
+        elif ctx.bwd == "torch":
+            ctx.save_for_backward(q, k, v, g, beta, h0, *norm)
+        ctx.o_meta = (r["o"].shape, r["o"].dtype, r["o"].device)  # for a zero do when only the state is used
+        if r["hbuf"] is not None:  # None when the scan computed the output (launch.fuse_output)
+            ctx.mark_non_differentiable(r["hbuf"])
+        return r["o"], r["ht"], r["hbuf"]
+
+    @staticmethod
+    def backward(ctx, do, dht, _dh):
+        from .triton.chunk_bwd import chunk_bwd_triton
+        from .triton.norm import l2norm_bwd_from_y
+
+        cfg = ctx.cfg
+        if do is None:  # only the final state was used: o's gradient is zero
+            shape, dtype, device = ctx.o_meta
+            do = torch.zeros(shape, dtype=dtype, device=device)
+        if ctx.bwd == "triton":
+            q, k, v, beta, h0, Gam, Aqk, Akk, Mm, *rest = ctx.saved_tensors
+            norm, rest = (rest[:2], rest[2:]) if cfg["l2norm"] else (None, rest)
+            o, states = (rest[0], tuple(rest[1:])) if ctx.o_saved else (None, tuple(rest))
+            if not states:  # the forward kept none (kda_recompute): the backward reruns its w/u kernel and scan
+                states = recompute_states(q, k, v, beta, h0, Gam, Mm, scale=cfg["scale"], chunk_size=cfg["chunk_size"],
+                                          cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"])
+            grads = chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, scale=cfg["scale"],
+                                     safe_shift=cfg["safe_shift"], chunk_size=cfg["chunk_size"],
+                                     cu_seqlens=cfg["cu_seqlens"], cu_host=cfg["cu_host"], states=states, rstd=norm,
+                                     o=o)
+            dtypes = (q.dtype, k.dtype, v.dtype, ctx.g_dtype, beta.dtype, None)
+            out = [d.to(t) if d is not None and t is not None else d for d, t in zip(grads, dtypes, strict=True)]
+            return (*out, None)
+        q, k, v, g, beta, h0, *norm = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
+            o, ht = chunk_kda_torch(*leaves[:5], scale=cfg["scale"], initial_state=leaves[5], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                                    dt_bias=None, use_beta_sigmoid_in_kernel=False, safe_gate=cfg["safe_shift"]
+                                    is not None, lower_bound=cfg["lower_bound"], chunk_size=cfg["chunk_size"],
+                                    cu_seqlens=cfg["cu_seqlens"], return_intermediate_states=False,
+                                    state_v_first=False, cu_seqlens_cpu=cfg["cu_host"])
+            live = [x for x in leaves if x is not None]
+            outs = [(y, dy) for y, dy in ((o, do), (ht, dht)) if dy is not None]  # dht None: the state was unused
+            grads = iter(torch.autograd.grad([y for y, _ in outs], live, [dy for _, dy in outs], allow_unused=True))
+        out = [next(grads) if x is not None else None for x in leaves]
+        if norm:  # gradients of the normalised q, k -> of the raw ones
+            out[:2] = [None if d is None else l2norm_bwd_from_y(y, r, d) for y, r, d in zip((q, k), norm, out[:2])]
+        return (*out, None)
+
+
+def backward_impl() -> str:
+    """Which backward `_ChunkKDATriton` runs, read by its forward (which keeps what that backward needs):
+    KernelConfig.kda_backward (K3_KDA_BWD): "triton" (the default: triton/chunk_bwd.py) or "torch" (recompute with
+    the PyTorch path and return its gradients; slower, kept as a cross-check)."""
+    return active_config().kda_backward
+
+
+def keep_states() -> bool:
+    """Whether a training forward keeps w, v_new, the states, kg and qg for the Triton backward (the default), or
+    the backward recomputes them from Gamma and M (KernelConfig.kda_recompute, K3_KDA_RECOMPUTE=1: 1,536 bytes less
+    per token and value head at K = V = 128 in bf16, 1.9 GB per layer at (1, 65536, 16, 128), for one w/u kernel and
+    one state scan more per backward). Read by the forward, like backward_impl."""
+    return not active_config().kda_recompute
+
+
+def recompute_states(q, k, v, beta, h0, Gam, Mm, *, scale, chunk_size, cu_seqlens, cu_host=None):
+    """chunk_bwd_triton's `states` when the forward kept none: a function (h_fp32, kq_dtype) -> (w, vnew, hbuf, kg,
+    qg) that reruns the forward's w/u kernel and state scan (chunk_fwd_states) from its Gam [T_all, HV, K] fp32 and
+    Mm [T_all, HV, BT], in the dtypes the backward asks for (launch.recompute_dtypes). q, k: [B, T, H, K]; v:
+    [B, T, HV, V]; beta: [B, T, HV]; h0: [N, HV, K, V] fp32 or None. u, read by that scan alone, is not returned
+    (the backward takes v_new = u - w h)."""
+    from .triton.chunk_fwd import chunk_fwd_states
+
+    def run(h_fp32: bool, kq_dtype: torch.dtype):
+        w, _, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=chunk_size,
+                                                       cu_seqlens=cu_seqlens, h_fp32=h_fp32, cu_host=cu_host, q=q,
+                                                       scale=scale, kq_dtype=kq_dtype)
+        return w, vnew, hbuf, kg, qg
+
+    return run
+
+
+def chunk_kda_triton(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
+                     chunk_size, cu_seqlens, return_intermediate_states, state_v_first, cu_seqlens_cpu=None):
+    """Triton implementation behind `chunk_kda` (arguments validated by the public function; see chunk_kda).
+
+    Same inputs and returns as `chunk_kda_torch`: (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or
+    None[, h [B, NT, HV, K, V] fp32]). Forward by the Triton kernels (triton/chunk_fwd.py); backward by
+    triton/chunk_bwd.py (or, with KernelConfig.kda_backward "torch", by the PyTorch path).
+    """
+    kwargs = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
+              "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
+              "A_log": A_log, "dt_bias": dt_bias, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+              "safe_gate": safe_gate,
+              "lower_bound": lower_bound, "chunk_size": chunk_size, "cu_seqlens": cu_seqlens,
+              "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+              "cu_seqlens_cpu": cu_seqlens_cpu}
+    if q.dtype == torch.float64:  # the reference precision stays on the PyTorch implementation
+        return chunk_kda_torch(q, k, v, g, beta, **kwargs)
+    check_device("chunk_kda", q, k, v, g, beta, initial_state)
+    B, _T, _, K = q.shape
+    HV = v.shape[2]
+    # in-kernel steps before the core: q/k L2 norm inside _ChunkKDATriton (one Triton pass each, fp32 inside, stored
+    # in their dtype; its backward fused into the backward intra kernel where it can be); the gate as one Triton
+    # pass (fp32 out, autograd-capable); the beta sigmoid as a PyTorch op; g fp32. beta as given (the kernels load
+    # it in fp32; its gradient comes back in its dtype): a bf16 beta's cast to fp32 and its gradient's cast back
+    # would be two ~3-5 us launches of each fwd+bwd
+    if use_gate_in_kernel:  # one Triton pass each way (triton/gate.py; twins: gate.py)
+        from .triton.gate import kda_gate_triton
+
+        g = kda_gate_triton(g, A_log, dt_bias, lower_bound)
+    g = g.float()
+    beta = torch.sigmoid(beta.float()) if use_beta_sigmoid_in_kernel else beta
+    safe_shift = g_check = None
+    if safe_gate:
+        floor = SAFE_GATE_FLOOR if lower_bound is None else lower_bound
+        if not use_gate_in_kernel and g.numel():
+            msg = (f"chunk_kda: safe_gate=True needs every g >= {floor} (lower_bound); clamp g to [lower_bound, 0] "
+                   f"or pass safe_gate=False")
+            if g.is_cuda:  # checked by the intra kernel, no host sync (a violation fails at the next synchronisation)
+                g_check = (floor, msg)
+            elif g.min().item() < floor:
+                raise ValueError(f"{msg}; got min(g)={g.min().item():.4g}")
+        s = -lower_bound if lower_bound is not None else 2.0
+        safe_shift = (SUB_CHUNK - 1) * s / 2  # C = Gamma_0 - (BC - 1) s / 2 (kda.md 3.3), in nats
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.float()
+        h0 = h0.transpose(-1, -2) if state_v_first else h0
+    cfg = {"scale": K**-0.5 if scale is None else scale, "safe_shift": safe_shift, "chunk_size": chunk_size,
+           "cu_seqlens": cu_seqlens, "h_fp32": return_intermediate_states, "lower_bound": lower_bound,
+           "cu_host": cu_seqlens_cpu, "g_check": g_check, "l2norm": use_qk_l2norm_in_kernel,
+           "grad": torch.is_grad_enabled()}  # read here: the Function's forward runs without grad mode
+    o, ht, hbuf = _ChunkKDATriton.apply(q, k, v, g, beta, h0, cfg)
+    final = None
+    if output_final_state:
+        final = ht.transpose(-1, -2).contiguous() if state_v_first else ht
+    if not return_intermediate_states:
+        return o, final
+    h = hbuf.view(B, -1, HV, K, v.shape[3]) if cu_seqlens is None else hbuf.unsqueeze(0)
+    h = h.transpose(-1, -2).contiguous() if state_v_first else h
+    return o, final, h

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import resolve, trusted_inputs
-from .chunk import _reject_unsupported, check_kda_args, from_padded, make_layout, to_padded
+from .checks import check_kda_args, reject_unsupported
+from .chunk_torch import from_padded, make_layout, to_padded
 from .gate import compute_dtype, prepare_kda_inputs
 from .naive import _expand_heads
 
@@ -158,7 +159,7 @@ def fused_recurrent_kda(
     Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None); the pool, if any, is updated in
     place whether or not output_final_state is set.
     """
-    _reject_unsupported("fused_recurrent_kda", unsupported)
+    reject_unsupported("fused_recurrent_kda", unsupported)
     pooled = ssm_state_indices is not None
     check_kda_args("fused_recurrent_kda", q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                    state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,

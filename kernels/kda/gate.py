@@ -41,7 +41,7 @@ def _biased(z: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def check_gate_args(A_log: torch.Tensor | None, lower_bound: float | None) -> None:
-    """The gate's own argument checks (the twins here and triton_gate.kda_gate_triton): lower_bound in [-5, 0) for
+    """The gate's own argument checks (the twins here and triton.gate.kda_gate_triton): lower_bound in [-5, 0) for
     the lower-bound gate; A_log for the softplus gate (lower_bound None)."""
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}; use e.g. lower_bound=-5.0")

@@ -37,8 +37,8 @@ LAUNCH: dict[str, int] = {"split_keys": 0, "split_below": 32}
 
 # T (query tokens per sequence), min_key, G and KPS are runtime values, never specialised: a prefill tail after a
 # prefix hit brings T = 2..64 tokens, and a T baked into the kernel (or Triton's value-1 / multiple-of-16
-# specialisation) compiled a new kernel for each new tail length while the request waited, 1-5 s each on an H200
-# (2026-11-29, k3-tiny). Only BM (16, 32 or 64 query rows) still selects a compiled variant; `warm_up` compiles them.
+# specialisation) would compile a new kernel for each new tail length while the request waited, 1-5 s each on an
+# H200 (k3-tiny). Only BM (16, 32 or 64 query rows) still selects a compiled variant; `warm_up` compiles them.
 @triton.jit(do_not_specialize=["min_key", "G", "KPS", "T"])
 def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, ws_m, ws_l, ws_acc, scale, min_key, G, KPS,
                       T, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PS: tl.constexpr,
@@ -47,7 +47,7 @@ def _paged_mla_kernel(q_lat, q_rope, kv, bt, qpos, o, ws_m, ws_l, ws_acc, scale,
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)  # key range [i_s * KPS, (i_s + 1) * KPS) with SPLIT, else all keys
     # no `.to` on T or the other integer arguments: inductor's launch of this kernel (torch.compile of the decode step)
-    # passes them as Python ints, which have no `.to` (H200, 2026-11-29); i_n is int64, so every offset below is
+    # passes them as Python ints, which have no `.to`; i_n is int64, so every offset below is
     # computed in int64 all the same
     scale = tl.full([], scale, tl.float32)  # fp64 when launched by inductor (torch.compile of the decode step)
     o_m = tl.arange(0, BM)

@@ -13,11 +13,9 @@ import os
 import pytest
 import torch
 
-TRITON_MODULES = ("k3.kernels.kda.triton_common", "k3.kernels.kda.triton_l2norm", "k3.kernels.kda.triton_gate", "k3.kernels.kda.triton_recurrent", "k3.kernels.kda.triton_chunk",
-                  "k3.kernels.kda.triton_fwd_kernels", "k3.kernels.kda.triton_intra_bwd", "k3.kernels.kda.triton_chunk_bwd",
-                  "k3.kernels.glu.triton",
-                  "k3.kernels.moe.triton_router",
-                  "k3.kernels.mla.triton_decode")
+TRITON_MODULES = tuple(f"k3.kernels.kda.triton.{m}" for m in (
+    "common", "launch", "norm", "gate", "recurrent", "intra_fwd", "solve", "segments", "chunk_fwd", "intra_bwd",
+    "chunk_bwd")) + ("k3.kernels.glu.triton", "k3.kernels.moe.triton_router", "k3.kernels.mla.triton_decode")
 
 
 def _import_for_the_interpreter() -> None:
@@ -83,23 +81,50 @@ def triton_cpu(monkeypatch, single_thread):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
-def triton_kda_backward(monkeypatch, triton_cpu):
-    """The Triton kernels with the Triton KDA backward (K3_KERNELS=triton, K3_KDA_BWD=triton) for one test."""
+@pytest.fixture(autouse=True)
+def kernel_config_restored():
+    """Each test starts as a process that never called k3.kernels.configure (the environment, as the test sets it,
+    decides at its first kernel call) and leaves the kernel config as it found it."""
     from k3.kernels import dispatch
 
-    monkeypatch.setenv("K3_KERNELS", "triton")
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
+    saved = dispatch._CONFIG
+    dispatch._CONFIG = None
     dispatch.kernel_backend.cache_clear()
     yield
+    dispatch._CONFIG = saved
     dispatch.kernel_backend.cache_clear()
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """set(VAR=value, ...): kernel environment variables (K3_KERNELS, K3_KDA_*; None unsets one) for the rest of the
+    test, applied as in a process started with them: the config is forgotten, so the next kernel call reads them
+    (dispatch.active_config). Restored after the test (monkeypatch, kernel_config_restored)."""
+    from k3.kernels import dispatch
+
+    def set_env(**env):
+        for var, value in env.items():
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, value)
+        dispatch._CONFIG = None
+        dispatch.kernel_backend.cache_clear()
+
+    return set_env
+
+
+@pytest.fixture
+def triton_kda_backward(kernel_env, triton_cpu):
+    """The Triton kernels with the Triton KDA backward (K3_KERNELS=triton, K3_KDA_BWD=triton) for one test."""
+    kernel_env(K3_KERNELS="triton", K3_KDA_BWD="triton")
 
 
 @pytest.fixture
 def launch_spy(monkeypatch):
     """spy(module, name): replace kernel `name` of `module` by a wrapper that records each launch's grid, then
     launches it; returns the list the grids go to (restored after the test). The wrapper keeps the kernel's
-    __name__: triton_common.launch_fitting keys refused launches by it."""
+    __name__: common.launch_fitting keys refused launches by it."""
     def spy(module, name):
         grids, real = [], getattr(module, name)
         monkeypatch.setattr(module, name, type("Spy", (), {"__name__": name, "__getitem__": lambda _, grid: (
@@ -220,14 +245,14 @@ def bounds_everywhere(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def kda_launch_overrides():
-    """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton_chunk or
-    triton_chunk_bwd, as benchmarks/kda_tune.py --set takes them) for the whole test run, so that the GPU tests can
-    run a candidate launch before it ships (benchmarks/h200_session.sh). Unset: nothing changes."""
+    """K3_TEST_KDA_LAUNCH="NAME.KEY=VALUE,...": LAUNCH entries of the KDA chunk kernels (triton/launch.py, as
+    benchmarks/kda_tune.py --set takes them) for the whole test run, so that the GPU tests can run a candidate launch
+    before it ships. Unset: nothing changes."""
     raw = os.environ.get("K3_TEST_KDA_LAUNCH", "").strip()
     if not raw:
         yield
         return
-    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
+    from k3.kernels.kda.triton.launch import set_launch_entry
 
     saved = [set_launch_entry(item) for item in raw.split(",")]  # ValueError names the known entries
     yield

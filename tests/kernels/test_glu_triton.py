@@ -123,32 +123,27 @@ def test_bad_input_raises():
         c2_glu_split_triton(torch.randn(3, 4, device=DEV), torch.randn(3, 5, device=DEV))
 
 
-def test_public_c2_glu_dispatches_to_the_fused_kernel(monkeypatch):
+def test_public_c2_glu_dispatches_to_the_fused_kernel(monkeypatch, kernel_env):
     """k3.kernels.glu.c2_glu on K3_KERNELS=triton runs the fused kernel (gradients from its backward, equal to the
     float64 twin), keeps float64 on the PyTorch twin, and on the torch backend is the twin itself."""
-    from k3.kernels import dispatch, glu
+    from k3.kernels import glu
     from k3.kernels.glu import triton as glu_triton
 
-    monkeypatch.setenv("K3_KERNELS", "triton")
-    dispatch.kernel_backend.cache_clear()
+    kernel_env(K3_KERNELS="triton")
     calls = []
     real = glu_triton.c2_glu_split_triton
     monkeypatch.setattr(glu_triton, "c2_glu_split_triton", lambda *a: calls.append(1) or real(*a))
-    try:
-        g = (torch.randn(5, 24) * 8).to(DEV).requires_grad_()
-        u = (torch.randn(5, 24) * 40).to(DEV).requires_grad_()
-        h = glu.c2_glu(g, u)
-        assert calls == [1]
-        dg, du = torch.autograd.grad(h.sum(), (g, u))
-        g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
-        h64 = c2_glu(g64, u64)
-        dg64, du64 = torch.autograd.grad(h64.sum(), (g64, u64))
-        for ref, out in ((h64, h), (dg64, dg), (du64, du)):
-            assert ((ref - out.double()).norm() / ref.norm()).item() < 1e-5
-        assert glu.c2_glu(g64, u64).dtype == torch.float64 and calls == [1]  # float64 stays on the twin
-        monkeypatch.setenv("K3_KERNELS", "torch")
-        dispatch.kernel_backend.cache_clear()
-        glu.c2_glu(g, u)
-        assert calls == [1]
-    finally:
-        dispatch.kernel_backend.cache_clear()
+    g = (torch.randn(5, 24) * 8).to(DEV).requires_grad_()
+    u = (torch.randn(5, 24) * 40).to(DEV).requires_grad_()
+    h = glu.c2_glu(g, u)
+    assert calls == [1]
+    dg, du = torch.autograd.grad(h.sum(), (g, u))
+    g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    h64 = c2_glu(g64, u64)
+    dg64, du64 = torch.autograd.grad(h64.sum(), (g64, u64))
+    for ref, out in ((h64, h), (dg64, dg), (du64, du)):
+        assert ((ref - out.double()).norm() / ref.norm()).item() < 1e-5
+    assert glu.c2_glu(g64, u64).dtype == torch.float64 and calls == [1]  # float64 stays on the twin
+    kernel_env(K3_KERNELS="torch")
+    glu.c2_glu(g, u)
+    assert calls == [1]

@@ -18,7 +18,7 @@ from k3.kernels.kda import (
     naive_kda_lowerbound_gate,
     naive_recurrent_kda,
 )
-from k3.kernels.kda.chunk import unit_lower_inverse
+from k3.kernels.kda.chunk_torch import unit_lower_inverse
 from k3.kernels.testing import assert_close
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tests/kernels/conftest.py
@@ -207,10 +207,10 @@ def test_varlen_matches_per_sequence_loop():
                                         chunk_size=32), inputs, do, dht)
     for name, r, o in zip(["o", "ht", "dq", "dk", "dv", "dg", "db", "dh0"], ref, out):
         assert_close(name, r, o, TIGHT)
-    o32, s32 = chunk_kda(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(),
+    o32, s_f32 = chunk_kda(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(),
                          output_final_state=True, cu_seqlens=cu)
     assert_close("o fp32", ref[0], o32, 0.005)
-    assert_close("ht fp32", ref[1], s32, 0.005)
+    assert_close("ht fp32", ref[1], s_f32, 0.005)
     of, sf = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert_close("o fused", ref[0], of, TIGHT)
     assert_close("ht fused", ref[1], sf, TIGHT)

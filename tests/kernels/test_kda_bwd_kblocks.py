@@ -1,4 +1,4 @@
-"""The Triton backward's inter-chunk kernel with its K loop split into blocks (triton_chunk_bwd.LAUNCH["bwd_inter"]
+"""The Triton backward's inter-chunk kernel with its K loop split into blocks (launch.LAUNCH["bwd_inter"]
 ["BK"] below next_pow2(K)) gives the gradients of the one-pass kernel, which test_kda_triton.py checks against the
 float64 recurrence. Both runs use the same Triton forward, so any difference is the split's: fp32 summation order
 only, hence the tight tolerance. On a CPU under Triton's interpreter (tiny shapes), on a GPU natively.
@@ -14,7 +14,9 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
-from k3.kernels.kda import chunk_kda, l2norm, triton_chunk_bwd
+from k3.kernels.kda import chunk_kda, l2norm
+from k3.kernels.kda.triton import chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import launch as launch_mod
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("triton_kda_backward")  # tests/kernels/con
 
 def _grads(monkeypatch, bk, *, T, HV, D, BT, safe, cu=None):
     """o, final state and every input gradient with the inter kernel's K block `bk`."""
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", bk)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "BK", bk)
     torch.manual_seed(0)
     N = 1 if cu is None else len(cu) - 1
     xs = [l2norm(torch.rand(1, T, 1, D)), l2norm(torch.rand(1, T, 1, D)), torch.rand(1, T, HV, D),
@@ -43,9 +45,9 @@ def _grads(monkeypatch, bk, *, T, HV, D, BT, safe, cu=None):
     (60, 16, 32, False, None),  # 4 K blocks, the last one masked (keys 48..59), exact diagonal path
     (32, 16, 64, True, [0, 23, 23, 70]),  # varlen with an empty sequence
 ], ids=["D32-bk16", "D60-bk16-exact", "varlen"])
-def test_bwd_inter_k_blocks_equal_one_pass(monkeypatch, D, bk, BT, safe, cu):
-    # IEEE dots: tf32x3 (the fp32 default) keeps K blocks >= 32 (triton_chunk_bwd.inter_k_block)
-    monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
+def test_bwd_inter_k_blocks_equal_one_pass(monkeypatch, D, bk, BT, safe, cu, kernel_env):
+    # IEEE dots: tf32x3 (the fp32 default) keeps K blocks >= 32 (launch.inter_k_block)
+    kernel_env(K3_KDA_FP32_DOTS="ieee")
     T = 70 if cu is not None else 45
     one = _grads(monkeypatch, 256, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
     split = _grads(monkeypatch, bk, T=T, HV=2, D=D, BT=BT, safe=safe, cu=cu)
@@ -62,15 +64,15 @@ def test_half_partials(monkeypatch):
     inter kernel with a bf16 store is another compilation, whose fp32 products may round in another order: the
     H200 gave a dg that differed, so there within 1e-6 relative); dq and dk carry one bf16 rounding of their
     inter-chunk part, so they differ, but by less than bf16's unit roundoff relative to their size."""
-    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.bfloat16  # on by default (RESULTS.md session 12)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "HALF_PARTIALS", False)
-    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.float32
+    assert launch_mod.partial_dtype(torch.bfloat16) == torch.bfloat16  # on by default
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "HALF_PARTIALS", False)
+    assert launch_mod.partial_dtype(torch.bfloat16) == torch.float32
     full = _grads(monkeypatch, 64, T=70, HV=2, D=32, BT=64, safe=True)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "HALF_PARTIALS", True)
-    assert triton_chunk_bwd.partial_dtype(torch.bfloat16) == torch.bfloat16
-    assert triton_chunk_bwd.partial_dtype(torch.float16) == torch.float16
-    assert triton_chunk_bwd.partial_dtype(torch.float32) == torch.float32
-    monkeypatch.setattr(triton_chunk_bwd, "partial_dtype", lambda dt: torch.bfloat16)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "HALF_PARTIALS", True)
+    assert launch_mod.partial_dtype(torch.bfloat16) == torch.bfloat16
+    assert launch_mod.partial_dtype(torch.float16) == torch.float16
+    assert launch_mod.partial_dtype(torch.float32) == torch.float32
+    monkeypatch.setattr(bwd_mod, "partial_dtype", lambda dt: torch.bfloat16)  # where the backward looks it up
     half = _grads(monkeypatch, 64, T=70, HV=2, D=32, BT=64, safe=True)
     for name, a, b in zip(("dv", "dg", "dbeta", "dh0"), full[2:], half[2:], strict=True):
         if DEV == "cpu":
@@ -85,24 +87,24 @@ def test_half_partials(monkeypatch):
 
 def test_inter_k_block_floor_for_tf32x3(monkeypatch):
     """tf32x3 dots take K blocks of at least 32 (an illegal address at 16 on the H200), within the padded K."""
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", 16)
-    assert [triton_chunk_bwd.inter_k_block(bk, "tf32x3") for bk in (16, 32, 128)] == [16, 32, 32]
-    assert [triton_chunk_bwd.inter_k_block(bk, p) for bk in (32, 128) for p in ("ieee", "tf32", "bf16")] == [16] * 6
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "BK", 64)
-    assert [triton_chunk_bwd.inter_k_block(bk, "tf32x3") for bk in (32, 128)] == [32, 64]
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "BK", 16)
+    assert [launch_mod.inter_k_block(bk, "tf32x3") for bk in (16, 32, 128)] == [16, 32, 32]
+    assert [launch_mod.inter_k_block(bk, p) for bk in (32, 128) for p in ("ieee", "tf32", "bf16")] == [16] * 6
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "BK", 64)
+    assert [launch_mod.inter_k_block(bk, "tf32x3") for bk in (32, 128)] == [32, 64]
 
 
 @pytest.mark.parametrize("early", [1, 2])
 @pytest.mark.parametrize("D,bk", [(32, 64), (60, 16)], ids=["one-block", "K-blocks"])
-def test_bwd_inter_early_loads(monkeypatch, D, bk, early):
+def test_bwd_inter_early_loads(monkeypatch, D, bk, early, kernel_env):
     """LAUNCH["bwd_inter"]["EARLY_LOADS"] 1 and 2 (as shipped) against 0: the inter kernel issues loads sooner (1:
     each K block's Gamma, k and q before its V loop instead of after it; 2: also v and Akk). The same loads and
     arithmetic in another order, so the same gradients (bitwise under the interpreter, which runs the kernel as
     written; on a GPU within fp32 reordering)."""
-    monkeypatch.setenv("K3_KDA_FP32_DOTS", "ieee")
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", 0)
+    kernel_env(K3_KDA_FP32_DOTS="ieee")
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "EARLY_LOADS", 0)
     late = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_inter"], "EARLY_LOADS", early)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "EARLY_LOADS", early)
     early = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), late, early, strict=True):
         if DEV == "cpu":

@@ -5,7 +5,7 @@ varlen or not.
 
 The interpreter, which runs the CPU tests, executes kernels as Python and never type-checks them the way the
 compiler does: a loop variable reused with another type (a `tl.static_range` index and a runtime `range` one) ran on
-the CPU and failed to compile on the H200 (2026-11-29). Compiled in a process of its own, without the interpreter.
+the CPU and failed to compile on the H200. Compiled in a process of its own, without the interpreter.
 """
 
 import importlib.util
@@ -23,9 +23,10 @@ import itertools, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from k3.kernels.kda import triton_chunk as F
-from k3.kernels.kda import triton_chunk_bwd as B
-from k3.kernels.kda import triton_gate as G
+from k3.kernels.kda.triton import chunk_bwd as B
+from k3.kernels.kda.triton import chunk_fwd as F
+from k3.kernels.kda.triton import gate as G
+from k3.kernels.kda.triton import launch as L
 
 HALF = {"q", "k", "v", "Aqk", "Mm", "w", "u", "vnew", "do", "dv", "dq_out", "dk_out"}  # beta: fp32 (the wrapper's)
 SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "fp32", "T": "i32",
@@ -49,14 +50,14 @@ def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, sc
 
 shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
-    for prec in B.INTER_PRECISIONS:
+    for prec in L.INTER_PRECISIONS:
         kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": prec}
         for states in ((), ("hbuf", "dhs", "dvn")):  # fp32 or bf16 states, state gradients and dv_new
             for split in (False, True):  # the state gradient whole or in two K halves (K > 128)
                 for dht in (False, True):  # the final state's gradient given or not (dh0 stored with it)
                     compile_(B._bwd_scan_kernel, {**kv, "BK": 16 if split else 32, "SPLIT": split, "HAS_DHT": dht,
                                                   "STORE_DH0": dht}, 4, states,
-                             num_stages=B.LAUNCH["bwd_scan"]["num_stages"])
+                             num_stages=L.LAUNCH["bwd_scan"]["num_stages"])
             for early in (0, 1, 2):  # loads issued sooner (the kernel's EARLY)
                 compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16,
                                                "EARLY": early}, 4, states)
@@ -64,12 +65,12 @@ for varlen in (False, True):
             for bk in (16, 32):  # two K blocks of K = 32, or one
                 intra_bwd = {**shape, "V": 32, "BK": bk, "BV": 32, "BC": 16, "NC": 4, "SAFE": safe, "VARLEN": varlen,
                              "PREC": "bf16x3", "OFF": prec}
-                opts = B._opts("bwd_intra")
+                opts = L.launch_opts("bwd_intra")
                 # the L2 norm's backward: whole with one K block (NORM), q's from the output with two (Q_NORM_OUT)
                 for norm, q_out in ((False, False), (True, False)) if bk == 32 else ((False, False), (False, True)):
                     compile_(B._bwd_intra_kernel, {**intra_bwd, "NORM": norm, "Q_NORM_OUT": q_out}, **opts)
     compile_(B._bwd_dg_kernel, {"HV": 2, "K": 32, "BK": 16, "BT": 64, "VARLEN": varlen},
-             B.LAUNCH["bwd_dg"]["num_warps"])
+             L.LAUNCH["bwd_dg"]["num_warps"])
     for store_qg in (False, True):  # w / u, kg (and the backward recompute's qg)
         compile_(F._wu_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "STORE_QG": store_qg, "VARLEN": varlen,
                                 "PREC": "tf32"}, 4, ("kg", "qg"))
@@ -81,9 +82,9 @@ for varlen in (False, True):
     for safe, store_akk, check, qg in itertools.product((True, False), repeat=4):  # the forward's intra kernel
         intra = {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": safe, "STORE_AKK": store_akk, "CHECK_G": check,
                  "STORE_QG": qg, "VARLEN": varlen, "PREC": "tf32"}
-        compile_(F._intra_sub_kernel, intra, F.intra_opts(32)["num_warps"], ("qg",))
-    compile_(F._intra_sub_kernel, intra, F.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
-    compile_(F._intra_sub_kernel, {**intra, "BK": 16, "KSPLIT": 2, "Q_RSTD": True}, F.intra_opts(16)["num_warps"],
+        compile_(F._intra_sub_kernel, intra, L.intra_opts(32)["num_warps"], ("qg",))
+    compile_(F._intra_sub_kernel, intra, L.intra_opts(128)["num_warps"], ("qg",))  # the K > 64 warps too
+    compile_(F._intra_sub_kernel, {**intra, "BK": 16, "KSPLIT": 2, "Q_RSTD": True}, L.intra_opts(16)["num_warps"],
              ("qg",))  # in K halves, q's rows scaled by its rstd (an inference forward)
     for output, half, store in itertools.product((True, False), repeat=3):  # the state scan: with the output,
         if not (output or store):  # storing the states, or both (a training forward that keeps them)
@@ -91,24 +92,24 @@ for varlen in (False, True):
         scan = {**shape, "V": 32, "BK": 32, "BV": 32, "HAS_H0": True, "STORE_HT": True, "OUTPUT": output,
                 "STORE_STATES": store, "VARLEN": varlen, "PREC": "tf32"}
         halves = ("kg", "qg", "o") + (("hbuf",) if half else ())
-        compile_(F._scan_kernel, scan, F.LAUNCH["scan"]["num_warps"], halves, F.LAUNCH["scan"]["num_stages"])
+        compile_(F._scan_kernel, scan, L.LAUNCH["scan"]["num_warps"], halves, L.LAUNCH["scan"]["num_stages"])
         if output and not store:  # Aqk as the K split's two fp16 partial sums (an inference forward)
-            compile_(F._scan_kernel, {**scan, "AQK_PARTS": 2}, F.LAUNCH["scan"]["num_warps"], halves,
-                     F.LAUNCH["scan"]["num_stages"])
-        if not varlen:  # a time segment of each sequence (bounds as pairs: triton_segments.py)
-            compile_(F._scan_kernel, {**scan, "VARLEN": 2}, F.LAUNCH["scan"]["num_warps"], halves,
-                     F.LAUNCH["scan"]["num_stages"])
+            compile_(F._scan_kernel, {**scan, "AQK_PARTS": 2}, L.LAUNCH["scan"]["num_warps"], halves,
+                     L.LAUNCH["scan"]["num_stages"])
+        if not varlen:  # a time segment of each sequence (bounds as pairs: segments.py)
+            compile_(F._scan_kernel, {**scan, "VARLEN": 2}, L.LAUNCH["scan"]["num_warps"], halves,
+                     L.LAUNCH["scan"]["num_stages"])
     for beta_rows, parts in ((True, 1), (False, 1), (False, 2)):  # from Akk (a training forward) or from L (in two
         # partial sums with the intra kernel's K split)
         compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": beta_rows, "VARLEN": varlen,
-                                   "PREC": "tf32", "PARTS": parts}, F.LAUNCH["solve"]["num_warps"], ("Mout",))
+                                   "PREC": "tf32", "PARTS": parts}, L.LAUNCH["solve"]["num_warps"], ("Mout",))
     for parts in (1, 2):  # the output from stored states, Aqk whole or in two partial sums
         compile_(F._output_kernel, {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": varlen, "PREC": "tf32",
-                                    "AQK_PARTS": parts}, F.LAUNCH["output"]["num_warps"], ("o", "hbuf"))
+                                    "AQK_PARTS": parts}, L.LAUNCH["output"]["num_warps"], ("o", "hbuf"))
 for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every pointer fp32, every dot at prec
     kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": prec}
     compile_(B._bwd_scan_kernel, {**kv, "SPLIT": False, "HAS_DHT": True, "STORE_DH0": True}, 4,
-             num_stages=B.LAUNCH["bwd_scan"]["num_stages"], all_fp32=True)
+             num_stages=L.LAUNCH["bwd_scan"]["num_stages"], all_fp32=True)
     compile_(B._bwd_inter_kernel, {**{k: v for k, v in kv.items() if k != "BK"}, "BKB": 16, "EARLY": 0}, 8,
              all_fp32=True)
     for bk, norm in ((32, True), (16, False)):  # NORM, then Q_NORM_OUT
@@ -117,14 +118,14 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
                                        "Q_NORM_OUT": not norm}, 1, all_fp32=True)
     compile_(F._wu_kernel, {**kv, "STORE_QG": True}, 4, all_fp32=True)
     compile_(F._scan_kernel, {**kv, "HAS_H0": True, "STORE_HT": True, "OUTPUT": True, "STORE_STATES": True}, 4,
-             num_stages=F.LAUNCH["scan"]["num_stages"], all_fp32=True)
+             num_stages=L.LAUNCH["scan"]["num_stages"], all_fp32=True)
     compile_(F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
                                    "CHECK_G": True, "STORE_QG": True, "VARLEN": False, "PREC": prec}, 1, all_fp32=True)
     compile_(F._solve_kernel, {"HV": 2, "BT": 64, "BC": 16, "NC": 4, "BETA": True, "VARLEN": False, "PREC": prec,
                                "PARTS": 1}, 1, all_fp32=True)
 # float scalars as fp64, as inductor launches a kernel inside torch.compile (torch 2.11): each kernel takes them as
-# fp32 at entry (_f32), so it compiles (the intra kernel's diagonal block failed, "Both operands must be same dtype",
-# H200 2026-11-30) and no tile arithmetic runs in fp64
+# fp32 at entry (_f32), so it compiles (else the intra kernel's diagonal block fails: "Both operands must be same
+# dtype") and no tile arithmetic runs in fp64
 F64 = {**SCALARS, "scale": "fp64", "shift": "fp64", "g_floor": "fp64", "lower_bound": "fp64"}
 kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": "tf32"}
 gate = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": True, "HAS_BIAS": True, "LOWER": True}

@@ -1,4 +1,4 @@
-"""The forward's output computed inside the state scan (triton_chunk.fuse_output: `_scan_kernel` with OUTPUT, no
+"""The forward's output computed inside the state scan (launch.fuse_output: `_scan_kernel` with OUTPUT, no
 states or v_new stored; qg = scale q exp2(Gamma) from the intra kernel) against the float64 recurrence, and against
 the separate output kernel it replaces.
 
@@ -20,7 +20,9 @@ if importlib.util.find_spec("triton") is None:
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
 from k3.kernels.kda import chunk_kda, l2norm, naive_recurrent_kda
-from k3.kernels.kda import triton_chunk as fwd
+from k3.kernels.kda.triton import chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import chunk_fwd as fwd_mod
+from k3.kernels.kda.triton import launch as launch_mod
 from k3.kernels.testing import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,8 +53,8 @@ def _inputs(T, H, HV, K, V, N, dtype=torch.float32):
 def _run(monkeypatch, launch_spy, xs, output_from, *, BT, safe, h0, cu, grad=False):
     """chunk_kda with LAUNCH["scan"]["OUTPUT_FROM"] = output_from; returns (o, final state, the output kernel's
     launches, and with `grad` the gradients of a fixed random loss w.r.t. q, k, v, g, beta, h0)."""
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", output_from)
-    launches = launch_spy(fwd, "_output_kernel")
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "OUTPUT_FROM", output_from)
+    launches = launch_spy(fwd_mod, "_output_kernel")
     leaves = [x.detach().clone().requires_grad_(grad) for x in xs]
     o, s = chunk_kda(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True, chunk_size=BT,
                      safe_gate=safe, lower_bound=-5.0 if safe else None,
@@ -123,8 +125,8 @@ def test_fused_forward_changes_no_gradient(monkeypatch, launch_spy):
 def test_intermediate_states_keep_the_output_kernel(monkeypatch, launch_spy):
     """return_intermediate_states needs the states entering each chunk: the scan stores them and the output
     kernel runs, even when fusing is on for every launch."""
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", 0)
-    launches = launch_spy(fwd, "_output_kernel")
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "OUTPUT_FROM", 0)
+    launches = launch_spy(fwd_mod, "_output_kernel")
     q, k, v, g, beta, h0 = _inputs(70, 1, 2, 32, 32, 1)
     o, _, h = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,
                         lower_bound=-5.0, return_intermediate_states=True)
@@ -135,32 +137,30 @@ def test_intermediate_states_keep_the_output_kernel(monkeypatch, launch_spy):
 
 def test_fuse_output_threshold(monkeypatch):
     """fuse_output compares the scan's program count (sequences x value heads x V blocks) with OUTPUT_FROM."""
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "BV", 64)
     cpu = torch.device("cpu")  # no multiprocessor count: the scan keeps LAUNCH's V block
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", 64)
-    assert fwd.fuse_output(8, 4, 128, 128, cpu)  # 8 x 4 x 2 = 64 programs
-    assert not fwd.fuse_output(8, 4, 64, 128, cpu)  # 32 programs
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", 0)
-    assert fwd.fuse_output(1, 1, 16, 16, cpu)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "OUTPUT_FROM", 64)
+    assert launch_mod.fuse_output(8, 4, 128, 128, cpu)  # 8 x 4 x 2 = 64 programs
+    assert not launch_mod.fuse_output(8, 4, 64, 128, cpu)  # 32 programs
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "OUTPUT_FROM", 0)
+    assert launch_mod.fuse_output(1, 1, 16, 16, cpu)
 
 
 @pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
-def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy, recompute):
+def test_scan_v_block_16_with_few_sequences(monkeypatch, launch_spy, recompute, kernel_env):
     """With fewer scan programs than multiprocessors the scans halve their V block down to 16 (scan_v_block). The
     interpreter has no multiprocessor count, so one is patched in: the forward scan (with the output, storing the
     states the backward keeps by default), the backward's recompute (K3_KDA_RECOMPUTE=1) and its reverse scan then
     run 16-wide V blocks, and the output, final state and every gradient equal the one-block launch's (V blocks are
     independent columns of the state) and match the float64 recurrence."""
-    from k3.kernels.kda import triton_chunk_bwd as bwd
-
-    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
+    kernel_env(K3_KDA_RECOMPUTE=recompute)
 
     T, H, HV, K, V, BT = 70, 1, 2, 32, 64, 64
     xs = _inputs(T, H, HV, K, V, 1)
     o_1, s_1, _, g_1 = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=True, h0=True, cu=None, grad=True)
-    for mod in (fwd, bwd):
+    for mod in (fwd_mod, launch_mod, bwd_mod):  # each looks device_sms up as its own global
         monkeypatch.setattr(mod, "device_sms", lambda dev: 132)  # an H200's count: 1 x 2 x 64 / 16 = 8 programs
-    scans, bwd_scans = launch_spy(fwd, "_scan_kernel"), launch_spy(bwd, "_bwd_scan_kernel")
+    scans, bwd_scans = launch_spy(fwd_mod, "_scan_kernel"), launch_spy(bwd_mod, "_bwd_scan_kernel")
     o_4, s_4, _, g_4 = _run(monkeypatch, launch_spy, xs, 0, BT=BT, safe=True, h0=True, cu=None, grad=True)
     # forward (and the recompute); V / 16 blocks
     assert scans == [(4, 1, HV)] * (1 + int(recompute)) and bwd_scans == [(4, 1, HV)]

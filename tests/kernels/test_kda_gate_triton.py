@@ -1,4 +1,4 @@
-"""The KDA gate as Triton kernels (kernels/kda/triton_gate.py) against its PyTorch twins in float64 (kda.md section
+"""The KDA gate as Triton kernels (kernels/kda/triton/gate.py) against its PyTorch twins in float64 (kda.md section
 2): g, and the gradients of z, A_log and dt_bias, for the lower-bound gate (with and without A_log / dt_bias) and the
 softplus gate (including inputs above softplus's threshold of 20). On a CPU under Triton's interpreter; on a CUDA
 machine on the GPU. Outputs come from torch.empty, which conftest NaN-poisons: an unwritten element fails.
@@ -14,7 +14,8 @@ if importlib.util.find_spec("triton") is None:
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
 from k3.kernels.kda import chunk_kda, naive_kda_gate, naive_kda_lowerbound_gate
-from k3.kernels.kda.triton_gate import kda_gate_triton
+from k3.kernels.kda.triton import gate as gate_mod
+from k3.kernels.kda.triton.gate import kda_gate_triton
 from k3.kernels.testing import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,17 +74,13 @@ def test_gate_checks_its_arguments():
         kda_gate_triton(z, None, None, None)
 
 
-def test_chunk_kda_in_kernel_gate_runs_the_triton_gate(monkeypatch):
+def test_chunk_kda_in_kernel_gate_runs_the_triton_gate(monkeypatch, kernel_env):
     """chunk_kda(use_gate_in_kernel=True) on the Triton backend computes g with kda_gate_triton: the same outputs and
     gradients as g computed by the twin and passed in."""
-    from k3.kernels import dispatch
-    from k3.kernels.kda import triton_chunk
-
-    monkeypatch.setenv("K3_KERNELS", "triton")
-    dispatch.kernel_backend.cache_clear()
+    kernel_env(K3_KERNELS="triton")
     calls = []
-    real = triton_chunk.kda_gate_triton
-    monkeypatch.setattr(triton_chunk, "kda_gate_triton", lambda *a: calls.append(1) or real(*a))
+    real = gate_mod.kda_gate_triton
+    monkeypatch.setattr(gate_mod, "kda_gate_triton", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(1)
     B, T, H, K = 1, 40, 1, 32
     q, k, v = (torch.rand(B, T, H, K, device=DEV) for _ in range(3))
@@ -98,7 +95,6 @@ def test_chunk_kda_in_kernel_gate_runs_the_triton_gate(monkeypatch):
         o, _ = chunk_kda(*leaves[:3], gz, beta, use_gate_in_kernel=fused, lower_bound=-5.0, safe_gate=True,
                          use_qk_l2norm_in_kernel=True, output_final_state=True, **kw)
         outs.append([o, *torch.autograd.grad(o.square().sum(), leaves)])
-    dispatch.kernel_backend.cache_clear()
     assert calls == [1]
     for name, a, b in zip(["o", "dq", "dk", "dv", "dz", "dA_log", "d dt_bias"], *outs, strict=True):
         assert_close(name, a, b, 1e-5)

@@ -1,4 +1,4 @@
-"""The recurrent KDA kernel (triton_recurrent._recurrent_kda_kernel) compiles for the GPU (sm_90, Triton's front end,
+"""The recurrent KDA kernel (recurrent._recurrent_kda_kernel) compiles for the GPU (sm_90, Triton's front end,
 without a GPU). The interpreter, which runs the CPU tests, never compiles it; compiled in a process of its own,
 without the interpreter (as test_kda_compile.py).
 """
@@ -18,9 +18,9 @@ import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from k3.kernels.kda import triton_recurrent as R
+from k3.kernels.kda.triton import recurrent as rec_mod
 
-fn = R._recurrent_kda_kernel
+fn = rec_mod._recurrent_kda_kernel
 TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "o": "*bf16", "cu_seqlens": "*i64",
          "slots": "*i32", "per_token": "*i32", "scale": "fp32", "lower_bound": "fp32"}
 cases = list(itertools.product([(128, 128, 32), (100, 60, 32)], (True, False), ("pool", "per_token", "h0", "none")))

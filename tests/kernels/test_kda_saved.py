@@ -1,11 +1,11 @@
-"""What the Triton KDA chunk forward keeps for its backward (triton_chunk._ChunkKDATriton, issue 4).
+"""What the Triton KDA chunk forward keeps for its backward (kda/chunk.py's _ChunkKDATriton).
 
 A forward that needs gradients stores Akk in its intra kernel and saves Gamma, Aqk, Akk and M, and by default also
 w, v_new, the states, kg and qg (not u: the backward takes v_new = u - w h): the backward then launches only its
 gradient kernels; with K3_KDA_RECOMPUTE=1 it reruns w/u and the state scan (chunk_fwd_states) first.
 An inference forward (no_grad, or no input requiring grad) stores no Akk and saves nothing. Kernel launches are
 counted by wrapping the module-level kernels (the launch code looks them up at call time); what is saved is read
-from the autograd node and from a spy on save_for_backward. Gradients: bitwise equal to the previous full-recompute
+from the autograd node and from a spy on save_for_backward. Gradients: bitwise equal to a full-recompute
 backward (the forward pipeline rerun with Akk and fp32 states, then chunk_bwd_triton on its Gamma, Aqk, Akk, M);
 test_kda_triton.py checks them against the float64 recurrence. CPU: Triton's interpreter (tiny shapes).
 """
@@ -20,8 +20,13 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
-from k3.kernels.kda import chunk_kda, l2norm, triton_chunk, triton_chunk_bwd, triton_common
-from k3.kernels.kda.chunk import SUB_CHUNK
+from k3.kernels.kda import chunk_kda, l2norm
+from k3.kernels.kda.checks import SUB_CHUNK
+from k3.kernels.kda.chunk import recompute_states
+from k3.kernels.kda.triton import chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import chunk_fwd as fwd_mod
+from k3.kernels.kda.triton import common as common_mod
+from k3.kernels.kda.triton import launch as launch_mod
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FWD = ("_intra_sub_kernel", "_solve_kernel", "_wu_kernel", "_scan_kernel", "_output_kernel")
@@ -36,7 +41,7 @@ class _Counted:
     """A kernel whose launches `kernel[grid](...)` are logged as (name, STORE_AKK or None), then run."""
 
     def __init__(self, name, kernel, log):
-        # __name__: triton_common.launch_fitting keys a launch by it once any launch has fallen back to 1 stage
+        # __name__: common.launch_fitting keys a launch by it once any launch has fallen back to 1 stage
         # (its _UNFIT set is per process, so an earlier test on the same worker decides whether it is read)
         self.name, self.kernel, self.log, self.__name__ = name, kernel, log, name
 
@@ -54,10 +59,10 @@ class _Counted:
 def launches(monkeypatch):
     """The list every forward and backward kernel launch is appended to. A refused launch on record (as after an
     earlier test on the same worker fell back to 1 stage): launch_fitting then keys every launch by the kernel's
-    name, which the wrappers must have (an H200 run failed on it, session 16)."""
-    monkeypatch.setattr(triton_common, "_UNFIT", {("no kernel of this test",)})
+    name, which the wrappers must have (an H200 run fails without it)."""
+    monkeypatch.setattr(common_mod, "_UNFIT", {("no kernel of this test",)})
     log = []
-    for mod, names in ((triton_chunk, FWD), (triton_chunk_bwd, BWD)):
+    for mod, names in ((fwd_mod, FWD), (bwd_mod, BWD)):
         for name in names:
             monkeypatch.setattr(mod, name, _Counted(name, getattr(mod, name), log))
     return log
@@ -95,8 +100,8 @@ def _run(xs, *, BT=32, safe=True, cu=None):
 
 def _forward_launches(store_akk, HV=2, D=32):
     """The kernels a forward of _inputs' shapes launches, in order: the output kernel only when the scan does not
-    compute the output itself (triton_chunk.fuse_output; test_kda_fused_output.py tests both paths)."""
-    fused = triton_chunk.fuse_output(1, HV, D, D, torch.device(DEV))
+    compute the output itself (launch.fuse_output; test_kda_fused_output.py tests both paths)."""
+    fused = launch_mod.fuse_output(1, HV, D, D, torch.device(DEV))
     return [("_intra_sub_kernel", store_akk), ("_solve_kernel", None), ("_wu_kernel", None), ("_scan_kernel", None),
             *([] if fused else [("_output_kernel", None)])]
 
@@ -117,15 +122,15 @@ def _kda_node(o):
 
 @pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
 def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_solve(monkeypatch, launches, saves,
-                                                                                   recompute):
+                                                                                   recompute, kernel_env):
     """K3_KDA_RECOMPUTE=0 (the default): the forward also keeps w, v_new, the states entering each chunk, kg and
     qg, and the backward launches only its four gradient kernels; =1: the backward reruns w/u and the scan first."""
-    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
+    kernel_env(K3_KDA_RECOMPUTE=recompute)
     T, HV, D, BT = 40, 2, 32, 32
     xs = [x.requires_grad_() for x in _inputs(T, HV, D)]
     o, s = _run(xs, BT=BT)
     assert launches == _forward_launches(True)
-    keep = recompute == "0" and triton_chunk.fuse_output(1, HV, D, D, torch.device(DEV))
+    keep = recompute == "0" and launch_mod.fuse_output(1, HV, D, D, torch.device(DEV))
     assert len(saves) == 1 and len(saves[0]) == (14 if keep else 9)
     saved = _kda_node(o).saved_tensors
     q, k, v, beta, h0, Gam, Aqk, Akk, Mm = saved[:9]
@@ -151,8 +156,8 @@ def test_training_forward_saves_gamma_aqk_akk_m_and_backward_skips_intra_and_sol
                         ("_bwd_intra_kernel", None), ("_bwd_dg_kernel", None)]
 
 
-def test_recompute_setting_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("K3_KDA_RECOMPUTE", "sometimes")
+def test_recompute_setting_rejects_unknown_values(monkeypatch, kernel_env):
+    kernel_env(K3_KDA_RECOMPUTE="sometimes")
     xs = [x.requires_grad_() for x in _inputs()]
     with pytest.raises(ValueError, match="K3_KDA_RECOMPUTE must be 0 .* or 1"):
         _run(xs)
@@ -171,14 +176,14 @@ def test_inference_forward_stores_no_akk_and_saves_nothing(launches, saves, mode
     assert launches == _forward_launches(False)
     assert saves == []
     # storing Akk changes no output beyond rounding: the training solve applies beta to its row sums, the inference
-    # intra kernel to L's entries (triton_solve._times_beta), the same products in another order
+    # intra kernel to L's entries (solve._times_beta), the same products in another order
     o_train, s_train = _run([x.detach().requires_grad_() for x in xs])
     torch.testing.assert_close(o, o_train.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s, s_train.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launches, saves):
-    monkeypatch.setenv("K3_KDA_BWD", "torch")
+def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launches, saves, kernel_env):
+    kernel_env(K3_KDA_BWD="torch")
     xs = [x.requires_grad_() for x in _inputs()]
     o, s = _run(xs)
     assert launches[0] == ("_intra_sub_kernel", False)
@@ -190,24 +195,25 @@ def test_torch_backward_keeps_g_and_no_triton_intermediates(monkeypatch, launche
 
 
 def _old_full_recompute(xs, do, dht, *, BT, safe, cu):
-    """The backward before issue 4: rerun the whole forward pipeline (Akk stored, fp32 states), then the gradient
+    """The full-recompute backward: rerun the whole forward pipeline (Akk stored, fp32 states), then the gradient
     kernels on its Gamma, Aqk, Akk and M."""
     q, k, v, g, beta, h0 = (x.detach() for x in xs)
     beta = beta.float()
     K = q.shape[-1]
     cu_t = None if cu is None else torch.tensor(cu, device=DEV)
     shift = (SUB_CHUNK - 1) * -LB / 2 if safe else None  # chunk_kda_triton's safe_shift for lower_bound LB
-    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=K**-0.5, safe_shift=shift, chunk_size=BT,
-                                        cu_seqlens=cu_t, h_fp32=True, store_akk=True)
-    return triton_chunk_bwd.chunk_bwd_triton(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], do, dht,
-                                             scale=K**-0.5, safe_shift=shift, chunk_size=BT, cu_seqlens=cu_t)
+    r = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=K**-0.5, safe_shift=shift, chunk_size=BT,
+                                   cu_seqlens=cu_t, h_fp32=True, store_akk=True)
+    states = recompute_states(q, k, v, beta, h0, r["Gam"], r["Mm"], scale=K**-0.5, chunk_size=BT, cu_seqlens=cu_t)
+    return bwd_mod.chunk_bwd_triton(q, k, v, beta, h0, r["Gam"], r["Aqk"], r["Akk"], r["Mm"], do, dht,
+                                    scale=K**-0.5, safe_shift=shift, chunk_size=BT, cu_seqlens=cu_t, states=states)
 
 
 @pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
 @pytest.mark.parametrize("safe,cu", [(True, None), (False, None), (True, [0, 9, 9, 40])],
                          ids=["safe", "exact", "varlen"])
-def test_gradients_equal_the_full_recompute_backward(monkeypatch, safe, cu, recompute):
-    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
+def test_gradients_equal_the_full_recompute_backward(monkeypatch, safe, cu, recompute, kernel_env):
+    kernel_env(K3_KDA_RECOMPUTE=recompute)
     xs = [x.requires_grad_() for x in _inputs(N=1 if cu is None else len(cu) - 1)]
     o, s = _run(xs, safe=safe, cu=cu)
     do, dht = torch.randn_like(o), torch.randn_like(s)
@@ -220,8 +226,8 @@ def test_gradients_equal_the_full_recompute_backward(monkeypatch, safe, cu, reco
 def test_backward_dot_precisions_for_bf16_inputs(monkeypatch):
     """The dot precision each backward kernel is launched with for bf16 inputs: the intra kernel's diagonal blocks
     HALF_INPUT_PRECISION (bf16x3, kda.md 3.3), whatever the inter kernel's LAUNCH["bwd_inter"]["PREC"] (bf16); the
-    other dots their LAUNCH entries. (From session 14's 8dfb9ef to this test, the launch code's `prec` for the
-    diagonal was overwritten by the inter kernel's.) The kernels are replaced by recorders, so the backward runs on
+    other dots their LAUNCH entries (the launch code keeps the two in separate variables: one overwriting the other
+    would go unnoticed by the accuracy tests). The kernels are replaced by recorders, so the backward runs on
     fabricated bf16 tensors anywhere; under the interpreter the precisions are its stand-ins (_interpreted)."""
     seen = {}
 
@@ -230,7 +236,7 @@ def test_backward_dot_precisions_for_bf16_inputs(monkeypatch):
             lambda *a, **kw: seen.setdefault(name, (kw.get("PREC"), kw.get("OFF"))))})()
 
     for name in ("_bwd_scan_kernel", "_bwd_inter_kernel", "_bwd_intra_kernel", "_bwd_dg_kernel"):
-        monkeypatch.setattr(triton_chunk_bwd, name, record(name))
+        monkeypatch.setattr(bwd_mod, name, record(name))
     B, T, H, K, BT = 1, 64, 1, 32, 64
     bf = torch.bfloat16
     q, k, v, do = (torch.randn(B, T, H, K, dtype=bf) for _ in range(4))
@@ -239,10 +245,10 @@ def test_backward_dot_precisions_for_bf16_inputs(monkeypatch):
     Aqk, Mm = torch.zeros(T, H, BT, dtype=bf), torch.zeros(T, H, BT, dtype=bf)
     states = (torch.zeros(T, H, K, dtype=bf), torch.zeros(T, H, K, dtype=bf), torch.zeros(1, H, K, K, dtype=bf),
               torch.zeros(T, H, K, dtype=bf), torch.zeros(T, H, K, dtype=bf))
-    triton_chunk_bwd.chunk_bwd_triton(q, k, v, beta, None, Gam, Aqk, Akk, Mm, do, None, scale=K**-0.5,
-                                      safe_shift=1.0, chunk_size=BT, cu_seqlens=None, states=states)
-    want = triton_chunk_bwd._interpreted
-    assert seen["_bwd_intra_kernel"] == (want(triton_chunk_bwd.HALF_INPUT_PRECISION),
-                                         triton_chunk_bwd._prec("bwd_intra", bf))
-    assert seen["_bwd_inter_kernel"][0] == seen["_bwd_scan_kernel"][0] == triton_chunk_bwd._prec("bwd_inter", bf)
-    assert triton_chunk_bwd._prec("bwd_inter", bf) != want(triton_chunk_bwd.HALF_INPUT_PRECISION)  # distinguishable
+    bwd_mod.chunk_bwd_triton(q, k, v, beta, None, Gam, Aqk, Akk, Mm, do, None, scale=K**-0.5, safe_shift=1.0,
+                             chunk_size=BT, cu_seqlens=None, states=states)
+    want = launch_mod.interpreted
+    assert seen["_bwd_intra_kernel"] == (want(launch_mod.HALF_INPUT_PRECISION),
+                                         launch_mod.dot_prec("bwd_intra", bf))
+    assert seen["_bwd_inter_kernel"][0] == seen["_bwd_scan_kernel"][0] == launch_mod.dot_prec("bwd_inter", bf)
+    assert launch_mod.dot_prec("bwd_inter", bf) != want(launch_mod.HALF_INPUT_PRECISION)  # distinguishable

@@ -1,4 +1,4 @@
-"""The forward's w/u kernel and state scan in time segments (LAUNCH["scan"]["SEGMENT_CHUNKS"], triton_segments.py:
+"""The forward's w/u kernel and state scan in time segments (LAUNCH["scan"]["SEGMENT_CHUNKS"], segments.py:
 on a GPU the w/u of segment s + 1 runs on a side stream during the scan of segment s) against one w/u launch and
 one scan: the same chunks and the same fp32 state carried across the segment boundaries, so the same outputs,
 final states and gradients (bitwise under the CPU interpreter, within fp32 reordering on a GPU). Launch spies
@@ -17,8 +17,9 @@ if importlib.util.find_spec("triton") is None:
 
 # after the skip; conftest imported the kernel modules under the interpreter on a CPU
 from k3.kernels.kda import chunk_kda, l2norm
-from k3.kernels.kda import triton_chunk as fwd
-from k3.kernels.kda.triton_segments import segment_tables
+from k3.kernels.kda.triton import chunk_fwd as fwd_mod
+from k3.kernels.kda.triton import launch as launch_mod
+from k3.kernels.kda.triton.segments import segment_tables
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NEVER = 1 << 30
@@ -43,9 +44,9 @@ def _inputs(B, T, H, HV, K, V):
 def _run(monkeypatch, launch_spy, xs, per, *, BT, h0, mode):
     """(o, final state, gradients or None, scan launches, w/u launches) with LAUNCH["scan"]["SEGMENT_CHUNKS"] =
     per (0: one scan)."""
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", per)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "OUTPUT_FROM", NEVER if mode == "output-kernel" else 0)
-    scans, wus = launch_spy(fwd, "_scan_kernel"), launch_spy(fwd, "_wu_kernel")
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_CHUNKS", per)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "OUTPUT_FROM", NEVER if mode == "output-kernel" else 0)
+    scans, wus = launch_spy(fwd_mod, "_scan_kernel"), launch_spy(fwd_mod, "_wu_kernel")
     grad = mode == "training"
     leaves = [x.detach().clone().requires_grad_(grad) for x in xs]
     o, s = chunk_kda(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True, chunk_size=BT,
@@ -91,7 +92,7 @@ def test_segments_with_and_without_a_high_priority_stream(mode, priority, monkey
     the current stream (a GPU's scheduling only; the interpreter runs the same order): the same results as one scan."""
     xs = _inputs(2, 200, 1, 2, 32, 32)
     ref = _run(monkeypatch, launch_spy, xs, 0, BT=32, h0=True, mode=mode)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_PRIORITY", priority)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_PRIORITY", priority)
     out = _run(monkeypatch, launch_spy, xs, 2, BT=32, h0=True, mode=mode)
     assert out[3:] == (3, 3), "segment launches"
     _same("o", ref[0], out[0])
@@ -103,8 +104,8 @@ def test_segments_with_and_without_a_high_priority_stream(mode, priority, monkey
 def test_segments_fall_back_to_one_scan(monkeypatch, launch_spy):
     """Varlen inputs, and sequences with fewer than two segments' chunks, run one w/u launch and one scan."""
     xs = _inputs(1, 40, 1, 2, 32, 32)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 2)
-    scans = launch_spy(fwd, "_scan_kernel")
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_CHUNKS", 2)
+    scans = launch_spy(fwd_mod, "_scan_kernel")
     chunk_kda(*xs[:5], initial_state=xs[5][:1], chunk_size=32)  # 2 chunks: one segment of 2
     chunk_kda(*xs[:5], initial_state=torch.cat([xs[5][:1]] * 2), chunk_size=16,
               cu_seqlens=torch.tensor([0, 15, 40], device=DEV))
@@ -128,16 +129,16 @@ def test_segment_tables():
 def test_scan_segments_rule(monkeypatch):
     """NT // SEGMENT_CHUNKS segments (at least 2) when the scan runs fewer programs than SEGMENT_BELOW x the
     multiprocessors of the device (132 here, as an H200's), padded layout only; 0 off with SEGMENT_CHUNKS 0."""
-    monkeypatch.setattr(fwd, "device_sms", lambda dev: 132)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 128)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 1)
+    monkeypatch.setattr(launch_mod, "device_sms", lambda dev: 132)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_CHUNKS", 128)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_BELOW", 1)
     dev = torch.device("cpu")
-    assert fwd.scan_segments(256, 128, None, dev) == 2  # (2, 16384, 16, 128): 128 programs at V block 32
-    assert fwd.scan_segments(1024, 64, None, dev) == 8  # (1, 65536, 16, 128)
-    assert fwd.scan_segments(1024, 64, torch.tensor([0, 65536]), dev) == 0  # varlen
-    assert fwd.scan_segments(64, 256, None, dev) == 0  # (8, 4096, 16, 128): too few chunks
-    assert fwd.scan_segments(300, 132, None, dev) == 0  # as many programs as multiprocessors
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_BELOW", 2)
-    assert fwd.scan_segments(300, 132, None, dev) == 2
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "SEGMENT_CHUNKS", 0)
-    assert fwd.scan_segments(1024, 64, None, dev) == 0
+    assert launch_mod.scan_segments(256, 128, None, dev) == 2  # (2, 16384, 16, 128): 128 programs at V block 32
+    assert launch_mod.scan_segments(1024, 64, None, dev) == 8  # (1, 65536, 16, 128)
+    assert launch_mod.scan_segments(1024, 64, torch.tensor([0, 65536]), dev) == 0  # varlen
+    assert launch_mod.scan_segments(64, 256, None, dev) == 0  # (8, 4096, 16, 128): too few chunks
+    assert launch_mod.scan_segments(300, 132, None, dev) == 0  # as many programs as multiprocessors
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_BELOW", 2)
+    assert launch_mod.scan_segments(300, 132, None, dev) == 2
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_CHUNKS", 0)
+    assert launch_mod.scan_segments(1024, 64, None, dev) == 0

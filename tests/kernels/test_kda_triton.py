@@ -1,7 +1,7 @@
 """Triton KDA kernels (K3_KERNELS=triton) vs the float64 naive recurrence (kda.md section 6).
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set per test), so shapes are tiny: T <= 80,
-H <= 2, D in {32, 60}. Gradients (Triton chunk backward, triton_chunk_bwd.py) are checked against autograd through
+H <= 2, D in {32, 60}. Gradients (Triton chunk backward, triton/chunk_bwd.py) are checked against autograd through
 the float64 recurrence with the kda.md 6.2 thresholds. On a CUDA machine the same tests run on the GPU in fp32 and
 bf16. Outputs are allocated with torch.empty, which conftest NaN-poisons, so any element a kernel fails to write fails
 the comparison.
@@ -37,6 +37,12 @@ from k3.kernels.kda import (
     naive_recurrent_kda,
 )
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_torch
+from k3.kernels.kda.triton import chunk_bwd as bwd_mod
+from k3.kernels.kda.triton import chunk_fwd as fwd_mod
+from k3.kernels.kda.triton import common as common_mod
+from k3.kernels.kda.triton import launch as launch_mod
+from k3.kernels.kda.triton import norm as norm_mod
+from k3.kernels.kda.triton import recurrent as rec_mod
 from k3.kernels.testing import assert_close
 
 DEV = "cuda" if CUDA else "cpu"
@@ -45,15 +51,11 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 
 
 @pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch, triton_cpu):
+def _triton_backend(triton_cpu, kernel_env):
     """K3_KERNELS=triton for the public ops (on a CPU under Triton's interpreter: conftest's triton_cpu), with the
     Triton backward. Restored after each test."""
-    monkeypatch.setenv("K3_KERNELS", "triton")
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
-    dispatch.kernel_backend.cache_clear()
+    kernel_env(K3_KERNELS="triton", K3_KDA_BWD="triton")
     assert dispatch.kernel_backend() == "triton"
-    yield
-    dispatch.kernel_backend.cache_clear()
 
 
 def make_inputs(B, T, H, HV, K, V, dtype, N=None):
@@ -172,11 +174,10 @@ def test_recurrent_varlen():
 @pytest.mark.parametrize("wide", [False, True], ids=["bv32", "bv64"])
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_recurrent_state_pool_in_place(state_v_first, wide, monkeypatch):
-    """Pool slots read and written in place; `wide`: the V block of large batches (triton_recurrent.BV_WIDE, one
+    """Pool slots read and written in place; `wide`: the V block of large batches (recurrent.BV_WIDE, one
     masked block over V = 60) instead of two blocks of 32."""
-    from k3.kernels.kda import triton_recurrent
 
-    monkeypatch.setattr(triton_recurrent, "WIDE_FROM", 1 if wide else 1 << 30)
+    monkeypatch.setattr(rec_mod, "WIDE_FROM", 1 if wide else 1 << 30)
     B, T, HV, D = 3, 2, 2, 60
     q, k, v, g, beta, _ = make_inputs(B, T, 1, HV, D, D, torch.float32)
     pool = torch.randn(5, HV, D, D, device=DEV)  # [P, HV, K, V] (read as V-first when state_v_first)
@@ -304,7 +305,7 @@ def test_chunk_gradients_match_naive(B, T, H, HV, D, BT, safe, h0, final, dtype)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_chunk_gradients_wide_heads(dtype):
     """K = V = 256 (the widest head the kernels take): the w/u kernel in two K blocks, the scans at V block 32 (and on
-    an H200 possibly at 1 stage: triton_common.launch_fitting), the backward inter kernel in four K blocks; outputs
+    an H200 possibly at 1 stage: common.launch_fitting), the backward inter kernel in four K blocks; outputs
     and every gradient against the float64 recurrence."""
     q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 256, 256, dtype)  # two chunks: the halves carried across
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
@@ -318,7 +319,7 @@ def test_chunk_gradients_unequal_key_and_value_dims(K, V, dtype):
     """K != V: each kernel takes its K-side launch (the forward intra kernel's K <= 64 warps, the backward intra
     kernel's K blocks, the reverse scan's K halves above 128) and V-side blocks (the scans' and inter kernel's V
     blocks) independently. In bf16 on a GPU too: V = 32 there once put the w/u kernel at V block 32, which the H200
-    miscompiles (triton_chunk.v_block)."""
+    miscompiles (launch.v_block)."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, K, V, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
@@ -355,27 +356,27 @@ def test_chunk_gradients_lower_bound_gates_safe_path():
         assert_close(name, r, x, ratio)
 
 
-def test_chunk_backward_switch(monkeypatch):
+def test_chunk_backward_switch(monkeypatch, kernel_env):
     """K3_KDA_BWD=torch (PyTorch recompute) and the Triton backward agree; a bad value is a clear error."""
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 2, 32, 32, torch.float32)
-    monkeypatch.setenv("K3_KDA_BWD", "torch")
+    kernel_env(K3_KDA_BWD="torch")
     torch.manual_seed(7)  # grads_vs_naive draws do, dht: the same draws in both calls
     _, torch_bwd = grads_vs_naive(q, k, v, g, beta, h0)
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
+    kernel_env(K3_KDA_BWD="triton")
     torch.manual_seed(7)
     _, triton_bwd = grads_vs_naive(q, k, v, g, beta, h0)
     for name, a, b in zip(GRAD_NAMES, torch_bwd, triton_bwd, strict=True):
         assert_close(name, a, b, 1e-4)
-    monkeypatch.setenv("K3_KDA_BWD", "bogus")
+    kernel_env(K3_KDA_BWD="bogus")
     with pytest.raises(ValueError, match="K3_KDA_BWD"):
         grads_vs_naive(q, k, v, g, beta, h0)
 
 
 @pytest.mark.parametrize("bwd", ["triton", "torch"])
-def test_chunk_gradients_through_the_final_state_only(bwd, monkeypatch):
+def test_chunk_gradients_through_the_final_state_only(bwd, monkeypatch, kernel_env):
     """o unused (autograd passes no gradient for it: the Function does not materialize zeros) and the state
     buffer h unused: the gradients still match the recurrence's, on both backward paths."""
-    monkeypatch.setenv("K3_KDA_BWD", bwd)
+    kernel_env(K3_KDA_BWD=bwd)
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 32, torch.float32)
     dht = torch.randn(1, 2, 32, 32, device=DEV)
     xs = [q, k, v, g, beta, h0]
@@ -394,12 +395,11 @@ def test_chunk_gradients_through_the_final_state_only(bwd, monkeypatch):
 @pytest.mark.parametrize("D", [32, 60, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_l2norm_triton_matches_float64(D, dtype):
-    """triton_l2norm (one pass each way) vs the float64 formula and its autograd: output and input gradient."""
-    from k3.kernels.kda.triton_l2norm import l2norm_triton
+    """norm.l2norm_triton (one pass each way) vs the float64 formula and its autograd: output and input gradient."""
 
     x = (torch.randn(3, 7, 2, D) * 3).to(DEV, dtype).requires_grad_()
     dy = torch.randn(3, 7, 2, D).to(DEV, dtype)
-    y = l2norm_triton(x)
+    y = norm_mod.l2norm_triton(x)
     (dx,) = torch.autograd.grad(y, x, dy)
     x64 = x.detach().double().requires_grad_()
     y64 = l2norm(x64)
@@ -462,8 +462,8 @@ def test_chunk_varlen_and_intermediate_states():
     assert h.shape == (1, 3, 1, 32, 32) and h.dtype == torch.float32
     assert_close("h[0]", h0[0], h[0, 0], 1e-5)
     assert_close("h[1]", h0[1], h[0, 1], 1e-5)
-    _, s64 = naive64(q[:, 15:79], k[:, 15:79], v[:, 15:79], g[:, 15:79], beta[:, 15:79], h0[1:2])
-    assert_close("h[2]", s64[0], h[0, 2], 1e-5)
+    _, s_f64 = naive64(q[:, 15:79], k[:, 15:79], v[:, 15:79], g[:, 15:79], beta[:, 15:79], h0[1:2])
+    assert_close("h[2]", s_f64[0], h[0, 2], 1e-5)
 
 
 def test_chunk_extreme_gates_exact_path():
@@ -524,18 +524,17 @@ def test_backend_selection(monkeypatch):
 def test_varlen_chunk_layout_is_reused_only_for_the_same_unmodified_tensor():
     """chunk_layout reads cu_seqlens on the host once per tensor object (every layer of a step passes the same
     one); an in-place change or another tensor with other values recomputes it."""
-    from k3.kernels.kda.triton_common import chunk_layout
 
     cu = torch.tensor([0, 5, 70, 70, 130])
-    first = chunk_layout(1, 130, 64, cu, "cpu")
-    assert chunk_layout(1, 130, 64, cu, "cpu") is first
+    first = common_mod.chunk_layout(1, 130, 64, cu, "cpu")
+    assert common_mod.chunk_layout(1, 130, 64, cu, "cpu") is first
     assert first[:3] == (4, 0, 1 + 2 + 0 + 1)
     cu[1] = 40  # in place: a new _version
-    again = chunk_layout(1, 130, 64, cu, "cpu")
+    again = common_mod.chunk_layout(1, 130, 64, cu, "cpu")
     assert again is not first and again[2] == 1 + 1 + 0 + 1
     other = torch.tensor([0, 64, 70, 70, 130])
-    assert chunk_layout(1, 130, 64, other, "cpu")[2] == 1 + 1 + 0 + 1
-    assert chunk_layout(1, 130, 32, cu, "cpu")[2] == 2 + 1 + 0 + 2  # another chunk size
+    assert common_mod.chunk_layout(1, 130, 64, other, "cpu")[2] == 1 + 1 + 0 + 1
+    assert common_mod.chunk_layout(1, 130, 32, cu, "cpu")[2] == 2 + 1 + 0 + 2  # another chunk size
 
 
 PREC_CASES = [(prec, c) for prec in ("tf32", "bf16") for c in GRAD_CASES]
@@ -545,54 +544,53 @@ PREC_CASES = [(prec, c) for prec in ("tf32", "bf16") for c in GRAD_CASES]
                          ids=[f"{p}-{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}" for p, c in PREC_CASES])
 def test_chunk_gradients_reduced_precision_dots(prec, B, T, H, HV, D, BT, safe, h0, final, monkeypatch):
     """bf16 inputs with the backward's inter-chunk dots (scan, inter kernel, the intra kernel's off-diagonal blocks)
-    in tf32 or bf16 (triton_chunk_bwd.LAUNCH[...]["PREC"]): the gradients still meet the bf16 thresholds against
+    in tf32 or bf16 (launch.LAUNCH[...]["PREC"]): the gradients still meet the bf16 thresholds against
     the recurrence (kda.md 6.2; the intra kernel's diagonal blocks keep bf16x3). On the CPU, whose interpreter
     ignores tf32 and cannot run bf16 inputs (its bf16 tl.dot is broken), the bf16 case runs fp32 inputs with those
-    dots' operands rounded to bf16 (triton_common._dot's emulation): the rounding, checked at the bf16 thresholds."""
-    from k3.kernels.kda import triton_chunk_bwd
+    dots' operands rounded to bf16 (common._dot's emulation): the rounding, checked at the bf16 thresholds."""
 
     dtype = torch.bfloat16
     if not CUDA:
         if prec == "tf32":
             pytest.skip("tf32 is a GPU setting: the interpreter multiplies in fp32")
         dtype = torch.float32
-        monkeypatch.setattr(triton_chunk_bwd, "_prec", lambda name, dt: "bf16_emulated")
+        monkeypatch.setattr(bwd_mod, "dot_prec", lambda name, dt: "bf16_emulated")
     for name in ("bwd_scan", "bwd_inter", "bwd_intra"):
-        monkeypatch.setitem(triton_chunk_bwd.LAUNCH[name], "PREC", prec)
+        monkeypatch.setitem(launch_mod.LAUNCH[name], "PREC", prec)
     q, k, v, g, beta, s0 = make_inputs(B, T, H, HV, D, D, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, s0 if h0 else None, BT=BT, safe=safe, final=final)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=False):
         assert_close(name, r, x, ratio_for(torch.bfloat16, ratio))
 
 
-def test_backward_dot_precision_setting(monkeypatch):
+def test_backward_dot_precision_setting(monkeypatch, kernel_env):
     """fp32 inputs run tf32x3 dots unless K3_KDA_FP32_DOTS says otherwise; bf16/fp16 take LAUNCH[...]["PREC"] for
     the scan and inter kernels and the intra kernel's off-diagonal dots (its diagonal keeps bf16x3, kda.md 3.3); an
     unknown precision is a clear error; the interpreter runs what it can (bf16x3 as IEEE, bf16 emulated)."""
-    from k3.kernels.kda import triton_chunk_bwd as bwd
 
-    monkeypatch.delenv("K3_KDA_FP32_DOTS", raising=False)
-    assert bwd._prec("bwd_inter", torch.float32) == "tf32x3"
-    assert bwd._prec("bwd_intra", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_intra"]["PREC"])
-    monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "bf16")
-    assert bwd._prec("bwd_scan", torch.bfloat16) == ("bf16_emulated" if triton_interpreter() else "bf16")
-    assert bwd._interpreted("bf16x3") == ("ieee" if triton_interpreter() else "bf16x3")
-    monkeypatch.setitem(bwd.LAUNCH["bwd_inter"], "PREC", "tf32")
-    assert bwd._prec("bwd_inter", torch.float16) == "tf32"
-    assert bwd._prec("bwd_scan", torch.bfloat16) == bwd._interpreted(bwd.LAUNCH["bwd_scan"]["PREC"])
-    monkeypatch.setitem(bwd.LAUNCH["bwd_scan"], "PREC", "fp8")
+    kernel_env(K3_KDA_FP32_DOTS=None)
+    assert launch_mod.dot_prec("bwd_inter", torch.float32) == "tf32x3"
+    assert launch_mod.dot_prec("bwd_intra", torch.bfloat16) == launch_mod.interpreted(
+        launch_mod.LAUNCH["bwd_intra"]["PREC"])
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_scan"], "PREC", "bf16")
+    assert launch_mod.dot_prec("bwd_scan", torch.bfloat16) == ("bf16_emulated" if triton_interpreter() else "bf16")
+    assert launch_mod.interpreted("bf16x3") == ("ieee" if triton_interpreter() else "bf16x3")
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "PREC", "tf32")
+    assert launch_mod.dot_prec("bwd_inter", torch.float16) == "tf32"
+    assert launch_mod.dot_prec("bwd_scan", torch.bfloat16) == launch_mod.interpreted(
+        launch_mod.LAUNCH["bwd_scan"]["PREC"])
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_scan"], "PREC", "fp8")
     with pytest.raises(ValueError, match=r"LAUNCH\['bwd_scan'\]\['PREC'\] = 'fp8'; use one of"):
-        bwd._prec("bwd_scan", torch.bfloat16)
+        launch_mod.dot_prec("bwd_scan", torch.bfloat16)
 
 
 @pytest.mark.parametrize("setting", ["tf32x3", "tf32", "ieee", ""])
-def test_fp32_dot_precision_setting(setting, monkeypatch):
+def test_fp32_dot_precision_setting(setting, monkeypatch, kernel_env):
     """K3_KDA_FP32_DOTS picks the dot precision every chunk kernel gets for fp32 inputs, forward and backward (unset or
     empty: tf32x3); the outputs and gradients stay within the fp32 ratios (on the CPU the interpreter multiplies in fp32
     whatever the setting: there this checks what reaches the kernels). bf16 inputs are unaffected."""
-    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
 
-    monkeypatch.setenv("K3_KDA_FP32_DOTS", setting)
+    kernel_env(K3_KDA_FP32_DOTS=setting)
     want = setting or "tf32x3"
     seen = []
 
@@ -601,9 +599,8 @@ def test_fp32_dot_precision_setting(setting, monkeypatch):
         monkeypatch.setattr(module, name, type("Spy", (), {"__name__": name, "__getitem__": lambda _, grid: (
             lambda *a, **kw: (seen.append((name, kw.get("PREC"), kw.get("OFF"))), real[grid](*a, **kw))[1])})())
 
-    for module, name in ((triton_chunk, "_intra_sub_kernel"), (triton_chunk, "_solve_kernel"),
-                         (triton_chunk, "_wu_kernel"), (triton_chunk_bwd, "_bwd_inter_kernel"),
-                         (triton_chunk_bwd, "_bwd_intra_kernel")):
+    for module, name in ((fwd_mod, "_intra_sub_kernel"), (fwd_mod, "_solve_kernel"), (fwd_mod, "_wu_kernel"),
+                         (bwd_mod, "_bwd_inter_kernel"), (bwd_mod, "_bwd_intra_kernel")):
         spy(module, name)
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 32, torch.float32)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
@@ -613,13 +610,13 @@ def test_fp32_dot_precision_setting(setting, monkeypatch):
                                      "_bwd_intra_kernel"}
     for name, prec, off in seen:  # the backward intra kernel: PREC its diagonal dots, OFF the others
         assert prec == want and off in (None, want), (name, prec, off)
-    assert triton_chunk_bwd._prec("bwd_scan", torch.float32) == want
-    assert triton_chunk_bwd._prec("bwd_scan", torch.bfloat16) == triton_chunk_bwd._interpreted(
-        triton_chunk_bwd.LAUNCH["bwd_scan"]["PREC"])  # bf16 inputs: LAUNCH's, whatever the setting
+    assert launch_mod.dot_prec("bwd_scan", torch.float32) == want
+    assert launch_mod.dot_prec("bwd_scan", torch.bfloat16) == launch_mod.interpreted(
+        launch_mod.LAUNCH["bwd_scan"]["PREC"])  # bf16 inputs: LAUNCH's, whatever the setting
 
 
-def test_fp32_dot_precision_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("K3_KDA_FP32_DOTS", "fp8")
+def test_fp32_dot_precision_rejects_unknown_values(monkeypatch, kernel_env):
+    kernel_env(K3_KDA_FP32_DOTS="fp8")
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
     with pytest.raises(ValueError, match=r"K3_KDA_FP32_DOTS must be one of \('ieee', 'tf32x3', 'tf32'\), got 'fp8'"):
         chunk_kda(q, k, v, g, beta, initial_state=h0)
@@ -628,24 +625,23 @@ def test_fp32_dot_precision_rejects_unknown_values(monkeypatch):
 def test_v_blocks_keep_the_wu_kernel_off_narrow_blocks(monkeypatch):
     """LAUNCH's BV, capped at next_pow2(V) and at 32 for K > 128; the w/u kernel runs blocks of at least
     LAUNCH["wu"]["MIN_BV"] (64) whatever K and V (its V-block 16 and 32 launches hit an illegal memory access or
-    computed wrong outputs on the H200, at V = 128 and at V = 32: triton_chunk.v_block)."""
-    from k3.kernels.kda import triton_chunk as fwd
+    computed wrong outputs on the H200, at V = 128 and at V = 32: launch.v_block)."""
 
     for name in ("wu", "scan"):
-        monkeypatch.setitem(fwd.LAUNCH[name], "BV", 16)
-    assert fwd.v_block("scan", 128, 128) == 16
-    assert fwd.v_block("wu", 128, 128) == 64
-    assert fwd.v_block("wu", 32, 32) == 64  # V = 32: one block, half of it masked
-    assert fwd.v_block("wu", 16, 16) == 64
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "MIN_BV", 32)
-    assert fwd.v_block("wu", 32, 32) == 32
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "MIN_BV", 64)
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "BV", 64)
-    assert fwd.v_block("wu", 128, 128) == 64
-    assert fwd.v_block("wu", 60, 64) == 64
-    assert fwd.v_block("wu", 128, 256) == 64  # K > 128: the other kernels take 32
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
-    assert fwd.v_block("scan", 128, 256) == 32
+        monkeypatch.setitem(launch_mod.LAUNCH[name], "BV", 16)
+    assert launch_mod.v_block("scan", 128, 128) == 16
+    assert launch_mod.v_block("wu", 128, 128) == 64
+    assert launch_mod.v_block("wu", 32, 32) == 64  # V = 32: one block, half of it masked
+    assert launch_mod.v_block("wu", 16, 16) == 64
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "MIN_BV", 32)
+    assert launch_mod.v_block("wu", 32, 32) == 32
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "MIN_BV", 64)
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "BV", 64)
+    assert launch_mod.v_block("wu", 128, 128) == 64
+    assert launch_mod.v_block("wu", 60, 64) == 64
+    assert launch_mod.v_block("wu", 128, 256) == 64  # K > 128: the other kernels take 32
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "BV", 64)
+    assert launch_mod.v_block("scan", 128, 256) == 32
 
 
 def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch, launch_kwargs):
@@ -653,29 +649,27 @@ def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch, launch_kwargs):
     backward's recompute, K <= 64, or a cap of 0 keep v_block and launch_opts. A LAUNCH entry's own "maxnreg" (0 by
     default) reaches its kernel's options (register_cap), forward and backward. And the forward passes wu_launch's
     block and cap to the kernel (a launch that records its keywords; the interpreter ignores maxnreg)."""
-    from k3.kernels.kda import triton_chunk as fwd
-    from k3.kernels.kda import triton_chunk_bwd as bwd
 
-    plain = fwd.launch_opts("wu")
+    plain = launch_mod.launch_opts("wu")
     assert "maxnreg" not in plain
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 168)
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_BV", 128)
-    assert fwd.wu_launch(128, 128, True) == (128, {**plain, "maxnreg": 168})
-    assert fwd.wu_launch(60, 128, True) == (64, {**plain, "maxnreg": 168})  # at most next_pow2(V)
-    assert fwd.wu_launch(128, 256, True)[1]["maxnreg"] == 168  # K = 256: two K blocks of 128
-    assert fwd.wu_launch(128, 128, False) == (fwd.v_block("wu", 128, 128), plain)  # the recompute (qg)
-    assert fwd.wu_launch(64, 64, True) == (64, plain)  # K block 64
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 0)
-    assert fwd.wu_launch(128, 128, True) == (fwd.v_block("wu", 128, 128), plain)
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "maxnreg", 200)
-    monkeypatch.setitem(bwd.LAUNCH["bwd_intra"], "maxnreg", 192)
-    assert fwd.intra_opts(128)["maxnreg"] == 200 and fwd.intra_opts(32)["maxnreg"] == 200
-    assert bwd.intra_launch(128)[1]["maxnreg"] == 192
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "maxnreg", 0)
-    assert "maxnreg" not in fwd.intra_opts(128)
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "FWD_MAXNREG", 168)
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "FWD_BV", 128)
+    assert launch_mod.wu_launch(128, 128, True) == (128, {**plain, "maxnreg": 168})
+    assert launch_mod.wu_launch(60, 128, True) == (64, {**plain, "maxnreg": 168})  # at most next_pow2(V)
+    assert launch_mod.wu_launch(128, 256, True)[1]["maxnreg"] == 168  # K = 256: two K blocks of 128
+    assert launch_mod.wu_launch(128, 128, False) == (launch_mod.v_block("wu", 128, 128), plain)  # the recompute (qg)
+    assert launch_mod.wu_launch(64, 64, True) == (64, plain)  # K block 64
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "FWD_MAXNREG", 0)
+    assert launch_mod.wu_launch(128, 128, True) == (launch_mod.v_block("wu", 128, 128), plain)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "maxnreg", 200)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_intra"], "maxnreg", 192)
+    assert launch_mod.intra_opts(128)["maxnreg"] == 200 and launch_mod.intra_opts(32)["maxnreg"] == 200
+    assert launch_mod.intra_launch(128)[1]["maxnreg"] == 192
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "maxnreg", 0)
+    assert "maxnreg" not in launch_mod.intra_opts(128)
 
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "FWD_MAXNREG", 168)
-    seen = launch_kwargs(fwd, "_wu_kernel", ("BV", "maxnreg", "STORE_QG"))
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "FWD_MAXNREG", 168)
+    seen = launch_kwargs(fwd_mod, "_wu_kernel", ("BV", "maxnreg", "STORE_QG"))
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 128, 128, torch.float32)
     o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
     ro, _ = naive_recurrent_kda(*(x.double().cpu() for x in (q, k, v, g, beta)), initial_state=h0.double().cpu())
@@ -686,19 +680,19 @@ def test_wu_launch_caps_the_forward_at_k_block_128(monkeypatch, launch_kwargs):
 def test_solve_register_cap_only_in_a_training_forward(monkeypatch, launch_kwargs):
     """solve_opts: the register cap TRAIN_MAXNREG goes to the training solve (from Akk and beta) only; the inference
     solve (from L) takes launch_opts. chunk_fwd_pipeline launches each accordingly (a spy on the launch keywords)."""
-    from k3.kernels.kda import triton_chunk as fwd
 
-    monkeypatch.setitem(fwd.LAUNCH["solve"], "TRAIN_MAXNREG", 112)
-    assert fwd.solve_opts(True) == {**fwd.launch_opts("solve"), "maxnreg": 112}
-    assert fwd.solve_opts(False) == fwd.launch_opts("solve") and "maxnreg" not in fwd.solve_opts(False)
-    seen = launch_kwargs(fwd, "_solve_kernel", ("BETA", "maxnreg"))
+    monkeypatch.setitem(launch_mod.LAUNCH["solve"], "TRAIN_MAXNREG", 112)
+    assert launch_mod.solve_opts(True) == {**launch_mod.launch_opts("solve"), "maxnreg": 112}
+    assert launch_mod.solve_opts(False) == launch_mod.launch_opts("solve")
+    assert "maxnreg" not in launch_mod.solve_opts(False)
+    seen = launch_kwargs(fwd_mod, "_solve_kernel", ("BETA", "maxnreg"))
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
     kw = {"scale": 32**-0.5, "safe_shift": None, "chunk_size": 64, "cu_seqlens": None, "h_fp32": False}
     for store_akk in (True, False):
-        fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, store_akk=store_akk, **kw)
+        fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, store_akk=store_akk, **kw)
     assert seen == [(True, 112), (False, None)]
-    monkeypatch.setitem(fwd.LAUNCH["solve"], "TRAIN_MAXNREG", 0)
-    assert "maxnreg" not in fwd.solve_opts(True)
+    monkeypatch.setitem(launch_mod.LAUNCH["solve"], "TRAIN_MAXNREG", 0)
+    assert "maxnreg" not in launch_mod.solve_opts(True)
 
 
 @pytest.mark.parametrize("D,split", [(100, 64), (32, 16)], ids=["K100-halves64", "K32-halves16"])
@@ -707,21 +701,20 @@ def test_forward_in_k_halves_matches_naive(D, split, monkeypatch, launch_kwargs)
     the second half masked to 36 columns) against the float64 recurrence, and against the unsplit forward, with a
     partial chunk and an initial state; the launch spy sees two K halves, the solve adding two parts of L, and the
     output's reader two of Aqk: the scan (output fused) or, with the states returned in fp32, the output kernel."""
-    from k3.kernels.kda import triton_chunk as fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, D, 32, torch.float32)
     g = g.clamp_min(-5.0)
     kw = {"scale": D**-0.5, "safe_shift": 7.5 * 5.0 / 2, "chunk_size": 64, "cu_seqlens": None, "h_fp32": False,
           "l_fp16": True}
     ro, rs = naive64(q, k, v, g, beta, h0)
-    whole = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
-    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("BK", "KSPLIT"))
-    solve = launch_kwargs(fwd, "_solve_kernel", ("PARTS",))
-    scan = launch_kwargs(fwd, "_scan_kernel", ("OUTPUT", "AQK_PARTS"))
-    output = launch_kwargs(fwd, "_output_kernel", ("AQK_PARTS",))
-    halves = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
-    states = fwd.chunk_fwd_pipeline(q, k, v, g, beta, h0, **{**kw, "h_fp32": True})  # the output kernel's path
+    whole = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", split)
+    intra = launch_kwargs(fwd_mod, "_intra_sub_kernel", ("BK", "KSPLIT"))
+    solve = launch_kwargs(fwd_mod, "_solve_kernel", ("PARTS",))
+    scan = launch_kwargs(fwd_mod, "_scan_kernel", ("OUTPUT", "AQK_PARTS"))
+    output = launch_kwargs(fwd_mod, "_output_kernel", ("AQK_PARTS",))
+    halves = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, **kw)
+    states = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, **{**kw, "h_fp32": True})  # the output kernel's path
     assert intra == [(split, 2)] * 2 and solve == [(2,)] * 2
     assert scan == [(True, 2), (False, 2)] and output == [(2,)]
     for name, r in (("whole", whole), ("K halves", halves), ("K halves, output kernel", states)):
@@ -738,21 +731,19 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
     output kernel's path, which reads q itself) q is normalised before the kernels instead. Raw rows of norm far from
     1, a partial chunk, an initial state, K = 64: outputs and final states as the float64 recurrence on the normalised
     q, k, and as with Q_RSTD off (q normalised by the pass). Then in K halves of 32 (V = 32: the case the H200 got
-    wrong in bf16 until the w/u kernel's V block floor, triton_chunk.v_block; session 23)."""
-    from k3.kernels.kda import triton_chunk as fwd
-    from k3.kernels.kda import triton_l2norm
+    wrong in bf16 without the w/u kernel's V block floor, launch.v_block)."""
 
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "Q_RSTD", True)
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 0)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "Q_RSTD", True)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", 0)
     q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(64, 32, dtype)
-    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("Q_RSTD",))
-    norm = launch_kwargs(triton_l2norm, "_l2norm_fwd_kernel", ("STORE_Y",))
+    intra = launch_kwargs(fwd_mod, "_intra_sub_kernel", ("Q_RSTD",))
+    norm = launch_kwargs(norm_mod, "_l2norm_fwd_kernel", ("STORE_Y",))
     kw = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "safe_gate": True,
           "lower_bound": -5.0}
     with torch.no_grad():
         rows = chunk_kda(q, k, v, g, beta, **kw)
         states = chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)[:2]
-        monkeypatch.setitem(fwd.LAUNCH["intra"], "Q_RSTD", False)
+        monkeypatch.setitem(launch_mod.LAUNCH["intra"], "Q_RSTD", False)
         normed = chunk_kda(q, k, v, g, beta, **kw)
     assert intra == [(True,), (False,), (False,)]
     assert norm == [(False,), (True,)] * 2 + [(True,), (True,)]
@@ -763,13 +754,12 @@ def test_inference_forward_scales_q_rows_by_its_rstd(dtype, monkeypatch, launch_
     assert_close("o (q rows scaled vs normalised)", normed[0].double(), rows[0], 1e-3 if dtype == torch.float32
                  else 0.01)
     # in K halves: the pipeline called with fp16 L and q's rstd, as chunk_kda calls it for bf16 inputs
-    from k3.kernels.kda.triton_l2norm import l2norm_fwd
 
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 64)
-    split = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
-    (_, rq), (kn, _) = l2norm_fwd(q, store_y=False), l2norm_fwd(k)
-    r = fwd.chunk_fwd_pipeline(q, kn, v, g, beta, h0.float(), scale=64**-0.5, safe_shift=7.5 * 5.0 / 2,
-                               chunk_size=64, cu_seqlens=None, h_fp32=False, l_fp16=True, q_rstd=rq)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", 64)
+    split = launch_kwargs(fwd_mod, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
+    (_, rq), (kn, _) = norm_mod.l2norm_fwd(q, store_y=False), norm_mod.l2norm_fwd(k)
+    r = fwd_mod.chunk_fwd_pipeline(q, kn, v, g, beta, h0.float(), scale=64**-0.5, safe_shift=7.5 * 5.0 / 2,
+                                   chunk_size=64, cu_seqlens=None, h_fp32=False, l_fp16=True, q_rstd=rq)
     assert split == [(2, True)]
     assert_close("o (K halves, q's rows by rstd)", ro, r["o"], tol)
     assert_close("ht (K halves, q's rows by rstd)", rs, r["ht"], tol)
@@ -782,17 +772,16 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bound
     partial chunk and an initial state. fp16: under the interpreter its dots are the GPU's formats (bf16 ones need
     conftest's bf16_dots). Outputs and final states as the float64 recurrence on the normalised q, k, and as the
     unsplit forward; no load or store outside the launches' tensors (conftest's bounds_check)."""
-    from k3.kernels.kda import triton_chunk as fwd
 
     q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(D, 32, torch.float16)
-    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
-    scan = launch_kwargs(fwd, "_scan_kernel", ("AQK_PARTS",))
+    intra = launch_kwargs(fwd_mod, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
+    scan = launch_kwargs(fwd_mod, "_scan_kernel", ("AQK_PARTS",))
     kw = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "safe_gate": True,
           "lower_bound": -5.0}
     with torch.no_grad():
-        monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", 0)
+        monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", 0)
         whole = chunk_kda(q, k, v, g, beta, **kw)
-        monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", D)
+        monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", D)
         halves = chunk_kda(q, k, v, g, beta, **kw)
     assert intra == [(1, True), (2, True)] and scan == [(1,), (2,)]
     assert bounds_check == []
@@ -806,17 +795,16 @@ def test_half_inference_forward_in_k_halves(D, monkeypatch, launch_kwargs, bound
                          ids=["K64-V32-whole", "K64-V32-halves32", "K128-V128-halves64"])
 def test_bf16_inference_forward_interpreted(D, V, split, monkeypatch, launch_kwargs, bf16_dots, bounds_check):
     """chunk_kda on bf16 inputs with the q / k L2 norm and no gradients, whole and in K halves, q's rows scaled by
-    its rstd; under the interpreter with bf16 dots as a GPU computes them (conftest's bf16_dots). The case that failed
-    on the H200 in session 22 (K = 64, V = 32, T = 70) is right in bf16 arithmetic here: the fault was the compiled
-    w/u kernel's at V block 32, whole or in halves (session 23; now at V block 64, triton_chunk.v_block), which this
-    test on a GPU checks. Outputs and final states against the float64 recurrence on the normalised q, k (0.03: the
-    interpreter's fp32 -> bf16 casts truncate; the GPU tests' bf16 bound is 0.02), and no load or store outside the
-    launches' tensors (conftest's bounds_check, interpreter only)."""
-    from k3.kernels.kda import triton_chunk as fwd
+    its rstd; under the interpreter with bf16 dots as a GPU computes them (conftest's bf16_dots). The case that fails
+    on the H200 at a w/u V block of 32 (K = 64, V = 32, T = 70, whole or in halves: a compiled-code fault, hence
+    launch.v_block's floor of 64) is right in bf16 arithmetic here, and this test on a GPU checks the compiled one.
+    Outputs and final states against the float64 recurrence on the normalised q, k (0.03: the interpreter's fp32 ->
+    bf16 casts truncate; the GPU tests' bf16 bound is 0.02), and no load or store outside the launches' tensors
+    (conftest's bounds_check, interpreter only)."""
 
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "KSPLIT_FROM", split)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", split)
     q, k, v, g, beta, h0, ro, rs = raw_qk_inputs(D, V, torch.bfloat16)
-    intra = launch_kwargs(fwd, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
+    intra = launch_kwargs(fwd_mod, "_intra_sub_kernel", ("KSPLIT", "Q_RSTD"))
     with torch.no_grad():
         o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                          safe_gate=True, lower_bound=-5.0)
@@ -830,7 +818,6 @@ def test_l_in_fp16_only_for_normalised_half_inputs(monkeypatch):
     """l_in_fp16: L in fp16 for bf16 / fp16 inputs whose q and k the forward L2-normalises (|L| <= 1), never for fp32
     inputs or raw keys, and not with LAUNCH["intra"]["L_FP16"] off; chunk_kda passes that choice to
     chunk_fwd_pipeline (a spy that stops the call there)."""
-    from k3.kernels.kda import triton_chunk as fwd
 
     class Stop(Exception):
         pass
@@ -841,15 +828,15 @@ def test_l_in_fp16_only_for_normalised_half_inputs(monkeypatch):
         seen.append(kw["l_fp16"])
         raise Stop
 
-    monkeypatch.setattr(fwd, "chunk_fwd_pipeline", spy)
+    monkeypatch.setattr(fwd_mod, "chunk_fwd_pipeline", spy)
     for dtype, norm in itertools.product((torch.bfloat16, torch.float16, torch.float32), (True, False)):
-        assert fwd.l_in_fp16(norm, dtype) == (norm and dtype != torch.float32)
+        assert launch_mod.l_in_fp16(norm, dtype) == (norm and dtype != torch.float32)
         q, k, v, g, beta, _ = make_inputs(1, 20, 1, 1, 32, 32, dtype)
         with pytest.raises(Stop):
             chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=norm)
         assert seen.pop() == (norm and dtype != torch.float32)
-    monkeypatch.setitem(fwd.LAUNCH["intra"], "L_FP16", False)
-    assert not fwd.l_in_fp16(True, torch.bfloat16)
+    monkeypatch.setitem(launch_mod.LAUNCH["intra"], "L_FP16", False)
+    assert not launch_mod.l_in_fp16(True, torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="torch.compile traces the Triton launches only as GPU (JIT) kernels")
@@ -881,29 +868,28 @@ def test_chunk_kda_under_torch_compile_matches_eager(monkeypatch):
 def test_scan_v_block_splits_when_few_sequences():
     """The state scans halve their V block (down to 16) while N * HV * V / BV programs, halved, stay below the
     multiprocessor count."""
-    from k3.kernels.kda.triton_chunk import scan_v_block
 
-    assert scan_v_block(64, 128, 16, 132) == 16  # (1, T, 16, 128): 32 programs at BV 64 -> 128 at 16
-    assert scan_v_block(64, 128, 32, 132) == 32  # (2, T, 16, 128): 64 -> 128 (256 at 16 would not be fewer)
-    assert scan_v_block(64, 128, 33, 132) == 64  # 66 -> 132 would not be fewer
-    assert scan_v_block(64, 128, 1, 132) == 16  # never below 16 (tl.dot)
-    assert scan_v_block(64, 128, 128, 132) == 64  # (8, T, 16, 128): 256 programs already
-    assert scan_v_block(64, 64, 512, 132) == 64
-    assert scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
+    assert launch_mod.scan_v_block(64, 128, 16, 132) == 16  # (1, T, 16, 128): 32 programs at BV 64 -> 128 at 16
+    assert launch_mod.scan_v_block(64, 128, 32, 132) == 32  # (2, T, 16, 128): 64 -> 128 (256 at 16 would not be fewer)
+    assert launch_mod.scan_v_block(64, 128, 33, 132) == 64  # 66 -> 132 would not be fewer
+    assert launch_mod.scan_v_block(64, 128, 1, 132) == 16  # never below 16 (tl.dot)
+    assert launch_mod.scan_v_block(64, 128, 128, 132) == 64  # (8, T, 16, 128): 256 programs already
+    assert launch_mod.scan_v_block(64, 64, 512, 132) == 64
+    assert launch_mod.scan_v_block(64, 128, 1, 0) == 64  # no GPU (the interpreter): LAUNCH's
 
 
 def test_bwd_scan_launch():
     """The reverse scan's V block (LAUNCH["bwd_scan"]["BV"] = 128, halved as the forward scans' are) and launch: a
     block of 128 at 8 warps / 2 stages (WIDE_*), K <= 64 at SMALL_K_STAGES, K > 128 (two K halves) at most 64."""
-    from k3.kernels.kda import triton_chunk_bwd as B
 
-    wide = {"num_warps": B.LAUNCH["bwd_scan"]["WIDE_WARPS"], "num_stages": B.LAUNCH["bwd_scan"]["WIDE_STAGES"]}
-    assert B.bwd_scan_launch(128, 128, 128, 132) == (128, wide)  # (8, T, 16, 128): 128 programs
-    assert B.bwd_scan_launch(128, 128, 64, 132)[0] == 64  # (4, T, 16, 128): 128 programs at 64, not 256
-    assert B.bwd_scan_launch(128, 128, 32, 132) == (32, B._opts("bwd_scan"))  # (2, T, 16, 128), as before
-    small = B.bwd_scan_launch(64, 64, 512, 132)  # (16, T, 32, 64)
-    assert small == (64, {**B._opts("bwd_scan"), "num_stages": B.LAUNCH["bwd_scan"]["SMALL_K_STAGES"]})
-    assert B.bwd_scan_launch(256, 256, 1, 0) == (64, B._opts("bwd_scan"))  # K halves: 64 at most
+    entry, plain = launch_mod.LAUNCH["bwd_scan"], launch_mod.launch_opts("bwd_scan")
+    wide = {"num_warps": entry["WIDE_WARPS"], "num_stages": entry["WIDE_STAGES"]}
+    assert launch_mod.bwd_scan_launch(128, 128, 128, 132) == (128, wide)  # (8, T, 16, 128): 128 programs
+    assert launch_mod.bwd_scan_launch(128, 128, 64, 132)[0] == 64  # (4, T, 16, 128): 128 programs at 64, not 256
+    assert launch_mod.bwd_scan_launch(128, 128, 32, 132) == (32, plain)  # (2, T, 16, 128): the plain launch
+    small = launch_mod.bwd_scan_launch(64, 64, 512, 132)  # (16, T, 32, 64)
+    assert small == (64, {**plain, "num_stages": entry["SMALL_K_STAGES"]})
+    assert launch_mod.bwd_scan_launch(256, 256, 1, 0) == (64, plain)  # K halves: 64 at most
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -911,10 +897,9 @@ def test_chunk_gradients_with_the_wide_reverse_scan(dtype, monkeypatch, launch_s
     """The reverse scan at V block 128, one program per sequence and head (8 warps, 2 stages; on a GPU the scans
     halve their block for so few sequences, so the multiprocessor count is hidden here): gradients as the
     recurrence's. fp32 tiles do not fit 2 stages on an H200: launch_fitting relaunches that one at 1 stage."""
-    from k3.kernels.kda import triton_chunk_bwd as B
 
-    monkeypatch.setattr(B, "device_sms", lambda dev: 0)
-    grids = launch_spy(B, "_bwd_scan_kernel")
+    monkeypatch.setattr(bwd_mod, "device_sms", lambda dev: 0)
+    grids = launch_spy(bwd_mod, "_bwd_scan_kernel")
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 2, 128, 128, dtype)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     assert grids and {tuple(x) for x in grids} == {(1, 1, 2)}, "one V block of 128"
@@ -933,11 +918,11 @@ QK_NORM_CASES = [  # (B, T, H, HV, D, chunk_size, safe_gate, cu_seqlens, K3_KDA_
 @pytest.mark.parametrize("B,T,H,HV,D,BT,safe,cu,bwd", QK_NORM_CASES,
                          ids=[f"{case_id(*c[:5])}-BT{c[5]}-{'safe' if c[6] else 'exact'}{'-varlen' if c[7] else ''}-"
                               f"{c[8]}" for c in QK_NORM_CASES])
-def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, dtype, monkeypatch):
+def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, dtype, monkeypatch, kernel_env):
     """use_qk_l2norm_in_kernel=True: raw q, k (rows of norm far from 1) through the in-kernel L2 norm (its Triton pass
     each way) and the chunk kernels, against the float64 recurrence on l2norm(q), l2norm(k): outputs, final state and
     the gradients of the raw q, k (through the norm) and of v, g, beta, h0; also with the PyTorch backward."""
-    monkeypatch.setenv("K3_KDA_BWD", bwd)
+    kernel_env(K3_KDA_BWD=bwd)
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, dtype, N=None if cu is None else len(cu) - 1)
     q, k = 3 * torch.rand_like(q) - 1, 2 * torch.rand_like(k)  # raw rows of norm far from 1
     g = g.clamp_min(-5.0) if safe else g
@@ -950,19 +935,18 @@ def test_chunk_qk_l2norm_in_kernel_gradients(B, T, H, HV, D, BT, safe, cu, bwd, 
 @pytest.mark.parametrize("intra_bk,q_out", [(64, False), (16, False), (16, True)],
                          ids=["fused", "k-blocks", "k-blocks-q-from-output"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, q_out, D, varlen, monkeypatch, launch_spy):
+def test_qk_norm_backward_fused_into_the_intra_kernel(intra_bk, q_out, D, varlen, monkeypatch, launch_spy, kernel_env):
     """The L2 norm's backward runs as the backward intra kernel's epilogue (NORM) when one of its K blocks holds the
     head and q / k heads are not shared; with the head in K blocks (K block 16 at K = 32 and 60, the last block
     partial at 60) it runs its own pass, from the normalized q, k the Function keeps, or with Q_NORM_OUT q's runs in
     the intra kernel all the same (its row sum from the output and its gradient) and k's alone in the pass. All:
     gradients of the raw q, k as the recurrence's (a partial chunk; varlen with an empty sequence)."""
-    from k3.kernels.kda import triton_chunk_bwd, triton_l2norm
 
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "BK", intra_bk)
-    monkeypatch.setitem(triton_chunk_bwd.LAUNCH["bwd_intra"], "Q_NORM_OUT", q_out)
-    fwd_grids = launch_spy(triton_l2norm, "_l2norm_fwd_kernel")
-    bwd_grids = launch_spy(triton_l2norm, "_l2norm_bwd_kernel")
+    kernel_env(K3_KDA_BWD="triton")
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_intra"], "BK", intra_bk)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_intra"], "Q_NORM_OUT", q_out)
+    fwd_grids = launch_spy(norm_mod, "_l2norm_fwd_kernel")
+    bwd_grids = launch_spy(norm_mod, "_l2norm_bwd_kernel")
     cu = [0, 20, 20, 45] if varlen else None
     q, k, v, g, beta, h0 = make_inputs(1, 45, 1, 1, D, 32, torch.float32, N=3 if varlen else None)
     q, k = 3 * torch.rand_like(q) - 1, 2 * torch.rand_like(k)  # raw rows of norm far from 1
@@ -977,9 +961,8 @@ def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
     """The w/u kernel's K loop (LAUNCH["wu"]["BK"] below next_pow2(K): 2 blocks at K = 32, 4 with a partial last
     one at K = 60), in the forward and the backward's recompute (kg, qg too): outputs, final state and gradients as
     the recurrence's."""
-    from k3.kernels.kda import triton_chunk as fwd
 
-    monkeypatch.setitem(fwd.LAUNCH["wu"], "BK", 16)
+    monkeypatch.setitem(launch_mod.LAUNCH["wu"], "BK", 16)
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, D, 32, torch.float32)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     for name, r, x, ratio in zip(GRAD_NAMES, ref, out, GRAD_RATIOS, strict=True):
@@ -987,24 +970,21 @@ def test_chunk_gradients_with_the_wu_kernel_in_k_blocks(D, monkeypatch):
 
 
 @pytest.mark.parametrize("recompute", ["0", "1"], ids=["keep-states", "recompute"])
-def test_chunk_gradients_with_split_scans(monkeypatch, recompute):
+def test_chunk_gradients_with_split_scans(monkeypatch, recompute, kernel_env):
     """Both state scans at 32-wide V blocks (as on a GPU with more multiprocessors than programs): the same
     gradients as the recurrence's, with the forward's states kept (default) or recomputed by the backward."""
-    from k3.kernels.kda import triton_chunk as fwd
-    from k3.kernels.kda import triton_chunk_bwd as bwd_mod
 
-    monkeypatch.setenv("K3_KDA_BWD", "triton")
-    monkeypatch.setenv("K3_KDA_RECOMPUTE", recompute)
-    monkeypatch.setitem(fwd.LAUNCH["scan"], "BV", 64)
-    monkeypatch.setitem(bwd_mod.LAUNCH["bwd_scan"], "BV", 64)
+    kernel_env(K3_KDA_BWD="triton", K3_KDA_RECOMPUTE=recompute)
+    monkeypatch.setitem(launch_mod.LAUNCH["scan"], "BV", 64)
+    monkeypatch.setitem(launch_mod.LAUNCH["bwd_scan"], "BV", 64)
     seen = []
 
     def sms(dev):
         seen.append(dev)
         return 1000
 
-    monkeypatch.setattr(fwd, "device_sms", sms)
-    monkeypatch.setattr(bwd_mod, "device_sms", sms)
+    for mod in (fwd_mod, launch_mod, bwd_mod):  # each looks device_sms up as its own global
+        monkeypatch.setattr(mod, "device_sms", sms)
     q, k, v, g, beta, h0 = make_inputs(1, 40, 1, 2, 32, 64, torch.float32)
     ref, out = grads_vs_naive(q, k, v, g, beta, h0)
     # the forward's choice of where its output is computed (fuse_output), the forward scan, the backward's
@@ -1057,7 +1037,6 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, 
     (tests/conftest.py), so an element left unwritten fails. Also in K halves (LAUNCH["intra"]["KSPLIT_FROM"], with
     fp16 L): Gamma whole, L and Aqk as two fp16 partial sums each that add up to them (the solve adds L's, the
     output's reader Aqk's)."""
-    from k3.kernels.kda import triton_chunk
 
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32, N=None if cu is None else len(cu) - 1)
     g = g.clamp_min(-5.0) if safe else g
@@ -1071,10 +1050,10 @@ def test_intra_kernel_matches_float64_definitions(B, T, H, HV, D, BT, safe, cu, 
     lower = (torch.arange(BT)[None, :] // 16 <= (rel % BT)[:, None] // 16)[:, None, :].expand(-1, HV, -1)
     for store_akk, l_fp16, split, names in ((True, False, 0, ("Gam", "Aqk", "Akk")), (False, False, 0, ("Lkk",)),
                                             (False, True, 0, ("Lkk",)), (False, True, 16, ("Gam", "Aqk", "Lkk"))):
-        monkeypatch.setitem(triton_chunk.LAUNCH["intra"], "KSPLIT_FROM", split)
-        r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift,
-                                            chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk,
-                                            l_fp16=l_fp16)
+        monkeypatch.setitem(launch_mod.LAUNCH["intra"], "KSPLIT_FROM", split)
+        r = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, scale=D**-0.5, safe_shift=safe_shift,
+                                       chunk_size=BT, cu_seqlens=cu_t, h_fp32=True, store_akk=store_akk,
+                                       l_fp16=l_fp16)
         assert r["Lkk" if store_akk else "Akk"] is None
         for name in names:
             got, want = r[name], ref[name]
@@ -1100,13 +1079,12 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, source):
     whose rows it scales by beta; the blocks above the diagonal blocks are NaN in its input (never read), the output
     is NaN-poisoned (every block j <= i must be written); a partial chunk's M is the inverse of its valid rows and
     columns."""
-    from k3.kernels.kda import triton_chunk
 
     torch.manual_seed(0)
     HV, BC = 2, 16
     cu = [0, *itertools.accumulate(lens)]
     T_all = cu[-1]
-    _N, NT, NT_all, chunk_indices, _, cu_t = triton_chunk._layout_args(
+    _N, NT, NT_all, chunk_indices, _, cu_t = fwd_mod._layout_args(
         1, T_all, BT, torch.tensor(cu, device=DEV), DEV, None, None)
     # L as the intra kernel leaves it: strictly lower inside each chunk, zero above the diagonal in the diagonal
     # blocks, and (here) NaN in the blocks of later sub-chunks, which the solve must not read
@@ -1133,10 +1111,9 @@ def test_solve_kernel_matches_float64_inverse(BT, lens, source):
     elif source == "L-fp16":
         Lkk = Lkk.half()
     if NT_all:
-        triton_chunk._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all,
-                                                 NT, 0, HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta",
-                                                 VARLEN=True, PREC="ieee", PARTS=1,
-                                                 **triton_chunk.launch_opts("solve"))
+        fwd_mod._solve_kernel[(NT_all, HV)](Lkk.to(DEV), beta.to(DEV), Mm, chunk_indices, cu_t, T_all,
+                                            NT, 0, HV=HV, BT=BT, BC=BC, NC=BT // BC, BETA=source == "Akk-beta",
+                                            VARLEN=True, PREC="ieee", PARTS=1, **launch_mod.launch_opts("solve"))
     Mm = Mm.cpu()
     assert len(want) == sum(-(-n // BT) for n in lens) * HV
     for c0, n, h, M in want:
@@ -1151,45 +1128,43 @@ def test_intra_kernel_gate_bound_check():
     """With g_check the intra kernel leaves its flag set (1) while every g is at or above the floor, and clears it
     (0) when one g anywhere, here in the last partial chunk, is below; the pipeline then fails with the given message
     (chunk_kda's safe-gate check on a GPU). A g exactly at the floor passes."""
-    from k3.kernels.kda import triton_chunk
 
     B, T, H, HV, D, BT = 2, 70, 1, 2, 32, 64
     q, k, v, g, beta, h0 = make_inputs(B, T, H, HV, D, D, torch.float32)
     g = g.clamp_min(-5.0)
     g[0, 3, 1, 7] = -5.0
     kw = {"scale": D**-0.5, "safe_shift": 7.5 * 5.0 / 2, "chunk_size": BT, "cu_seqlens": None, "h_fp32": True}
-    r = triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
+    r = fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
     assert r["g_ok"].tolist() == [1]
     g[1, 66, 1, 3] = -5.001
     if DEV == "cuda":  # a failed device-side assert poisons the CUDA context: the flag the assert would read
         seen = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch, "_assert_async", lambda flag, msg: seen.append(flag.tolist()))
-            triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
+            fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
         assert seen == [[0]]
         return
     with pytest.raises(RuntimeError, match="g below the floor"):
-        triton_chunk.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
+        fwd_mod.chunk_fwd_pipeline(q, k, v, g, beta, h0, g_check=(-5.0, "g below the floor"), **kw)
 
 
 def test_set_launch_entry_parses_and_restores(monkeypatch):
     """set_launch_entry("NAME.KEY=VALUE") (kda_tune.py --set, K3_TEST_KDA_LAUNCH): an entry of either module's LAUNCH
     set to an int, a bool or a string, the replaced value returned for restoring; an unknown entry is a ValueError
     that names the known ones."""
-    from k3.kernels.kda import triton_chunk, triton_chunk_bwd
-    from k3.kernels.kda.triton_chunk_bwd import set_launch_entry
 
-    intra, scan = triton_chunk_bwd.LAUNCH["bwd_intra"], triton_chunk.LAUNCH["scan"]
+    intra, scan = launch_mod.LAUNCH["bwd_intra"], launch_mod.LAUNCH["scan"]
     monkeypatch.setitem(intra, "num_stages", 3)  # (restored after the test, as the values set below)
     monkeypatch.setitem(intra, "PREC", "tf32")
     monkeypatch.setitem(scan, "SEGMENT_PRIORITY", True)
-    assert set_launch_entry("bwd_intra.num_stages=4") == (intra, "num_stages", 3) and intra["num_stages"] == 4
-    assert set_launch_entry(" scan.SEGMENT_PRIORITY=False") == (scan, "SEGMENT_PRIORITY", True)
+    assert launch_mod.set_launch_entry("bwd_intra.num_stages=4") == (intra, "num_stages", 3)
+    assert intra["num_stages"] == 4
+    assert launch_mod.set_launch_entry(" scan.SEGMENT_PRIORITY=False") == (scan, "SEGMENT_PRIORITY", True)
     assert scan["SEGMENT_PRIORITY"] is False
-    assert set_launch_entry("bwd_intra.PREC=bf16")[2] == "tf32" and intra["PREC"] == "bf16"
+    assert launch_mod.set_launch_entry("bwd_intra.PREC=bf16")[2] == "tf32" and intra["PREC"] == "bf16"
     for bad in ("bwd_intra.nope=1", "nope.num_warps=1", "bwd_intra.num_warps"):
         with pytest.raises(ValueError, match="bwd_intra.num_warps"):
-            set_launch_entry(bad)
+            launch_mod.set_launch_entry(bad)
 
 
 def test_launch_fitting_falls_back_to_one_stage(monkeypatch):
@@ -1198,9 +1173,8 @@ def test_launch_fitting_falls_back_to_one_stage(monkeypatch):
     another signature keeps its stages, and a launch refused at 1 stage raises."""
     from triton.runtime.errors import OutOfResources
 
-    from k3.kernels.kda import triton_common
 
-    monkeypatch.setattr(triton_common, "_UNFIT", set())
+    monkeypatch.setattr(common_mod, "_UNFIT", set())
     launches = []
 
     class Kernel:  # refuses more than 1 stage at K = 256, as the state scans' shared memory does on an H200
@@ -1215,21 +1189,20 @@ def test_launch_fitting_falls_back_to_one_stage(monkeypatch):
 
     x = torch.zeros(2)
     for K in (256, 256, 128):
-        triton_common.launch_fitting(Kernel(), (1,), x, K=K, num_stages=3)
+        common_mod.launch_fitting(Kernel(), (1,), x, K=K, num_stages=3)
     assert launches == [(256, 3), (256, 1), (256, 1), (128, 3)]
     with pytest.raises(OutOfResources):  # nothing left to fall back to
-        triton_common.launch_fitting(Kernel(), (1,), x, K=512, num_stages=1)
+        common_mod.launch_fitting(Kernel(), (1,), x, K=512, num_stages=1)
     assert launches[-1] == (512, 1)
 
 
 def test_launch_spy_passes_launch_fitting(monkeypatch, launch_spy):
     """The tests' launch spy keeps the kernel's __name__, which launch_fitting reads once any launch was refused: on
     the H200 a refused fp32 launch earlier in the same pytest worker made a spied scan launch raise AttributeError
-    (test_scan_v_block_16_with_few_sequences, session 14)."""
-    from k3.kernels.kda import triton_chunk, triton_common
+    (test_scan_v_block_16_with_few_sequences)."""
 
-    monkeypatch.setattr(triton_common, "_UNFIT", {("_another_kernel",)})
-    grids = launch_spy(triton_chunk, "_scan_kernel")
+    monkeypatch.setattr(common_mod, "_UNFIT", {("_another_kernel",)})
+    grids = launch_spy(fwd_mod, "_scan_kernel")
     q, k, v, g, beta, h0 = make_inputs(1, 20, 1, 1, 32, 32, torch.float32)
     with torch.no_grad():
         chunk_kda(q, k, v, g, beta, initial_state=h0)

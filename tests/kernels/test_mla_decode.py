@@ -141,7 +141,7 @@ def test_kernel_compiles_with_integer_arguments_inlined(split):
     """torch.compile of the serving decode step launches the kernel through inductor, which passes T, min_key, G and
     KPS as Python ints baked into the kernel (constants), not as runtime scalars: the kernel must compile either way.
     Compiled for sm_90 without a GPU (Triton's front end, then ptxas), in a process of its own without the
-    interpreter; a `.to` on one of them broke the compiled server on the H200 (2026-11-29)."""
+    interpreter; a `.to` on one of them breaks the compiled server on the H200."""
     import os
     import subprocess
     import sys

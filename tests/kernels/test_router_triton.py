@@ -78,8 +78,8 @@ def test_topk_matches_twin_values_and_gradients(n, e, k, tied):
     bias = make_bias(e, tied)
     scores, idx, w = router_topk_triton(logits, bias, k, 2.0)
     assert scores.dtype == torch.float32 and w.dtype == torch.float32
-    s64 = torch.sigmoid(logits.detach().double().cpu())
-    assert (scores.detach().cpu().double() - s64).abs().max().item() < 1e-6
+    s_f64 = torch.sigmoid(logits.detach().double().cpu())
+    assert (scores.detach().cpu().double() - s_f64).abs().max().item() < 1e-6
     # selection exactly as the Router would make it from these scores (ties included)
     idx_ref, _ = twin_select(scores.detach(), bias, k, 2.0)
     assert torch.equal(idx, idx_ref)
@@ -111,10 +111,10 @@ def test_select_gradient():
     _, w = router_select_triton(scores, bias, 4)
     d_w = torch.randn(13, 4, device=DEV)
     (w * d_w).sum().backward()
-    s64 = scores.detach().double().cpu().requires_grad_(True)
-    _, w64 = twin_select(s64, bias.cpu(), 4, 1.0)
+    s_f64 = scores.detach().double().cpu().requires_grad_(True)
+    _, w64 = twin_select(s_f64, bias.cpu(), 4, 1.0)
     (w64 * d_w.double().cpu()).sum().backward()
-    assert_close("d scores", s64.grad, scores.grad)
+    assert_close("d scores", s_f64.grad, scores.grad)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -1,4 +1,4 @@
-"""The backward's intra-chunk kernels (kernels 3 and 4 of triton_chunk_bwd.py, which launches them; legend there):
+"""The backward's intra-chunk kernels (kernels 3 and 4 of chunk_bwd.py, which launches them; legend there):
 `_bwd_intra_kernel`, the gradient of Aqk and Akk w.r.t. q, k and Gamma of a sub-chunk's rows (with the q / k L2
 norm's backward inside it where it can be), and `_bwd_dg_kernel`, dg = the in-chunk reverse cumsum of dGamma.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds, _dot, _f32
+from .common import _chunk_bounds, _dot, _f32
 
 
 @triton.jit
@@ -89,9 +89,8 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
     if SAFE:  # fixed anchor C = Gamma_n - shift, as in the forward
         b_C = b_Gn - shift
         # rf = exp2(Gamma_i - C) = e_q exp2(shift), and below exp2(Gamma_a - Gamma_i) = cf exp2(Gamma_a - C): two
-        # multiplies in place of two tiles of exponentials, as in the forward's intra kernel (which gained 698 ->
-        # 676 us from its one). PTX (sm_90a, 1 warp, K block 32): 3,214 instructions against 3,269, 66 ex2 against
-        # 96; ptxas spills 52 bytes against 64. H200: 1,468 -> 1,447 us at (8, 4096, 16, 128) (RESULTS.md session 13)
+        # multiplies in place of two tiles of exponentials, as in the forward's intra kernel. PTX (sm_90a, 1 warp,
+        # K block 32): 66 ex2 against 96; 1,447 against 1,468 us at (8, 4096, 16, 128) on an H200
         rf = e_q * tl.exp2(shift)
         cf = tl.exp2(tl.where(m_ik, b_C[None, :] - b_G, float("-inf")))
         b_kcf = b_k * cf

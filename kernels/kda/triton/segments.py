@@ -1,6 +1,6 @@
 """The forward's w/u kernel and state scan in time segments, the w/u of segment s + 1 running on a side stream
-while the scan walks segment s (triton_chunk.chunk_fwd_states, LAUNCH["scan"]["SEGMENT_CHUNKS"]; also the
-backward's recompute with K3_KDA_RECOMPUTE=1).
+while the scan walks segment s (chunk_fwd.chunk_fwd_states, LAUNCH["scan"]["SEGMENT_CHUNKS"]; also the
+backward's recompute with KernelConfig.kda_recompute).
 
 Why: with few scan programs (sequences x value heads x V blocks below the multiprocessor count, e.g. 128 at
 (2, 16384, 16, 128) on a 132-multiprocessor H200) the scan's sequential walk over the chunks is the forward's

@@ -1,13 +1,13 @@
 """Chunkwise KDA backward as Triton kernels (the backward of `chunk_kda` on the "triton" backend).
 
-Legend as in triton_chunk.py: T_all total tokens, H q/k heads, HV value heads, K key dim, V value dim, BT chunk size,
+Legend as in chunk_fwd.py: T_all total tokens, H q/k heads, HV value heads, K key dim, V value dim, BT chunk size,
 BC = 16 sub-chunk, NC = BT / BC, NT_all chunks over all sequences, BK = next_pow2(K), BV value block.
 Gamma = chunk-local cumsum(g) (stored in log2 units, so exp(Gamma) = exp2(Gam)); qs = scale * q.
 
 Forward per chunk (kda.md 3.1): Aqk = tril(qs k^T decay), L = diag(beta) Akk (strict), M = (I + L)^-1,
 w = M diag(beta) (k e^Gamma), u = M diag(beta) v, v_new = u - w h, o = (qs e^Gamma) h + Aqk v_new,
 h' = Diag(e^Gamma_last) h + (k e^(Gamma_last - Gamma))^T v_new.  The backward is the chain rule of these lines
-(the same derivation as chunk.py `_ChunkKDA.backward`, at chunk granularity):
+(the same derivation as chunk_torch.py `_ChunkKDA.backward`, at chunk granularity):
   reverse scan (dh' = gradient of the state leaving chunk c, starting from d final state):
     dv_new = Aqk^T do + kg dh'                                  kg = k e^(Gamma_last - Gamma)
     dh     = Diag(e^Gamma_last) dh' + qg^T do - w^T dv_new      qg = qs e^Gamma        (dh of chunk 0 = dh0)
@@ -26,19 +26,17 @@ Kernels:
 2. `_bwd_inter_kernel`, one program per (chunk, value head): everything above except the intra-chunk terms; stores
    dv, dbeta and partial dqs, dk, dGamma (fp32; dqs and dk in the inputs' dtype with LAUNCH["bwd_inter"]
    ["HALF_PARTIALS"]), plus dAqk and dAkk (fp32 [T_all, HV, BT]).
-3. `_bwd_intra_kernel` (triton_intra_bwd.py, as 4), one program per (chunk, 16-token sub-chunk, K block, value
+3. `_bwd_intra_kernel` (intra_bwd.py, as 4), one program per (chunk, 16-token sub-chunk, K block, value
    head): the gradient of Aqk and Akk w.r.t. q, k, Gamma of the sub-chunk's rows: as queries against earlier
    sub-chunks' keys (anchor Gamma_n, the sub-chunk's first row) and as keys against later sub-chunks' queries
    (anchor: its last row), both factors <= 1; the diagonal block with the fixed anchor C (safe gate) or exact
    pairwise exponents. Stores dq, dk, dGamma (with the q / k L2 norm's backward inside where it can be).
 4. `_bwd_dg_kernel`, one program per (chunk, K block, value head): dg = reverse cumsum of dGamma inside the chunk.
-Inputs from the forward: a training forward (triton_chunk._ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32) and M;
-only w, u, v_new and the states (stored fp32, or bf16 for bf16 inputs) are recomputed from them
-(triton_chunk.chunk_fwd_states), so the backward runs no intra-chunk or solve kernel. Per token and value head the
-saved Gam 4K + Aqk 2 BT + Akk 4 BT + M 2 BT bytes (bf16) replace g's 4K: fla-core 0.6.0's policy too
-(`ChunkKDAFunction` saves the gate cumsum, Aqk and Akk).
+Inputs from the forward: a training forward (kda/chunk.py's _ChunkKDATriton) saves Gamma (fp32), Aqk, Akk (fp32)
+and M, and by default w, v_new, the states, kg and qg; with KernelConfig.kda_recompute those are recomputed from
+Gamma and M first (chunk_bwd_triton's `states`), so the backward runs no intra-chunk or solve kernel either way.
 All backward arithmetic is fp32; the dots of fp32 inputs run tf32x3 (near fp32 on the tensor cores;
-K3_KDA_FP32_DOTS=ieee or tf32 picks another, triton_common.fp32_dot_precision). For bf16/fp16 inputs the intra kernel's
+KernelConfig.kda_fp32_dots picks another, common.fp32_dot_precision). For bf16/fp16 inputs the intra kernel's
 diagonal (anchored) blocks run 'bf16x3' (three bf16 MMAs, near-fp32 accuracy), as kda.md 3.3 prescribes for the
 safe-path backward (HALF_INPUT_PRECISION); every other dot, whose factors are all <= 1, takes LAUNCH[...]["PREC"]:
 bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal blocks (fla-core 0.6.0's choices).
@@ -46,17 +44,13 @@ bf16 in the scan and inter kernels, tf32 in the intra kernel's off-diagonal bloc
 
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import triton_interpreter
-from .chunk import SUB_CHUNK
-from .triton_chunk import LAUNCH as FWD_LAUNCH
-from .triton_chunk import RCP_LN2, chunk_fwd_states, device_sms, entry_opts, register_cap, scan_v_block
-from .triton_common import (
+from ..checks import SUB_CHUNK
+from .common import (
+    RCP_LN2,
     _chunk_bounds,
     _dot,
     _f32,
@@ -64,188 +58,26 @@ from .triton_common import (
     _load_tril,
     _seq_bounds,
     chunk_layout,
+    device_sms,
     fp32_dot_precision,
     launch_fitting,
 )
-from .triton_intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
-from .triton_l2norm import l2norm_bwd_from_y
-
-# Launch settings per backward kernel (as triton_chunk.LAUNCH; swept by benchmarks/kda_tune.py, RESULTS.md
-# session 7: H200, (8, 4096, 16, 128) bf16, us per fwd+bwd).
-# PREC: the dot precision for bf16/fp16 inputs of the scan and inter kernels, and of the intra kernel's off-diagonal
-# blocks: every factor there is <= 1 (no anchored exponents; the intra kernel's diagonal blocks keep bf16x3, kda.md
-# 3.3). "bf16" (operands rounded to bf16, one MMA: fla-core 0.6.0's choice for these kernels), "tf32" or "bf16x3"
-# (three MMAs, near fp32). Measured: scan 786 / 1,218 / 1,768 us and inter 1,844 / 2,525 / 3,742 us in bf16 / tf32 /
-# bf16x3 at 8 warps; the intra kernel's off-diagonal blocks 3,096 us in tf32 against 3,273 in bf16x3 at 4 warps
-# (fla runs those in tf32 too). The gradients meet kda.md's bf16 thresholds in every setting (GPU tests).
-LAUNCH: dict[str, dict[str, int]] = {
-    # bwd_scan: 404 us per fwd+bwd at 4 warps, 615 at 8 (session 8, kg / qg loaded, bf16 operands; 8 won before)
-    # The state gradient in two [64, BV] K halves (as fla's dhu kernel holds it) took 416 us against 414 (H200,
-    # 2026-11-30, RESULTS.md session 10) at 218 against 255 registers: not at K <= 128. Above 128 the kernel holds
-    # two halves of next_pow2(K) / 2 (SPLIT: one piece did not fit the H200's shared memory in fp32, session 13)
-    # 3 stages, as the forward scans (times at 1 / 2 / 3 stages in triton_chunk.LAUNCH's comment)
-    # BV 128 with WIDE_WARPS / WIDE_STAGES (bwd_scan_launch), where the halving below (triton_chunk.scan_v_block)
-    # leaves it: one program per sequence and head, 8 warps (4 spill 596 bytes a thread; ptxas sm_90a) and 2 stages
-    # (208 KB of shared memory; 3 do not fit). At (8, 4096, 16, 128) the V block 64's 256 programs, one per
-    # multiprocessor (208 KB each), ran in two waves on the H200's 132: fwd+bwd 5.120 -> 5.045 ms (kda.py, 2026-11-30,
-    # RESULTS.md session 17, call 4). The forward scan the same way lost (fwd 1.498 -> 1.549 ms)
-    # SMALL_K_STAGES: num_stages at K <= 64 (V block 64: 136 KB at 3 stages, one program per multiprocessor; 96 KB
-    # at 2, two). At (16, 2048, 32, 64), fwd+bwd 4.611 ms at 3 / 3 stages (this scan / the forward's), 4.584 at 2 / 3,
-    # 4.596 at 3 / 2, 4.568 at 2 / 2 (kda.py, 2026-11-30, RESULTS.md session 17, call 5)
-    "bwd_scan": {"num_warps": 4, "num_stages": 3, "BV": 128, "PREC": "bf16", "WIDE_WARPS": 8, "WIDE_STAGES": 2,
-                 "SMALL_K_STAGES": 2, "maxnreg": 0},
-    # BK: the K block of the inter kernel's outer loop (>= next_pow2(K): one pass). 64 halves the per-key
-    # accumulators at K = 128: 1,844 us against 2,398-2,444 in one pass (bf16, 8 warps)
-    # HALF_PARTIALS: its partial dq and dk (dqs, dkk [T_all, HV, K], read back by the intra kernel) stored in the
-    # inputs' bf16 / fp16 instead of fp32 (partial_dtype): 268 MB less written and read back of the three fp32
-    # partials' 805 MB at (8, 4096, 16, 128); dGamma stays fp32 (its in-chunk cumsum sums 64 rows). H200, us per
-    # fwd+bwd, inter + intra kernel, fp32 / bf16 partials (kda_tune.py --defaults, 2026-11-30, RESULTS.md session
-    # 12): (8, 4096, 16, 128) 1,716 + 1,494 / 1,654 + 1,468, total 6,139 / 6,053; (16, 2048, 32, 64) 1,933 + 1,542 /
-    # 1,825 + 1,506, total 6,104 / 5,957; the GPU's bf16 gradient tests pass with them
-    # dL = -dvb v_new^T in place of -(dvb u^T + dkb w^T) (session 15): H200, us, kda_tune.py --defaults: 1,825 ->
-    # 1,423 at (16, 2048, 32, 64), ~1,650 -> 1,448 at (8, 4096, 16, 128). A one-pass form for K, V <= 64 (no loops;
-    # each tile dead after its use; 253 registers at 8 warps) took 1,656 us there, 1,571 capped at 128 registers
-    # (396 B spilled), 1,655 at 4 warps: removed (RESULTS.md session 15)
-    # EARLY_LOADS: 0, 1 or 2, the kernel's EARLY (loads issued sooner). H200, us, kda_tune.py (RESULTS.md session 16,
-    # call 2), 0 / 1 / 2: 1,366 / 1,411 / 1,342 at (8, 4096, 16, 128); 1,357 / 1,348 / 1,196 at (16, 2048, 32, 64)
-    "bwd_inter": {"num_warps": 8, "num_stages": 1, "BV": 64, "BK": 64, "PREC": "bf16", "HALF_PARTIALS": True,
-                  "EARLY_LOADS": 2, "maxnreg": 0},
-    # BK: the intra kernel's K block, one program per (chunk, sub-chunk, K block, head): 1,502 us at 1 warp / 1
-    # stage (session 8; 2 warps: 1,617 at 2 stages, 1,855 at 1; 2,083 at 4 warps, 4,029 at 8; K block 16 at 4
-    # warps: 5,151); one program per (chunk, K block, head) before: 2,983 us at best
-    # One program per (chunk, K block, head) walking the sub-chunks and storing dg directly (no dg pass) took 1,820
-    # us against 1,494 + 146 for this kernel and the dg pass (H200, 2026-11-30, RESULTS.md session 10): removed.
-    # K block 64 (session 12, kda_tune.py --defaults): 2,861 us against 1,511 at (16, 2048, 32, 64), 2,514 against
-    # 1,468 at (8, 4096, 16, 128)
-    # Session 13 gave K <= 64 a launch of its own: at (16, 2048, 32, 64) K block 64 at 2 warps / 2 stages took 1,460
-    # us against 1,495 at the K block 32, 1 warp launch (1 stage: 1,617); at (8, 4096, 16, 128) K block 64 at 2 warps
-    # / 1 stage 1,567 against 1,447, K block 128 at 4 warps 1,657 (H200, kda_tune.py --set, 2026-11-30, RESULTS.md
-    # session 13). Session 15: 3 stages, 1,349 us against 1,493 at 1 and ~1,390 at 2 at (16, 2048, 32, 64); and the
-    # same launch at K = 128, 1,319 us against 1,362 for K block 32 at 1 warp / 1 stage at (8, 4096, 16, 128) (2
-    # stages: 1,326), so one launch for every K again (RESULTS.md session 15, calls 1, 2, 8; those times with the
-    # diagonal dots in bf16, see 0a3c5a9)
-    # With the head in K blocks (K > BK), the q / k L2 norm's backward runs as a pass of its own (l2norm_bwd_from_y):
-    # one program walking the K blocks, storing dy, then dx = r (dy - y sum(dy y)) after a barrier, took 2,221 us
-    # (4 warps; 2,038 at 2) against 1,434 + 190 at (8, 4096, 16, 128) (RESULTS.md session 16, call 4): removed
-    # PREC "bf16" for the off-diagonal dots: fwd+bwd 5.120 -> 5.036 ms at (8, 4096, 16, 128), 4.647 -> 4.573 at (16,
-    # 2048, 32, 64) (kda.py, session 16, calls 5-6), and the bf16 GPU tests pass with it; but the gate gradient's
-    # error grows 1.7x (dg 3.3e-3 -> 5.7e-3 relative RMS against float64, fp32 inputs with those operands rounded,
-    # CPU): tf32 kept, fla-core 0.6.0's precision there. On the H200 (bf16 inputs against float64, kda_grad_error.py,
-    # RESULTS.md session 17, call 1) dg's error grows 3.27e-3 -> 4.36e-3 at (1, 4096, 16, 128), 3.29e-3 -> 4.36e-3 at
-    # (1, 2048, 32, 64), against fla's 3.31e-3 / 3.37e-3: less accurate than fla, so not shipped
-    # CHAIN_DG (session 16: no dg pass; the inter kernel reverse-cumsummed its dGamma part, the intra programs chained
-    # their parts' column sums behind ready flags) lost: inter 1,342 -> 1,636 us, intra 1,434 -> 1,818 against the
-    # 135 us pass at (8, 4096, 16, 128); 1,196 -> 1,351 and 1,530 -> 1,963 at (16, 2048, 32, 64); fwd+bwd 5.58 / 5.05
-    # ms against 5.12 / 4.65 (session 17, call 2): removed
-    # Q_NORM_OUT: where the norm's backward cannot run in this kernel (K > its K block), q's runs in it all the same
-    # (its row sums from the output and its gradient, loaded here: _bwd_intra_rows), and only k's keeps the pass of
-    # its own (l2norm_bwd_from_y), which at (8, 4096, 16, 128) takes ~190 us for both. H200, us per fwd+bwd there
-    # (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 2), off / on: this kernel 1,429 / 1,504, torch
-    # ops 327 / 233, total 4,972 / 4,947; dq's error against float64 3.64e-3 / 3.24e-3 (fla-core 0.6.0: 3.24e-3).
-    # ptxas (sm_90a, K = 128): 255 registers either way, spills 24 -> 32 bytes a thread. The row sums taken by the
-    # inter kernel with its do tiles instead (call 3) spilled there (124 -> 176 bytes) and lost: inter 1,349 -> 1,516
-    # us, this kernel 1,510 -> 1,464, total 4,969 -> 5,092: removed
-    "bwd_intra": {"num_warps": 2, "num_stages": 3, "BK": 64, "PREC": "tf32", "Q_NORM_OUT": True, "maxnreg": 0},
-    # the dg pass (in-chunk reverse cumsum of dGamma), one program per (chunk, K block of BK, head): 134 / 136 us at
-    # K block 64 against 146 / 149 at 32 at the two shapes above (the same calls)
-    "bwd_dg": {"num_warps": 4, "BK": 64, "maxnreg": 0},
-}
-
-
-def set_launch_entry(item: str) -> tuple[dict, str, object]:
-    """Apply one "NAME.KEY=VALUE" to the chunk kernels' launch settings (NAME a key of triton_chunk.LAUNCH or of this
-    module's LAUNCH; VALUE an int, True / False, or a string such as a dot precision) and return (that entry's dict,
-    KEY, the value it replaced), so a caller can restore it. benchmarks/kda_tune.py --set and the tests'
-    K3_TEST_KDA_LAUNCH take this form. ValueError names the known NAME.KEY pairs."""
-    m = re.fullmatch(r"(\w+)\.(\w+)=(\S+)", item.strip())
-    tables = [t[m[1]] for t in (FWD_LAUNCH, LAUNCH) if m and m[1] in t]
-    if not tables or m[2] not in tables[0]:
-        known = sorted(f"{n}.{k}" for t in (FWD_LAUNCH, LAUNCH) for n, e in t.items() for k in e)
-        raise ValueError(f"{item!r}: expected NAME.KEY=VALUE with NAME.KEY one of {known}")
-    raw, table = m[3], tables[0]
-    old = table[m[2]]
-    table[m[2]] = {"True": True, "False": False}.get(raw, int(raw) if raw.lstrip("-").isdigit() else raw)
-    return table, m[2], old
-
-
-def _opts(name: str) -> dict[str, int]:
-    return entry_opts(LAUNCH[name])
-
-
-def q_norm_from_output(H: int, HV: int, K: int) -> bool:
-    """Whether the backward intra kernel takes q's L2-norm backward from the forward's output (Q_NORM_OUT): on, with
-    q / k heads not shared, where its K block does not hold a head (else the whole norm runs there, NORM)."""
-    BK = max(16, triton.next_power_of_2(K))
-    return bool(LAUNCH["bwd_intra"]["Q_NORM_OUT"]) and H == HV and intra_launch(BK)[0] < K
-
-
-def intra_launch(BK: int) -> tuple[int, dict[str, int]]:
-    """(K block, num_warps / num_stages) of the backward intra kernel at padded key dim BK: LAUNCH["bwd_intra"]'s K
-    block (at most BK, at least 16)."""
-    return max(16, min(BK, LAUNCH["bwd_intra"]["BK"])), _opts("bwd_intra")
-
-
-def bwd_scan_launch(V: int, BK: int, seq_heads: int, sms: int) -> tuple[int, dict[str, int]]:
-    """(V block, num_warps / num_stages) of the reverse state scan at padded key dim BK over seq_heads = N * HV
-    sequence-heads on `sms` multiprocessors: LAUNCH["bwd_scan"]["BV"] (64 at most when BK > 128: the kernel then holds
-    two K halves), halved while the halved block still runs fewer programs than multiprocessors (scan_v_block); a
-    block of 128 or more runs WIDE_WARPS / WIDE_STAGES, BK <= 64 SMALL_K_STAGES."""
-    bv = _bv("bwd_scan", V)
-    bv = scan_v_block(min(bv, 64) if BK > 128 else bv, V, seq_heads, sms)
-    opts = _opts("bwd_scan")
-    if bv >= 128:
-        opts = register_cap(LAUNCH["bwd_scan"], {"num_warps": LAUNCH["bwd_scan"]["WIDE_WARPS"],
-                                                 "num_stages": LAUNCH["bwd_scan"]["WIDE_STAGES"]})
-    elif BK <= 64:
-        opts = {**opts, "num_stages": LAUNCH["bwd_scan"]["SMALL_K_STAGES"]}
-    return bv, opts
-
-
-def _bv(name: str, V: int) -> int:
-    return max(16, min(LAUNCH[name]["BV"], triton.next_power_of_2(V)))
-
-
-HALF_INPUT_PRECISION = "bf16x3"  # the intra kernel's diagonal (anchored) dots for bf16/fp16 inputs (kda.md 3.3)
-# the choices of LAUNCH[...]["PREC"]: bf16x3 (three bf16 MMAs, near fp32), tf32 (one, 10-bit mantissas), bf16
-# (operands rounded to bf16, one MMA)
-INTER_PRECISIONS = ("bf16x3", "tf32", "bf16")
-
-
-def inter_k_block(BK: int, prec: str) -> int:
-    """The inter kernel's K block: LAUNCH["bwd_inter"]["BK"], at most BK (next_pow2(K)), and with tf32x3 dots (fp32
-    inputs) at least 32 (or BK when K <= 16: one block, untried on a GPU): at K block 16 of K = 32 (two blocks,
-    64-token chunks) that launch read an illegal address on the H200 (Triton 3.6, 2026-11-30, RESULTS.md session 14),
-    where ieee and tf32 passed."""
-    bkb = min(BK, LAUNCH["bwd_inter"]["BK"])
-    return min(BK, max(bkb, 32)) if prec == "tf32x3" else bkb
-
-
-def _prec(name: str, dtype: torch.dtype) -> str:
-    """Dot precision of backward kernel `name` (of the intra kernel's off-diagonal dots): for fp32 inputs
-    triton_common.fp32_dot_precision() (tf32x3 unless K3_KDA_FP32_DOTS says otherwise); for bf16/fp16,
-    LAUNCH[name]["PREC"]."""
-    if dtype == torch.float32:
-        return fp32_dot_precision()
-    prec = LAUNCH[name]["PREC"]
-    if prec not in INTER_PRECISIONS:
-        raise ValueError(f"triton_chunk_bwd.LAUNCH[{name!r}]['PREC'] = {prec!r}; use one of {INTER_PRECISIONS}")
-    return _interpreted(prec)
-
-
-def partial_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the inter kernel's partial dq / dk for inputs of `dtype`: fp32, or with LAUNCH["bwd_inter"]
-    ["HALF_PARTIALS"] the inputs' half dtype (their one use adds them to the intra kernel's fp32 terms before dq / dk
-    are rounded to that dtype anyway)."""
-    half = LAUNCH["bwd_inter"]["HALF_PARTIALS"] and dtype in (torch.bfloat16, torch.float16)
-    return dtype if half else torch.float32
-
-
-def _interpreted(prec: str) -> str:
-    """`prec` as Triton 3.6's CPU interpreter can run it: it has no bf16x3 (and multiplies every dot in fp32, so
-    'ieee' is the same arithmetic), and its bf16 dots are broken (triton_common._dot emulates them)."""
-    if not triton_interpreter():
-        return prec
-    return {"bf16x3": "ieee", "bf16": "bf16_emulated"}.get(prec, prec)
+from .intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
+from .launch import (
+    HALF_INPUT_PRECISION,
+    LAUNCH,
+    bwd_scan_launch,
+    bwd_v_block,
+    dot_prec,
+    inter_k_block,
+    interpreted,
+    intra_launch,
+    launch_opts,
+    partial_dtype,
+    q_norm_from_output,
+    recompute_dtypes,
+)
+from .norm import l2norm_bwd_from_y
 
 
 @triton.jit
@@ -263,12 +95,12 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
                      BV: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, VARLEN: tl.constexpr,
                      PREC: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
     """HAS_DHT: the final state's gradient dht is given (else zero: no zero-filled buffer read); STORE_DH0: the
-    initial state's gradient dh0 is stored (only with an initial state). At (8, 4096, 16, 128) each was an 8 MB
-    fp32 buffer filled or written and thrown away on every backward without states (~3 us each on the H200).
+    initial state's gradient dh0 is stored (only with an initial state). At (8, 4096, 16, 128) each would be an
+    8 MB fp32 buffer filled or written and thrown away on every backward without states (~3 us each on an H200).
     SPLIT (heads with K > 128: BK = next_pow2(K) / 2 then): the state gradient held as two [BK, BV] K halves,
     each with its own key-side tiles and dots, so that no [BT, 2 BK] operand is staged in shared memory whole. In one
-    piece an fp32 reverse scan at K = 256 asked for 233,472 bytes of shared memory at 1 stage, above the H200's
-    232,448 (2026-11-30, RESULTS.md session 13)."""
+    piece an fp32 reverse scan at K = 256 asks for 233,472 bytes of shared memory at 1 stage, above the H200's
+    232,448."""
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, n_chunks = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, NT, BT, VARLEN)
     o_k = tl.arange(0, BK)
@@ -284,7 +116,7 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
         b_dh2 = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + BK + o_k[:, None]) * V + o_v[None, :], BK + o_k, m_v,
                                 K)
     # reverse over the sequence's chunks; tl.range, not while, so a GPU compile software-pipelines the loads (as in
-    # the forward scan, triton_chunk._scan_kernel)
+    # the forward scan, chunk_fwd._scan_kernel)
     for i_c in tl.range(0, n_chunks):
         c = n_chunks - 1 - i_c
         start = bos + c * BT
@@ -440,26 +272,16 @@ def _bwd_inter_kernel(q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv,
     tl.store(dAk + p_tt, b_dL * b_b[:, None], mask=m_t[:, None])
 
 
-def recompute_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    """(hbuf, kg / qg) dtypes the backward reads for inputs of `dtype`. The states entering each chunk: bf16 for bf16
-    inputs with bf16 inter dots (which round them to bf16 anyway; the scans carry them in fp32), else fp32. kg = k
-    e^(Gamma_last - Gamma) and qg = scale q e^Gamma for the reverse scan: the input dtype when the scan's dots round
-    them to it anyway (bf16 dots, or fp32 inputs), else fp32. A training forward keeps its own w, v_new, states,
-    kg and qg for the backward only when they have these dtypes (triton_chunk.chunk_fwd_pipeline's keep_states)."""
-    half_states = dtype == torch.bfloat16 and _prec("bwd_inter", dtype) == "bf16"
-    kq = dtype if dtype == torch.float32 or _prec("bwd_scan", dtype) in ("bf16", "bf16_emulated") else torch.float32
-    return (dtype if half_states else torch.float32), kq
-
-
 def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, safe_shift, chunk_size, cu_seqlens,
-                     cu_host=None, states=None, rstd=None, o=None):
-    """Gradients of the chunkwise KDA core from what a training forward saved (triton_chunk._ChunkKDATriton).
+                     states, cu_host=None, rstd=None, o=None):
+    """Gradients of the chunkwise KDA core from what a training forward saved (kda/chunk.py's _ChunkKDATriton).
     q, k: [B, T, H, K] (unscaled); v: [B, T, HV, V]; beta: [B, T, HV] (any float dtype); h0: [N, HV, K, V] fp32 or None;
     the forward's Gam: [T_all, HV, K] fp32 (log2 units), Aqk: [T_all, HV, BT] (input dtype), Akk: [T_all, HV, BT]
     fp32, Mm: [T_all, HV, BT] (input dtype); do: [B, T, HV, V]; dht: [N, HV, K, V] or None. states: the forward's
-    (w, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or None: then only those are
-    recomputed (triton_chunk.chunk_fwd_states). cu_host: cu_seqlens as host ints, or None.
-    rstd: None, or (rq, rk) [B T H] fp32 when q and k are the outputs of the L2 norm (triton_l2norm.l2norm_fwd): dq
+    (w, vnew, hbuf, kg, qg) in recompute_dtypes (chunk_fwd_pipeline's keep_states), or a function (h_fp32,
+    kq_dtype) -> those that recomputes them (kda/chunk.py's recompute_states), called first; what it returns is
+    released as soon as the reverse scan is done with it. cu_host: cu_seqlens as host ints, or None.
+    rstd: None, or (rq, rk) [B T H] fp32 when q and k are the outputs of the L2 norm (norm.l2norm_fwd): dq
     and dk are then the gradients of its inputs, through the backward intra kernel's NORM epilogue when one of its K
     blocks holds a head (K <= 64 as launched) and q / k heads are not shared (HV = H), else l2norm_bwd_from_y; but
     with the forward's output `o` [B, T, HV, V] and LAUNCH["bwd_intra"]["Q_NORM_OUT"], q's in the intra kernel
@@ -472,16 +294,13 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
     BT, BC = chunk_size, SUB_CHUNK
     BK = max(16, triton.next_power_of_2(K))
     # the intra kernel's diagonal dots
-    prec = fp32_dot_precision() if dt == torch.float32 else _interpreted(HALF_INPUT_PRECISION)
+    prec = fp32_dot_precision() if dt == torch.float32 else interpreted(HALF_INPUT_PRECISION)
     # bf16 inputs with bf16 inter dots: the states entering each chunk (hbuf) and the state gradients (dhs) are
     # stored in bf16 (recompute_dtypes); half the bytes of the two [NT_all, HV, K, V] buffers (fla-core 0.6.0 keeps
     # h and dh in bf16 too)
     h_dtype, kq_dtype = recompute_dtypes(dt)
-    if states is None:
-        # u: read by the recompute's scan alone (v_new = u - w h); the inter kernel takes v_new
-        w, _, vnew, hbuf, _, kg, qg = chunk_fwd_states(k, v, beta, Gam, Mm, h0, chunk_size=BT, cu_seqlens=cu_seqlens,
-                                                       h_fp32=h_dtype == torch.float32, cu_host=cu_host, q=q,
-                                                       scale=scale, kq_dtype=kq_dtype)
+    if callable(states):  # not bound to a name, so that kg and qg go after the reverse scan
+        w, vnew, hbuf, kg, qg = states(h_dtype == torch.float32, kq_dtype)
     else:
         w, vnew, hbuf, kg, qg = states
     q, k, v = q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous()
@@ -528,17 +347,18 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
                      chunk_offsets, T, NT)
         split = BK > 128  # the state gradient in two K halves (the kernel's SPLIT)
         scan = {"H": H, "HV": HV, "K": K, "V": V, "BV": BVs, "BT": BT, "SPLIT": split, "VARLEN": varlen,
-                "PREC": _prec("bwd_scan", dt), "HAS_DHT": has_dht, "STORE_DH0": dh0 is not None, **scan_opts}
+                "PREC": dot_prec("bwd_scan", dt), "HAS_DHT": has_dht, "STORE_DH0": dh0 is not None, **scan_opts}
         launch_fitting(_bwd_scan_kernel, (triton.cdiv(V, BVs), N, HV), *scan_args, BK=BK // 2 if split else BK, **scan)
         del kg, qg
-        BVi, iprec = _bv("bwd_inter", V), _prec("bwd_inter", dt)  # not `prec`: the intra kernel's diagonal dots
+        # iprec, not `prec`: that is the intra kernel's diagonal dots
+        BVi, iprec = bwd_v_block("bwd_inter", V), dot_prec("bwd_inter", dt)
         _bwd_inter_kernel[(NT_all, HV)](q, k, v, beta, Gam, Akk, Mm, vnew, hbuf, dhs, do, dvn, dv, dAq, dAk, dqs,
                                         dkk, dG, db, chunk_indices, cu, float(scale), T, NT, H=H, HV=HV, K=K, V=V,
                                         BKB=inter_k_block(BK, iprec), BV=BVi, BT=BT, VARLEN=varlen, PREC=iprec,
-                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **_opts("bwd_inter"))
+                                        EARLY=LAUNCH["bwd_inter"]["EARLY_LOADS"], **launch_opts("bwd_inter"))
         shift = 0.0 if safe_shift is None else safe_shift * RCP_LN2
         intra = {"H": H, "HV": HV, "K": K, "BK": BKi, "BT": BT, "BC": BC, "NC": BT // BC,
-                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": _prec("bwd_intra", dt),
+                 "SAFE": safe_shift is not None, "VARLEN": varlen, "PREC": prec, "OFF": dot_prec("bwd_intra", dt),
                  "NORM": norm_fused, "Q_NORM_OUT": q_norm_out, "V": V, "BV": triton.next_power_of_2(V), **opts}
         rq, rk = rstd if norm_fused or q_norm_out else (dq, dk)  # unused placeholders without NORM
         oo = o.contiguous() if q_norm_out else dq  # (placeholders)
@@ -547,7 +367,7 @@ def chunk_bwd_triton(q, k, v, beta, h0, Gam, Aqk, Akk, Mm, do, dht, *, scale, sa
         _bwd_intra_kernel[(NT_all * (BT // BC) * triton.cdiv(K, BKi), HV)](*args, **intra)
         BKg = max(16, min(BK, LAUNCH["bwd_dg"]["BK"]))
         _bwd_dg_kernel[(NT_all * triton.cdiv(K, BKg), HV)](dg, chunk_indices, cu, T, NT, HV=HV, K=K, BK=BKg, BT=BT,
-                                                           VARLEN=varlen, **_opts("bwd_dg"))
+                                                           VARLEN=varlen, **launch_opts("bwd_dg"))
     if G == 1:
         dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     else:

@@ -27,25 +27,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_device, inputs_trusted
-from .fused_recurrent import _check_pool, fused_recurrent_kda_torch
-from .triton_common import _f32
-from .triton_gate import _gate_value
+from ...dispatch import check_device, inputs_trusted
+from ..fused_recurrent import _check_pool, fused_recurrent_kda_torch
+from .common import _f32
+from .gate import _gate_value
 
-BV_DEFAULT = 32  # kda.md section 5: one program per V block of 32
-BV_WIDE = 64  # with many programs: fewer, larger state tiles stream the pool closer to copy bandwidth
+BV_DEFAULT = 32  # kda.md section 5; at B = 1 the twice as many programs of BV 32 keep the latency down
+BV_WIDE = 64  # 0.87 of copy bandwidth against 0.80 at BV 32 at B = 256 (0.72 against 0.69 at B = 64; H200, H = 16)
 WIDE_FROM = 256  # sequences x value heads from which BV_WIDE is used (B >= 16 at 16 heads)
-# Launch settings (module-level so benchmarks/kda.py --decode-sweep can try others on a GPU): the V block (None:
-# BV_DEFAULT below WIDE_FROM sequence-heads, BV_WIDE from there), and num_warps (None: 4 when the [BK, BV] state tile
-# has >= 4096 elements, else 2). H200 sweep at H=16, D=128, 2026-11-29 (RESULTS.md): at B=256, BV 32 -> 64 (4 warps)
-# went 0.80 -> 0.87 of copy bandwidth, at B=64 0.69 -> 0.72; at B=1 the 2x more programs of BV=32 keep the latency.
-# Streaming cache hints on the pool state (evict-first loads, .cs stores) were slower in every configuration of the
-# same sweep (B=256, BV 64, 4 warps: 154.7 vs 146.9 us; RESULTS.md session 4) and were removed.
-# Removed after H200 sweeps at B = 256 (2026-11-30, RESULTS.md session 10): a register cap (us uncapped / cap 160 /
-# cap 128: BV 32, 2 warps 145.2 / 144.6 / 162.6; BV 64, 4 warps 145.2 / 145.3 / 185.9), and one program per (head,
-# sequence) looping over the V blocks with the next state tile prefetched (best 146.6 against 145.3 us).
-# Tried and removed: a persistent decode step, at best 187.9 against 146.3 us (H200, B = 256; RESULTS.md session 11)
-LAUNCH: dict[str, int | None] = {"BV": None, "num_warps": None}
+# Launch settings, module-level so that benchmarks/kda.py --decode-sweep can try others on a GPU. Slower at B = 256 on
+# an H200, so not used: a register cap, streaming cache hints on the pool, one program per (head, sequence) looping
+# over the V blocks, a persistent decode step.
+LAUNCH: dict[str, int | None] = {
+    "BV": None,  # None: BV_DEFAULT below WIDE_FROM sequence-heads, BV_WIDE from there
+    "num_warps": None,  # None: 4 when the [BK, BV] state tile has >= 4096 elements, else 2
+}
 
 
 def v_block(N: int, HV: int, V: int) -> int:
@@ -121,9 +117,8 @@ def _recurrent_kda_kernel(
         # both products from the state before the step: with the decay d = e^g, S'^T k = S^T (d k), and
         # o = (S' + beta k err^T)^T (scale q) = S^T (d scale q) + (beta scale k.q) err; the update
         # S' + beta k err^T = d S + beta k err^T then one multiply-add per element, off the output's path. Decaying,
-        # updating, then reducing the updated tile for o (the step as written) took 146.0 us against 139.5 at B = 256,
-        # 44.0 against 41.3 at B = 64 (H200, one step in a CUDA graph, H = 16, K = V = 128, both forms alternating in
-        # one process, 2026-11-30, RESULTS.md session 18, call 7; the same registers, 165 / 166 at BV 64, 4 warps)
+        # updating, then reducing the updated tile for o (the step as written) takes 146.0 us against 139.5 at
+        # B = 256, 44.0 against 41.3 at B = 64 (H200, one step in a CUDA graph, H = 16, K = V = 128)
         b_d = tl.exp(b_g)
         b_err = b_vt - tl.sum(b_h * (b_d * b_k)[:, None], axis=0)  # v_t - S'^T k_t   [BV]
         b_o = tl.sum(b_h * (b_d * scale * b_q)[:, None], axis=0) + tl.sum(b_b * scale * b_k * b_q) * b_err  # [BV]
@@ -200,9 +195,9 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, scale, initi
     BK = triton.next_power_of_2(K)
     BV = v_block(N, HV, V)
     # programs in launch order walk each sequence's state [HV, K, V] front to back (V blocks, then heads, then
-    # sequences), the order of its bytes in memory: the grid (V blocks, N, HV) of sessions 1-5 jumped a whole state
-    # (HV * K * V * 4 bytes) between neighbours. fla-core 0.6.0's in-place, by-slot decode step walks heads within a
-    # sequence too: 157.9 us against this kernel's 145.7 at B = 256 (H200, 2026-11-30, RESULTS.md session 9)
+    # sequences), the order of its bytes in memory; a grid (V blocks, N, HV) jumps a whole state (HV * K * V * 4
+    # bytes) between neighbours. fla-core 0.6.0's by-slot decode step walks heads within a sequence too: 157.9 us
+    # against this kernel's 145.7 at B = 256 on an H200
     grid = (triton.cdiv(V, BV), HV, N)
     if N and HV:
         _recurrent_kda_kernel[grid](

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import L2NORM_EPS
-from .triton_common import _f32
+from ..gate import L2NORM_EPS
+from .common import _f32
 
 
 @triton.jit
@@ -62,9 +62,9 @@ def _rows_per_program(D: int) -> int:
 def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS, store_y: bool = True) -> tuple[torch.Tensor | None,
                                                                                          torch.Tensor]:
     """(y [..., D] in x's dtype, rstd [R] fp32, R = x.numel() / D): the forward pass without autograd, for callers
-    that run the backward themselves (triton_chunk._ChunkKDATriton: l2norm_bwd_from_y, or fused into the backward
+    that run the backward themselves (kda/chunk.py's _ChunkKDATriton: l2norm_bwd_from_y, or fused into the backward
     intra kernel). store_y False: (None, rstd), one read of x and no write of y, for a consumer that scales the rows
-    by rstd itself (an inference forward's q: triton_chunk.LAUNCH["intra"]["Q_RSTD"])."""
+    by rstd itself (an inference forward's q: launch.LAUNCH["intra"]["Q_RSTD"])."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()  # [R, D]
     R = x2.shape[0]

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import check_gate_args
-from .triton_common import _f32
+from ..gate import check_gate_args
+from .common import _f32
 
 BT_GATE = 64  # tokens per program
 
@@ -52,7 +52,7 @@ def _softplus(x):
 @triton.jit
 def _gate_value(x, a, lower_bound, LOWER: tl.constexpr):
     """g from x = z + dt_bias and a = exp(A_log) (1 without A_log): lb sigmoid(a x), or -a softplus(x). Also the
-    per-token gate of the recurrent kernel (triton_recurrent.py)."""
+    per-token gate of the recurrent kernel (recurrent.py)."""
     if LOWER:
         return lower_bound * tl.sigmoid(a * x)
     else:

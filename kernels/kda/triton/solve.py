@@ -1,6 +1,6 @@
-"""The forward's step 2 as a Triton kernel (triton_chunk.py): M = (I + L)^-1 per chunk, L = diag(beta) k k^T with
+"""The forward's step 2 as a Triton kernel (chunk_fwd.py): M = (I + L)^-1 per chunk, L = diag(beta) k k^T with
 decay, strictly lower-triangular [BT, BT] (kda.md 3.2 step 2b), stored in the input dtype for the w/u kernel and the
-backward. One program per (chunk, value head); Lkk, Mout: [T_all, HV, BT]. Legend as in triton_chunk.py.
+backward. One program per (chunk, value head); Lkk, Mout: [T_all, HV, BT]. Legend as in chunk_fwd.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import _chunk_bounds
+from .common import _chunk_bounds
 
 
 @triton.jit
@@ -44,8 +44,7 @@ def _times_beta(x, beta, start, n_valid, i_hv, r: tl.constexpr, HV: tl.constexpr
     past the sequence end get 0. Applied to the sums (in the dots' output layout) rather than to the loaded blocks:
     a product between the load and the dot made Triton convert each block's layout (ptxas, sm_90a, 1 warp: 3,861
     PTX instructions, 914 shuffles, 128 registers against 2,541, 396 and 102 without beta; 2,949, 396 and 133 in
-    this form). H200, training solve: 95 -> 80 us at (8, 4096, 16, 128), 183 -> 151 at (16, 2048, 32, 64)
-    (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 13)."""
+    this form). H200, training solve: 80 against 95 us at (8, 4096, 16, 128), 151 against 183 at (16, 2048, 32, 64)."""
     if BETA:
         rows = r * BC + tl.arange(0, BC)
         x = x * tl.load(beta + (start + rows) * HV + i_hv, mask=rows < n_valid, other=0.0).to(tl.float32)[:, None]
@@ -82,14 +81,14 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, part_stride
     """M = (I + L)^-1 of one chunk: the NC diagonal blocks as one [NC, BC, BC] tile (one load, one substitution walk
     of BC - 1 row steps for all of them, one store), then the block-inverse merges M_ij = -M_ii sum_{j <= m < i}
     L_im M_mj. H200, (8, 4096, 16, 128), 1 warp: 65 us per forward against 163 with the four diagonal blocks
-    inverted one after another (102 against 168 registers; kda_tune.py, 2026-11-30). Lkk: L itself, or with BETA
+    inverted one after another (102 against 168 registers). Lkk: L itself, or with BETA
     Akk = k k^T with decay (a training forward's intra kernel writes that one buffer), whose rows the solve scales
     by beta [T_all, HV]: the row sums of the substitution and the merges (_times_beta). Only the blocks j <= i are
-    read. Scaling the diagonal blocks' rows by beta once as loaded, so that the substitution walk loads nothing
-    (ptxas, sm_90a: 133 -> 109 registers), lost on the H200: training solve 149 -> 178 us at (16, 2048, 32, 64),
-    78 -> 92 at (8, 4096, 16, 128) (kda_tune.py --defaults, 2026-11-30, RESULTS.md session 18, call 4).
+    read. The beta scaling stays on the row sums: scaling the diagonal blocks' rows once as loaded, so that the
+    walk loads nothing (133 -> 109 registers), makes the training solve 178 us against 149 at (16, 2048, 32, 64), 92
+    against 78 at (8, 4096, 16, 128) on an H200.
     PARTS = 2 (the intra kernel's K split): Lkk holds two partial sums part_stride elements apart, added as loaded
-    (Aqk's two are added by its readers: triton_fwd_kernels._load_aqk)."""
+    (Aqk's two are added by its readers: chunk_fwd._load_aqk)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     start, n_valid = _chunk_bounds(i_t, chunk_indices, cu_seqlens, T, NT, BT, VARLEN)
     o_b = tl.arange(0, NC)[:, None, None]
@@ -104,8 +103,8 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, part_stride
     if NC > 1:  # M_ij = -M_ii (beta_i * sum_m Akk_im M_mj) with BETA, else -M_ii sum_m L_im M_mj
         L10 = _load_block(Lkk, start, n_valid, i_hv, 1, 0, HV, BT, BC, part_stride, PARTS)
         M11 = _pick(b_Md, 1, NC)
-        S10 = _times_beta(tl.dot(L10, M00, input_precision=PREC), beta, start, n_valid, i_hv, 1, HV, BC, BETA)
-        M10 = -tl.dot(M11, S10, input_precision=PREC)
+        R10 = _times_beta(tl.dot(L10, M00, input_precision=PREC), beta, start, n_valid, i_hv, 1, HV, BC, BETA)
+        M10 = -tl.dot(M11, R10, input_precision=PREC)
         _store_block(Mout, M10, start, n_valid, i_hv, 1, 0, HV, BT, BC)
     if NC > 2:
         L20 = _load_block(Lkk, start, n_valid, i_hv, 2, 0, HV, BT, BC, part_stride, PARTS)
@@ -115,19 +114,19 @@ def _solve_kernel(Lkk, beta, Mout, chunk_indices, cu_seqlens, T, NT, part_stride
         L32 = _load_block(Lkk, start, n_valid, i_hv, 3, 2, HV, BT, BC, part_stride, PARTS)
         M22 = _pick(b_Md, 2, NC)
         M33 = _pick(b_Md, 3, NC)
-        S21 = _times_beta(tl.dot(L21, M11, input_precision=PREC), beta, start, n_valid, i_hv, 2, HV, BC, BETA)
-        M21 = -tl.dot(M22, S21, input_precision=PREC)
-        S20 = _times_beta(tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC), beta,
+        R21 = _times_beta(tl.dot(L21, M11, input_precision=PREC), beta, start, n_valid, i_hv, 2, HV, BC, BETA)
+        M21 = -tl.dot(M22, R21, input_precision=PREC)
+        R20 = _times_beta(tl.dot(L20, M00, input_precision=PREC) + tl.dot(L21, M10, input_precision=PREC), beta,
                           start, n_valid, i_hv, 2, HV, BC, BETA)
-        M20 = -tl.dot(M22, S20, input_precision=PREC)
-        S32 = _times_beta(tl.dot(L32, M22, input_precision=PREC), beta, start, n_valid, i_hv, 3, HV, BC, BETA)
-        M32 = -tl.dot(M33, S32, input_precision=PREC)
-        S31 = _times_beta(tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC), beta,
+        M20 = -tl.dot(M22, R20, input_precision=PREC)
+        R32 = _times_beta(tl.dot(L32, M22, input_precision=PREC), beta, start, n_valid, i_hv, 3, HV, BC, BETA)
+        M32 = -tl.dot(M33, R32, input_precision=PREC)
+        R31 = _times_beta(tl.dot(L31, M11, input_precision=PREC) + tl.dot(L32, M21, input_precision=PREC), beta,
                           start, n_valid, i_hv, 3, HV, BC, BETA)
-        M31 = -tl.dot(M33, S31, input_precision=PREC)
-        S30 = _times_beta(tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
+        M31 = -tl.dot(M33, R31, input_precision=PREC)
+        R30 = _times_beta(tl.dot(L30, M00, input_precision=PREC) + tl.dot(L31, M10, input_precision=PREC)
                           + tl.dot(L32, M20, input_precision=PREC), beta, start, n_valid, i_hv, 3, HV, BC, BETA)
-        M30 = -tl.dot(M33, S30, input_precision=PREC)
+        M30 = -tl.dot(M33, R30, input_precision=PREC)
         _store_block(Mout, M21, start, n_valid, i_hv, 2, 1, HV, BT, BC)
         _store_block(Mout, M20, start, n_valid, i_hv, 2, 0, HV, BT, BC)
         _store_block(Mout, M32, start, n_valid, i_hv, 3, 2, HV, BT, BC)
