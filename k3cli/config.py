@@ -1,7 +1,7 @@
 """K3Config: the one root config every command resolves, and its loader.
 
-Precedence (style.md section 4): dataclass defaults < `--preset NAME` (package YAML) < `--config FILE` (repeatable,
-merged in order) < `--set a.b=value` (repeatable). Unknown keys and wrong types are errors that name the key and
+Precedence: dataclass defaults < `--preset NAME` (package YAML) < `--config FILE` (repeatable, merged in order) <
+a command's flag shortcuts (e.g. `k3 serve --port`) < `--set a.b=value` (repeatable). Unknown keys and wrong types are errors that name the key and
 the close matches. A preset names its model (`model: k3-tiny`) or inlines it; an inline mapping may start from a
 named model with `preset: k3-tiny` and override fields.
 """
@@ -20,7 +20,9 @@ from typing import Any
 
 import yaml
 
+from k3.kernels.config import KernelConfig
 from k3.model.config import ConfigError, ModelConfig, config_from_dict, config_to_dict
+from k3.serve.config import ServeConfig
 from k3.train.config import CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 
 
@@ -33,10 +35,14 @@ class K3Config:
     optim: OptimConfig | None = None  # optimizer, schedule, QK-Clip, router balance
     train: TrainConfig | None = None  # the train loop
     ckpt: CheckpointConfig | None = None  # training checkpoints
+    kernels: KernelConfig | None = None  # kernel backend and numerics (KDA backward, recompute, fp32 dots)
+    serve: ServeConfig | None = None  # the serving engine and HTTP server (`k3 serve`)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-            "ckpt": CheckpointConfig}
+            "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig}
+# the sections each command resolves (the others stay None); its presets live in presets/<command>/
+COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels")}
 
 
 def _presets_root():
@@ -123,13 +129,22 @@ def _resolve_model(raw: Any) -> dict:
 
 
 def resolve_config(command: str, *, preset: str | None, config_files: list[str] | None = None,
-                   sets: list[str] | None = None, sections: tuple[str, ...] = tuple(SECTIONS)) -> K3Config:
-    """Build the K3Config for `command` from preset, files and --set overrides (see module docstring)."""
+                   sets: list[str] | None = None, overrides: dict | None = None,
+                   sections: tuple[str, ...] | None = None) -> K3Config:
+    """Build the K3Config for `command` from preset, files, flag shortcuts and --set overrides (module docstring).
+
+    overrides: {section: {key: value}} a command's flags stand for, merged after the files and before --set.
+    sections: the sections to build (default COMMAND_SECTIONS[command]); a section a file or --set names is built
+    too. Example: resolve_config("serve", preset="default", sets=["serve.max_num_seqs=32"]).serve.max_num_seqs == 32
+    """
+    sections = COMMAND_SECTIONS.get(command, tuple(SECTIONS)) if sections is None else sections
     raw: dict = {s: {} for s in sections}
     if preset is not None:
         raw = deep_merge(raw, read_preset(command, preset))
     for f in config_files or []:
         raw = deep_merge(raw, read_yaml_file(f))
+    if overrides:
+        raw = deep_merge(raw, overrides)
     # a named model is resolved before --set so that `--set model.d_model=...` overrides the preset's value
     m = raw.get("model")
     if isinstance(m, str) or (isinstance(m, dict) and "preset" in m):
@@ -148,7 +163,25 @@ def resolve_config(command: str, *, preset: str | None, config_files: list[str] 
     cfg = config_from_dict(K3Config, raw)
     if cfg.model is not None:
         cfg.model.validate()
+    if cfg.kernels is not None:
+        try:
+            cfg.kernels.validate()
+        except ValueError as e:
+            raise ConfigError(f"kernels: {e}") from None
     return cfg
+
+
+def apply_kernels(cfg: K3Config) -> dict:
+    """Apply the config's kernel section for this process (k3.kernels.configure: the environment variables K3_KERNELS,
+    K3_KDA_BWD, K3_KDA_RECOMPUTE, K3_KDA_FP32_DOTS override its fields) and return what to record in
+    run_config.yaml: {"effective": the settings the kernels run with, "env_overrides": {variable: value}}."""
+    from k3.kernels import configure
+
+    try:
+        effective, env = configure(cfg.kernels if cfg.kernels is not None else KernelConfig())
+    except ValueError as e:
+        raise ConfigError(f"kernels: {e}") from None
+    return {"effective": config_to_dict(effective), "env_overrides": env}
 
 
 def config_dict(cfg: K3Config) -> dict:

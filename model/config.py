@@ -140,6 +140,8 @@ def config_from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+    except ValueError as e:  # the section's own checks (__post_init__)
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
 
 
 def config_to_dict(obj: Any) -> dict:

@@ -20,9 +20,9 @@ class ServeConfig:
     api_keys: list[str] = field(default_factory=list)  # accepted Bearer keys; empty = no auth
     max_concurrent_per_key: int = 0  # in-flight generation requests per API key (0 = no limit); beyond it 429
     served_model_name: str = ""  # model id in /v1/models and requests; "" = the checkpoint directory's name
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on a GPU, float16 for a float16 checkpoint; float32 on a CPU) | float32 |
-    #                      bfloat16 | float16 (serving.md 2.5: bf16 by default)
+    #                      bfloat16 | float16
     max_model_len: int = 0  # context limit (prompt + output); 0 = 2048
     max_num_seqs: int = 16  # running sequences at once (KDA state slots)
     max_num_batched_tokens: int = 0  # token budget per engine step (decodes + prefill chunks); 0 = 256 on a CPU, 2048
@@ -41,8 +41,8 @@ class ServeConfig:
     sse_ping_interval_s: float = 15.0  # SSE comment keep-alive while a request waits or prefills
     shutdown_timeout_s: float = 30.0  # on SIGTERM: 503 "draining" for new requests, in-flight ones get this long
     warmup: bool = True  # run every step shape once before /health reports ready
-    cuda_graphs: bool = True  # on CUDA, replay plain decode steps, speculative verify steps and MTP draft calls from
-    #                           CUDA graphs (k3.serve.graphs, k3.serve.spec_graphs)
+    cuda_graphs: bool = True  # on CUDA, replay decode, prefill-chunk, speculative verify and MTP draft steps from
+    #                           CUDA graphs (k3.serve.graphs)
     cpu_small_step_threads: int = 1  # on a CPU, torch intra-op threads for steps of <= 64 tokens (decode, verify):
     #                                  waking more threads cost more than they saved on 2 cores with k3-tiny; 0 = torch's
     #                                  default (large models on many cores may want it)
@@ -51,11 +51,10 @@ class ServeConfig:
     #                           with speculation), and compiles with compile_decode; uncompiled, every power-of-two
     #                           bucket up to the largest is captured too, as are the 64-token prefill chunks; compiled,
     #                           a step runs on the smallest compiled bucket that holds it; other shapes: on first use
-    compile_decode: bool = False  # torch.compile each graph-captured step before its capture (fused kernels: k3-small
-    #                               decode at batch 1 went 7.1 -> 2.5 ms/step on an H200, 2026-11-29), at the cost of
-    #                               one to two minutes of compilation per captured shape at startup (every batch
-    #                               bucket warmed up; with speculation also its verify shape; MTP draft graphs stay
-    #                               uncompiled), so off by default
+    compile_decode: bool = False  # torch.compile each warmed decode (and verify) shape before its capture (fused
+    #                               kernels: k3-small decode at batch 1 went 7.1 -> 2.5 ms/step on an H200,
+    #                               2026-11-29), at the cost of one to two minutes of compilation per shape at
+    #                               startup (prefill-chunk and MTP draft graphs stay uncompiled), so off by default
     log_level: str = "warning"  # uvicorn log level
 
     def __post_init__(self) -> None:

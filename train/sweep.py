@@ -403,8 +403,9 @@ class SweepResult:
 
 
 def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict | None = None,
-              console=None) -> SweepResult:
+              kernels: dict | None = None, console=None) -> SweepResult:
     """Train the plan's runs one after another (skip finished, resume interrupted) and write OUT/runs.csv.
+    env, kernels: the environment and the applied kernel settings, recorded in every run's run_config.yaml.
 
     A run stopped by SIGINT/SIGTERM (its checkpoint saved by the train loop) stops the sweep; running the same
     command again resumes it. Returns the rows of runs.csv.
@@ -431,8 +432,8 @@ def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict
             console.print(f"{head}: {'resuming' if state == 'interrupted' else 'starting'}")
             if state == "new" and (p.run_dir / "metrics.jsonl").exists():
                 (p.run_dir / "metrics.jsonl").unlink()  # lines of an attempt that died before its first checkpoint
-            rc = {"command": "pretrain", "preset": plan.preset, "config": _plain_config(cfg), "env": env or {},
-                  "init": None, "sweep": {"size": p.size_label, "target_N": p.sized.target, "N": p.sized.N,
+            rc = {"command": "pretrain", "preset": plan.preset, "config": _plain_config(cfg), "kernels": kernels,
+                  "env": env or {}, "init": None, "sweep": {"size": p.size_label, "target_N": p.sized.target, "N": p.sized.N,
                                           "params": plan.params, "tokens_per_param": p.ratio,
                                           "tokens_target": p.tokens_target, "command": pretrain_command(plan, p)}}
             res = pretrain_run(cfg, run_dir=p.run_dir, resume=state == "interrupted", run_config=rc, console=console)

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 import yaml
 
-from k3.cli.config import config_dict, environment_info, resolve_config
+from k3.cli.config import apply_kernels, config_dict, environment_info, resolve_config
 from k3.cli.errors import friendly_errors
 
 
@@ -48,6 +48,6 @@ def pretrain(
             files = [str(tmp)] + files
     cfg = resolve_config("pretrain", preset=None if resume and saved.is_file() else preset, config_files=files,
                          sets=list(set_ or []))
-    rc = {"command": "pretrain", "preset": preset, "config": config_dict(cfg), "env": environment_info(),
-          "init": None if init is None else str(init)}
+    rc = {"command": "pretrain", "preset": preset, "config": config_dict(cfg), "kernels": apply_kernels(cfg),
+          "env": environment_info(), "init": None if init is None else str(init)}
     run(cfg, run_dir=run_dir, resume=resume, init=None if init is None else str(init), run_config=rc)

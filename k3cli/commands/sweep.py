@@ -47,7 +47,7 @@ def sweep(
     """
     from rich.console import Console
 
-    from k3.cli.config import environment_info, resolve_config
+    from k3.cli.config import apply_kernels, environment_info, resolve_config
     from k3.train.sweep import parse_list, parse_ratio, parse_size, plan_sweep, plan_table, pretrain_command, run_sweep
 
     size_list = parse_list(sizes, "--sizes", parse_size)
@@ -65,4 +65,5 @@ def sweep(
             print(pretrain_command(plan, p))
         sys.stdout.flush()
         return
-    run_sweep(plan, resolve, env=environment_info(), console=Console())
+    run_sweep(plan, resolve, env=environment_info(), kernels=apply_kernels(resolve(list(set_ or []))),
+              console=Console())
