@@ -155,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         parameter of the step with the same (a, b, dtype, ns_steps) is orthogonalized in ONE stacked NS5 call (each
         block is normalized and iterated on its own, so this equals the per-parameter loop). On a GPU the per-
         parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small training step;
-        on the 2-core CPU, k3-tiny pretraining ran ~8% faster stacked (benchmarks/RESULTS.md, session 4).
+        on the 2-core CPU, k3-tiny pretraining ran ~8% faster stacked (measured 2026-11-29).
         """
         loss = None
         if closure is not None:
