@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import math
 import random
 import statistics
 import sys
@@ -310,8 +309,7 @@ def main() -> None:
                           cuda_graph_batches=list(args.batch))  # warm-up captures (compiles) just the timed buckets
         engine = Engine(model, tok, cfg)
         if graphs and not cuda:  # the same static-buffer step, run eagerly (compiled with --compile-decode)
-            engine.runner.enable_decode_graphs(math.ceil(cfg.max_model_len / cfg.kv_block_size), capture=False,
-                                               compile=graphs == "compiled")
+            engine.runner.enable_static_steps(compile=graphs == "compiled")
         t_warm = time.perf_counter()
         engine.warmup()  # captures (and with compiled, compiles) the --batch buckets
         print(f"# graphs={graphs}: warm-up {time.perf_counter() - t_warm:.1f} s", flush=True)

@@ -109,5 +109,5 @@ def commit_src(kept_B: torch.Tensor, slots_B: torch.Tensor, num_slots: int, spec
 
 def latent_rows(pos_B: torch.Tensor, table_BG: torch.Tensor, page: int) -> torch.Tensor:
     """Flat latent row [B] of position pos_B[n] through block table row n ([B, G]): table[pos // page] * page +
-    pos % page, as _StepContext and spec_graphs compute on the host."""
+    pos % page, as the host layouts (k3.serve.static) compute it."""
     return table_BG.gather(1, (pos_B // page)[:, None])[:, 0] * page + pos_B % page

@@ -92,7 +92,7 @@ class _ServeOps(TorchFunctionMode):
 
 def test_eager_prefill_step_ops_do_not_grow_with_block_boundaries(model_tok):
     """The serving code's own tensor ops in a prefill step (prefix caching on) are the same for a prompt crossing 2
-    block boundaries and one crossing 7: every KDA layer writes all of a step's snapshots at once (k3.serve.prefill).
+    block boundaries and one crossing 7: every KDA layer writes all of a step's snapshots at once (k3.serve.cache).
     Written one boundary at a time they grew by ~30 ops per boundary and layer, on a GPU ~15 us of host time each."""
     model, tok = model_tok
     eng = _prefill_engine(model, tok)
