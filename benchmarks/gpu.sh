@@ -235,7 +235,7 @@ mode_quant() {
   tests_summary "$OUT/quant_tests.log"
   if [ ! -f runs/tiny/final/config.json ]; then echo "no runs/tiny/final here: carry runs/tiny for the rows"; return 1; fi
   rm -rf "$q"
-  step "quantize k3-tiny (w4a8, w8a16)" 60 quantize.log python3 -c "from k3.model.quant import quantize_release
+  step "quantize k3-tiny (w4a8, w8a16)" 60 quantize.log python3 -c "from k3.train.quantize import quantize_release
 for fmt in ('w4a8', 'w8a16'):
     print(quantize_release('runs/tiny/final', '$q/tiny-' + fmt, fmt=fmt, group_size=32))"
   cat "$OUT/quantize.log"
