@@ -42,7 +42,8 @@ class K3Config:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
             "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
-COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels")}
+COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
+                    "generate": ("kernels",)}
 
 
 def _presets_root():
@@ -138,6 +139,7 @@ def resolve_config(command: str, *, preset: str | None, config_files: list[str] 
     too. Example: resolve_config("serve", preset="default", sets=["serve.max_num_seqs=32"]).serve.max_num_seqs == 32
     """
     sections = COMMAND_SECTIONS.get(command, tuple(SECTIONS)) if sections is None else sections
+    allowed = set(sections) if command in COMMAND_SECTIONS else set(SECTIONS)
     raw: dict = {s: {} for s in sections}
     if preset is not None:
         raw = deep_merge(raw, read_preset(command, preset))
@@ -160,6 +162,9 @@ def resolve_config(command: str, *, preset: str | None, config_files: list[str] 
         close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f"; sections: {', '.join(SECTIONS)}"
         raise ConfigError(f"unknown config section '{unknown[0]}'{hint}")
+    foreign = [k for k in raw if k not in allowed]
+    if foreign:
+        raise ConfigError(f"section '{foreign[0]}' is not used by `k3 {command}` (it reads {', '.join(sorted(allowed))})")
     cfg = config_from_dict(K3Config, raw)
     if cfg.model is not None:
         cfg.model.validate()

@@ -23,11 +23,14 @@ def generate(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16; auto = bfloat16 on a "
                               "GPU (float16 for a float16 checkpoint), float32 on the CPU, as k3 serve"),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", help="a kernel setting, e.g. --set "
+                                          "kernels.backend=torch; repeatable"),
 ) -> None:
     """Generate text: one prefill of the prompt, then one decode step per new token (the serving engine; on a GPU
     each decode step replays a CUDA graph)."""
     import torch
 
+    from k3.cli.config import apply_kernels, resolve_config
     from k3.model.checkpoint import load_model
     from k3.model.tokenizer import K3Tokenizer
     from k3.serve.config import SERVE_DTYPES, serve_dtype
@@ -35,6 +38,7 @@ def generate(
 
     if dtype not in SERVE_DTYPES:
         raise typer.BadParameter(f"unknown dtype {dtype!r}; use {', '.join(SERVE_DTYPES)}", param_hint="--dtype")
+    apply_kernels(resolve_config("generate", preset=None, sets=list(set_ or []), sections=("kernels",)))
     dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     model, _ = load_model(ckpt, device=dev, dtype=serve_dtype(dtype, dev, str(ckpt)))
     tok = K3Tokenizer.from_file(ckpt)

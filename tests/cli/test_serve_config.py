@@ -55,6 +55,10 @@ def test_serve_and_kernel_values_are_checked():
         resolve_config("serve", preset="default", sets=["kernels.kda_fp32_dots=fp64"])
     with pytest.raises(ConfigError, match="unknown serve preset 'fastest'.*gpu-throughput"):
         resolve_config("serve", preset="fastest")
+    with pytest.raises(ConfigError, match="section 'train' is not used by `k3 serve`"):
+        resolve_config("serve", preset="default", sets=["train.max_steps=3"])
+    with pytest.raises(ConfigError, match="section 'serve' is not used by `k3 pretrain`"):
+        resolve_config("pretrain", preset="debug", sets=["serve.port=1"])
 
 
 def test_apply_kernels_records_the_environment_overrides(monkeypatch):
