@@ -1,1 +1,1 @@
-"""k3.serve: OpenAI-compatible server (issue 5)."""
+"""k3.serve: the OpenAI-compatible server and its continuous-batching engine (docs/serving.md)."""

@@ -1,4 +1,4 @@
-"""Resumable training checkpoints: RUN_DIR/checkpoints/step-0000500/ (style.md section 5A, issue 3).
+"""Resumable training checkpoints: RUN_DIR/checkpoints/step-0000500/ (style.md section 5A).
 
     step-0000500/
       model.safetensors   the unwrapped model's state dict, dtypes unchanged (bit-exact)

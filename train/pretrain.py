@@ -1,6 +1,6 @@
 """`k3 pretrain`: data -> tokenizer -> K3Model -> Muon/AdamW loop -> training checkpoints -> release checkpoint.
 
-RUN_DIR layout (issue 3 contract):
+RUN_DIR layout (a contract: other commands and tools read these names):
     run_config.yaml        resolved config, git sha, versions, parameter counts (`stats:`)
     metrics.jsonl          one JSON object per log step (step, loss, lr, tokens, tokens_per_s, ...) and eval lines
     tokenizer/             the tokenizer used (trained here or reused)

@@ -1,4 +1,4 @@
-"""Whole-model tests (architecture.md sections 2, 4, 10; issue 2): layout, parameter counts, AttnRes == Pre-LN at
+"""Whole-model tests (architecture.md sections 2, 4, 10): layout, parameter counts, AttnRes == Pre-LN at
 zero pseudo-queries, MTP isolation, prefill + decode == full forward, gradient flow."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""`k3 pretrain` end to end on the debug preset (issue 3): loss falls, exact resume, signals, NaN stop, --init,
+"""`k3 pretrain` end to end on the debug preset: loss falls, exact resume, signals, NaN stop, --init,
 generate == argmax of the full forward, MTP lambda = 0 trains bit-identically to no MTP, readable config errors."""
 
 import json

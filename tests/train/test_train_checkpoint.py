@@ -1,4 +1,4 @@
-"""Training checkpoints (issue 3): bit-exact resume state, keep-last pruning, atomicity under SIGKILL, loud errors."""
+"""Training checkpoints: bit-exact resume state, keep-last pruning, atomicity under SIGKILL, loud errors."""
 
 import json
 import os
