@@ -144,23 +144,64 @@ def padded_row(s, n: int, T: int, geom, what: str) -> tuple[list[int], ...]:
 def step_layout(seqs, buf: StepBuffers, geom, max_seqs: int, token_slot) -> torch.Tensor:
     """The inputs of `seqs` as one CPU int64 tensor in StepBuffers' layout, padded to Bb rows (copies of row 0) and
     Gb pages. "step": every sequence brings exactly T tokens; "verify": 1..T (shorter rows repeat their last token),
-    per-token slots token_slot(slot, t)."""
+    per-token slots token_slot(slot, t). (Host work on every decode step: plain list operations, no per-token calls.)"""
     B, T, Gb, kind = len(seqs), buf.T, buf.Gb, buf.kind
-    what = "verify step" if kind == "verify" else "step"
-    if kind == "step" and any(len(s.tokens) != T for s in seqs):
-        raise ValueError(f"{what}: every sequence must bring {T} tokens (the shape's), got "
-                         f"{[len(s.tokens) for s in seqs]}; run unequal lengths through the eager step")
+    if kind == "verify":
+        return _verify_layout(seqs, buf, geom, max_seqs, token_slot)
+    vocab, ps, num_pages = geom
     slots = [s.slot for s in seqs]
-    _check_slots(slots, max_seqs, what)
+    _check_slots(slots, max_seqs, "step")
+    tokens, pos, smap, table = [], [], [], []
+    for s in seqs:
+        bt, start = s.block_table, s.start
+        if len(s.tokens) != T:
+            raise ValueError(f"step: every sequence must bring {T} tokens (the shape's), got "
+                             f"{[len(x.tokens) for x in seqs]}; run unequal lengths through the eager step")
+        check_table(bt, start, start + T - 1, ps, num_pages, "step")
+        tokens += s.tokens
+        if T == 1:
+            pos.append(start)
+            smap.append(bt[start // ps] * ps + start % ps)
+        else:
+            r = range(start, start + T)
+            pos += r
+            smap += [bt[p // ps] * ps + p % ps for p in r]
+        table += bt
+        if len(bt) < Gb:
+            table += [0] * (Gb - len(bt))  # pages past the sequence are masked (key > position)
+    if min(tokens) < 0 or max(tokens) >= vocab:
+        raise ValueError(f"step: a token of {tokens} is outside the vocabulary ({vocab})")
+    pad, N = buf.Bb - B, buf.Bb * T
+    flat = tokens + tokens[:T] * pad
+    flat += pos + pos[:T] * pad
+    flat += smap + smap[:T] * pad
+    flat += list(range(B * T)) + list(range(T)) * pad  # src_tok: each token writes its own latent
+    flat += [1] * N  # live
+    flat += [-1] * N  # kda_slots (verify only)
+    flat += list(range(B * T)) + [0] * (T * pad)  # real_rows (verify only)
+    flat += slots + [-1] * pad  # row_slots
+    flat += slots + slots[:1] * pad  # tail_slots
+    flat += list(range(B)) + [0] * pad  # src_rows
+    flat += list(range(T - 1, B * T, T)) + [T - 1] * pad  # last_rows
+    flat += table + table[:Gb] * pad
+    return torch.tensor(flat, dtype=torch.long)
+
+
+def _verify_layout(seqs, buf: StepBuffers, geom, max_seqs: int, token_slot) -> torch.Tensor:
+    """step_layout of a verify shape: rows of 1..T tokens padded by repeating their last token (which names no KDA
+    slot), per-token state slots."""
+    B, T, Gb = len(seqs), buf.T, buf.Gb
+    slots = [s.slot for s in seqs]
+    _check_slots(slots, max_seqs, "verify step")
     tokens, pos, smap, src, kslots, real, last, table = [], [], [], [], [], [], [], []
     for n, s in enumerate(seqs):
         L = len(s.tokens)
-        _, tok_n, pos_n, smap_n, src_n = padded_row(s, n, T, geom, what)
+        _, tok_n, pos_n, smap_n, src_n = padded_row(s, n, T, geom, "verify step")
         tokens += tok_n
         pos += pos_n
         smap += smap_n
         src += src_n
-        kslots += [token_slot(s.slot, t) if t < L else -1 for t in range(T)] if kind == "verify" else [-1] * T
+        kslots += [token_slot(s.slot, t) if t < L else -1 for t in range(T)]
         real += range(n * T, n * T + L)
         last.append(n * T + L - 1)
         table += s.block_table + [0] * (Gb - len(s.block_table))  # pages past the sequence are masked
