@@ -32,13 +32,11 @@ from .config import ServeConfig
 from .metrics import Metrics
 from .output import OutputProcessor
 from .pools import PagePool, SnapshotStore, StatePool
-from .proposer import MTPProposer, SpecState, make_job, num_drafts
-from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob, token_logprob
+from .request import SamplingParams, SeqEvent, Sequence, TokenLogprob
 from .runner import ModelRunner
-from .sampling import apply_penalties, greedy_picks, plain_greedy, sample, token_probs
+from .sampling import greedy_picks, pick_token
 from .scheduler import Scheduled, Scheduler
-from .spec_step import OneSyncStep
-from .verify import accepted_prefix, greedy_verify, rejection_verify
+from .speculation import Speculation
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -96,11 +94,12 @@ class Engine:
         self.scheduler = Scheduler(self.pages, self.states, self.snaps, block_size=bs, token_budget=token_budget,
                                    max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                    metrics=self.metrics, graph_prefill=lambda: self.runner.graph_prefill)
-        self.scheduler.on_admit = self._on_admit
         self.output = OutputProcessor(tokenizer, self.max_model_len, self.metrics)
-        self.proposer = MTPProposer(self.runner, k) if k else None
-        # one host read per all-greedy verify step (None: every step on the host path)
-        self.one_sync = OneSyncStep(self.runner, k) if k else None
+        # MTP speculative decoding: drafts, acceptance, the one-sync step (k3.serve.speculation)
+        self.spec = Speculation(self.runner, k, self.scheduler, self.output, self.snaps, self.max_model_len) if k \
+            else None
+        if self.spec is not None:
+            self.scheduler.on_admit = self.spec.on_admit
         self.d_model, self.dtype, self.device = mc.d_model, dtype, dev
         self._inbox: deque = deque()
         self._cv = threading.Condition()
@@ -220,8 +219,8 @@ class Engine:
             # first: a shape the generate calls below meet would be captured plain (uncompiled, k3.serve.graphs)
             batches = self.cfg.cuda_graph_batches
             self.runner.capture_graphs(batches)  # CUDA graphs on: before /health is 200
-            if self.one_sync is not None:
-                self.one_sync.capture_common(batches)
+            if self.spec is not None and self.spec.one_sync is not None:
+                self.spec.one_sync.capture_common(batches)
             for prompt, p in (([bos] * 3, greedy), ([bos] * L, greedy), ([bos] * L, sampled)):
                 self.generate(prompt, p, n=2)
             self.reset_prefix_cache()
@@ -279,7 +278,7 @@ class Engine:
             toks, lps, kept = [], [], len(st.tokens)
             logits = out.logits[i]
             if st.spec:
-                toks, lps = self._verify_tokens(seq, st, logits)
+                toks, lps = self.spec.verify_tokens(seq, st, logits)
                 kept = len(toks)
                 publish, snaps = self.scheduler.verify_publish(seq, st, kept, toks)
                 self.runner.commit_spec(st, kept, snaps)
@@ -289,13 +288,13 @@ class Engine:
                 if st.logits == "all" and seq.params.prompt_logprobs is not None:
                     self.output.prompt_logprobs(seq, st.start, len(st.tokens), logits)
                 if not st.spec and not seq.prefilling and seq.params.max_tokens > 0:
-                    tok, lp = (greedy[i], None) if i in greedy else self._sample(seq, logits[-1])
+                    tok, lp = (greedy[i], None) if i in greedy else pick_token(seq, logits[-1])
                     toks, lps = [tok], [lp]
             picks.append((toks, lps, kept))
         # 2. MTP: catch up on the committed tokens and draft the next ones (before any sequence frees its pages)
-        if self.proposer is not None:
+        if self.spec is not None:
             with self._threads(n_tok):  # the MTP catches up on the same tokens
-                self._draft(batch, picks, out)
+                self.spec.draft(batch, picks, out)
         # 3. stream the new tokens (stop conditions may finish sequences here)
         for it, (toks, lps, _) in zip(batch, picks):
             seq = it.seq
@@ -318,102 +317,18 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ speculation
 
-    def _on_admit(self, seq: Sequence, entry: int | None) -> None:
-        """A sequence starts running: with speculation its drafting state, h_{p-1} from the snapshot after a hit."""
-        if self.proposer is not None:
-            hidden = self.snaps.read_hidden(entry) if entry is not None else torch.zeros(self.d_model,
-                                                                                         device=self.device)
-            seq.spec = SpecState(hidden=hidden)
-
-    def _verify_tokens(self, seq: Sequence, st, logits_TV: torch.Tensor) -> tuple[list[int], list]:
-        """Acceptance over a verify step's logits [K+1, V] (row j = target after tokens[:j+1]). Greedy: the target's
-        token at every position up to and including the first one that differs from the draft. Sampled:
-        speculative sampling against the drafts' q rows. Penalties see the tokens accepted before each position,
-        as one-token steps would. Returns the emitted tokens and their logprobs (the target's)."""
-        drafts = st.tokens[1:]
-        counts = dict(seq.counts)  # appending counts the emitted tokens again
-        spec = seq.spec
-        if seq.params.temperature > 0:  # speculative sampling
-            q_KV, spec.verify_q = spec.verify_q, None
-            toks, a = rejection_verify(drafts, q_KV, lambda j: self._probs(seq, logits_TV[j], counts), counts,
-                                       seq.generator)
-            lps = [self._logprob(seq, logits_TV[j], t) for j, t in enumerate(toks)]
-        else:
-            saved, seq.counts = seq.counts, counts
-            if plain_greedy(seq.params):  # the bare argmax at every position: one kernel and one host read
-                best = logits_TV.argmax(-1).tolist()
-                toks, lps = greedy_verify(drafts, lambda row: (best[row], None), seq.counts)
-            else:
-                toks, lps = greedy_verify(drafts, lambda row: self._sample(seq, logits_TV[row]), seq.counts)
-            seq.counts = saved
-            a = accepted_prefix(drafts, toks)
-        self.output.acceptance(drafts, a)
-        return toks, lps
-
-    def _draft(self, batch: list[Scheduled], picks, out) -> None:
-        """One MTP call for a whole step (before any sequence of it frees its pages): pairs for every committed
-        token, so pages published to the prefix cache are complete for the MTP too, plus the first draft pair for
-        sequences that just got a token, then the recursive drafts (with their q rows for sampled requests)."""
-        jobs = []
-        for it, (toks, _, kept), row in zip(batch, picks, out.cu):
-            seq, st = it.seq, it.step
-            k = 0
-            if toks and seq.status == "running":
-                p = seq.params
-                k = num_drafts(self.proposer.k, len(seq.output) + len(toks), p.max_tokens,
-                               len(seq.all_tokens) + len(toks), self.max_model_len)
-                self.scheduler.grow(seq, st.start + kept + k)  # draft slots n .. n + k - 1 (n = tokens cached)
-            job = make_job(seq.spec, seq.block_table, st.start, st.tokens[:kept], out.hidden[row:row + kept],
-                           toks[-1] if k else None, k)
-            if k and seq.params.temperature > 0:
-                job.draw = self._draft_sampler(seq, toks)
-            jobs.append(job)
-        for it, job, drafts in zip(batch, jobs, self.proposer.run(jobs)):
-            it.seq.spec.drafts, it.seq.spec.draft_q = drafts, job.q
-
-    def one_sync_eligible(self, batch: list[Scheduled]) -> bool:
-        """True when every item of the step verifies all k drafts of a plain greedy request, no 64-token block
-        boundary lies in (start, start + T + k] (no page or snapshot to publish, every draft slot in the current
-        page) and the next step gets k drafts whatever the acceptance: the one-sync path's conditions on the
-        requests (its shapes are checked by OneSyncStep)."""
-        if self.one_sync is None or not self.runner.static_steps or not batch:
-            return False
-        k = self.one_sync.k
-        T, bs = k + 1, self.block_size
-        for it in batch:
-            seq, st, p = it.seq, it.step, it.seq.params
-            if (not st.spec or len(st.tokens) != T or it.publish or seq.status != "running" or not plain_greedy(p)
-                    or (st.start + T + k) // bs != st.start // bs):
-                return False
-            if num_drafts(k, len(seq.output) + T, p.max_tokens, len(seq.all_tokens) + T, self.max_model_len) != k:
-                return False
-        return True
-
     def _one_sync_step(self, batch: list[Scheduled], n_tok: int) -> bool:
-        """Run the step on the one-sync path (k3.serve.spec_step) when it qualifies (`one_sync_eligible` and every
-        shape served); returns False, having changed nothing, when it does not (the host path runs it)."""
-        if not self.one_sync_eligible(batch) or self.one_sync.shapes([it.step for it in batch]) is None:
+        """Run the step on the one-sync path (k3.serve.speculation) when it qualifies; returns False, having changed
+        nothing, when it does not (the host path runs it)."""
+        if self.spec is None or not self.spec.eligible(batch):
             return False
-        seqs, k = [it.step for it in batch], self.one_sync.k
-        T = k + 1
-        for it in batch:  # draft slots up to start + 2k (kept = T); inside the current page (checked above)
-            self.scheduler.grow(it.seq, it.step.start + 2 * k + 1)
         with self._threads(n_tok):
-            res = self.one_sync.run(seqs, [it.seq.spec.hidden for it in batch])
-        if res is None:
+            emitted = self.spec.one_sync_step(batch)
+        if emitted is None:
             return False
-        targets, kept, drafts, h_next = res
         now = time.monotonic()
         if self.record_metrics:
             self.metrics.observe("k3:iteration_tokens_total", n_tok)
-        emitted = []
-        for n, it in enumerate(batch):
-            seq, st = it.seq, it.step
-            seq.num_computed = st.start + kept[n]
-            self.output.acceptance(st.tokens[1:], kept[n] - 1)
-            spec = seq.spec
-            spec.hidden, spec.drafts, spec.draft_q, spec.verify_q = h_next[n], drafts[n * k:(n + 1) * k], [], None
-            emitted.append(targets[n * T:n * T + kept[n]])
         for it, toks in zip(batch, emitted):  # the host path's emit loop (stop conditions may finish sequences)
             self._append_all(it.seq, toks, [None] * len(toks), now)
         return True
@@ -459,7 +374,7 @@ class Engine:
         self.output.gauges(len(self.running), len(self.waiting) + len(self._inbox), self.pages.usage(),
                            1.0 - len(self.states.free) / self.states.num_slots)
 
-    # ------------------------------------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------------------------------------ threads
 
     @contextlib.contextmanager
     def _threads(self, n_tokens: int):
@@ -474,38 +389,3 @@ class Engine:
             yield
         finally:
             torch.set_num_threads(n)
-
-    def _sample(self, seq: Sequence, row_V: torch.Tensor) -> tuple[int, TokenLogprob | None]:
-        """Next token from fp32 logits [V]; logprobs are the model's raw log-softmax (before penalties and
-        temperature, vLLM's default)."""
-        p = seq.params
-        logits = apply_penalties(row_V, p, seq.counts, seq.prompt)
-        tok = int(sample(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                         generator=seq.generator)[0])
-        return tok, self._logprob(seq, row_V, tok)
-
-    def _logprob(self, seq: Sequence, row_V: torch.Tensor, tok: int) -> TokenLogprob | None:
-        k = seq.params.logprobs
-        return None if k is None else token_logprob(torch.log_softmax(row_V.float(), -1), tok, k)
-
-    def _probs(self, seq: Sequence, row_V: torch.Tensor, counts: dict[int, int]) -> torch.Tensor:
-        """The weights [V] a sampled request draws from after `counts` generated tokens (penalties included)."""
-        p = seq.params
-        logits = apply_penalties(row_V, p, counts, seq.prompt)
-        return token_probs(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)[0]
-
-    def _draft_sampler(self, seq: Sequence, new_tokens: list[int]):
-        """The MTP draw function of a sampled sequence whose step just produced `new_tokens` (not yet appended):
-        draft r is drawn from q = the request's processed distribution of the MTP logits, with penalties counting
-        the output so far, `new_tokens` and drafts 1..r-1, i.e. exactly what the target sees at that position."""
-        counts = dict(seq.counts)
-        for t in new_tokens:
-            counts[t] = counts.get(t, 0) + 1
-
-        def draw(logits_V: torch.Tensor) -> tuple[int, torch.Tensor]:
-            q_V = self._probs(seq, logits_V.float(), counts)
-            tok = int(torch.multinomial(q_V, 1, generator=seq.generator))
-            counts[tok] = counts.get(tok, 0) + 1
-            return tok, q_V
-
-        return draw

@@ -1,13 +1,16 @@
 """Token sampling: penalties, greedy, temperature, top-k, top-p (nucleus), min-p. Sync-free on the device.
 
 `token_probs` is the processed distribution a sampled request draws from; speculative sampling
-(k3.serve.speculative) uses it for both the target p and the draft q, so both see the same processing.
+(k3.serve.speculation, k3.serve.verify) uses it for both the target p and the draft q, so both see the same
+processing. The per-request helpers at the end apply a Sequence's own parameters, counts and generator.
 Legend: B batch, V vocab.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .request import TokenLogprob, token_logprob
 
 
 def apply_penalties(logits_V: torch.Tensor, params, counts: dict[int, int], prompt: list[int]) -> torch.Tensor:
@@ -99,3 +102,47 @@ def sample(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: float = 
         return logits_BV.argmax(dim=-1)
     probs = token_probs(logits_BV, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- per request
+# (seq: a k3.serve.request.Sequence: its params, generated-token counts, prompt and generator)
+
+
+def pick_token(seq, row_V: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    """A request's next token from fp32 logits [V] (penalties, then its sampling); logprobs are the model's raw
+    log-softmax (before penalties and temperature, vLLM's default)."""
+    p = seq.params
+    logits = apply_penalties(row_V, p, seq.counts, seq.prompt)
+    tok = int(sample(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                     generator=seq.generator)[0])
+    return tok, logprob_of(seq, row_V, tok)
+
+
+def logprob_of(seq, row_V: torch.Tensor, tok: int) -> TokenLogprob | None:
+    """The logprob entry of token `tok` (with the request's top-k alternatives), None without logprobs."""
+    k = seq.params.logprobs
+    return None if k is None else token_logprob(torch.log_softmax(row_V.float(), -1), tok, k)
+
+
+def request_probs(seq, row_V: torch.Tensor, counts: dict[int, int]) -> torch.Tensor:
+    """The weights [V] a sampled request draws from after `counts` generated tokens (penalties included)."""
+    p = seq.params
+    logits = apply_penalties(row_V, p, counts, seq.prompt)
+    return token_probs(logits[None], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)[0]
+
+
+def draft_sampler(seq, new_tokens: list[int]):
+    """The MTP draw function of a sampled request whose step just produced `new_tokens` (not yet appended): draft r
+    is drawn from q = the request's processed distribution of the MTP logits, with penalties counting the output
+    so far, `new_tokens` and drafts 1..r-1, i.e. exactly what the target sees at that position."""
+    counts = dict(seq.counts)
+    for t in new_tokens:
+        counts[t] = counts.get(t, 0) + 1
+
+    def draw(logits_V: torch.Tensor) -> tuple[int, torch.Tensor]:
+        q_V = request_probs(seq, logits_V.float(), counts)
+        tok = int(torch.multinomial(q_V, 1, generator=seq.generator))
+        counts[tok] = counts.get(tok, 0) + 1
+        return tok, q_V
+
+    return draw

@@ -13,7 +13,7 @@ PACKAGES = {"k3cli": "k3.cli", "kernels": "k3.kernels", "model": "k3.model", "tr
 # serve/'s layers, top to bottom: a module imports only modules of its own layer or below ("leaf" ones from anywhere)
 SERVE_LAYERS = {
     "http": ("server", "jobs", "protocol", "chat", "generate"),
-    "engine": ("engine", "scheduler", "request", "sampling", "output", "metrics"),
+    "engine": ("engine", "scheduler", "speculation", "request", "sampling", "output", "metrics"),
     "speculative": ("proposer", "verify", "spec_step"),
     "runner": ("runner", "graphs", "static", "step"),
     "cache": ("cache", "pools"),

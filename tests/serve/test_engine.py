@@ -9,6 +9,7 @@ from k3.serve.config import ServeConfig
 from k3.serve.engine import Engine, QueueFull
 from k3.serve.generate import generate_tokens
 from k3.serve.request import SamplingParams, Sequence, find_stop, holdback
+from k3.serve.sampling import pick_token
 
 
 def _engine(model_tok, **kw):
@@ -113,17 +114,17 @@ def test_penalties_follow_openai_formula(model_tok):
     seq = Sequence(seq_id="s", index=0, prompt=[1], sink=None, decoder=IncrementalDecoder(eng.tok),
                    params=SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.0))
     seq.counts = {3: 2}  # 2.0 - 2 * 0.2 = 1.6 > 1.5: still token 3
-    assert eng._sample(seq, row)[0] == 3
+    assert pick_token(seq, row)[0] == 3
     seq.counts = {3: 3}  # 2.0 - 0.6 = 1.4 < 1.5
-    assert eng._sample(seq, row)[0] == 9
+    assert pick_token(seq, row)[0] == 9
     seq.params = SamplingParams(temperature=0, presence_penalty=0.6)
     seq.counts = {3: 1}
-    assert eng._sample(seq, row)[0] == 9
+    assert pick_token(seq, row)[0] == 9
     seq.params = SamplingParams(temperature=0, repetition_penalty=1.5)
     seq.counts, seq.prompt = {}, [3]  # 2.0 / 1.5 = 1.33 < 1.5
-    assert eng._sample(seq, row)[0] == 9
+    assert pick_token(seq, row)[0] == 9
     seq.params = SamplingParams(temperature=0, logprobs=2)
-    tok, lp = eng._sample(seq, row)
+    tok, lp = pick_token(seq, row)
     ref = torch.log_softmax(row.double(), -1)
     assert tok == 3 and lp.logprob == pytest.approx(ref[3].item(), abs=1e-6)
     assert [t for t, _ in lp.top] == [3, 9]

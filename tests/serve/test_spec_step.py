@@ -1,5 +1,5 @@
 """One-sync greedy speculative step (k3.serve.spec_step), run eagerly on the CPU through the static verify and MTP
-functions (capture=False): greedy output with it equals the host path's (Engine.one_sync = None) and plain greedy
+functions (capture=False): greedy output with it equals the host path's (Engine.spec.one_sync = None) and plain greedy
 decoding, token for token, at batch 1 and 3, across 64-token block boundaries and up to max_tokens (steps that take
 the host path), prefix caching on and off; the path ran and read the host exactly once per step; after each step
 the working KDA states, conv tails, main and MTP latents of the committed positions, the drafts and the carried
@@ -32,7 +32,7 @@ def _engine(model_tok, k, fast=True, **kw):
     if k:
         eng.runner.enable_static_steps()
     if not fast:
-        eng.one_sync = None
+        eng.spec.one_sync = None
     return eng
 
 
@@ -153,7 +153,7 @@ def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 40)[:len(lens)]]
     engs = [_engine(model_tok, 3, enable_prefix_caching=False) for _ in range(2)]
     engs.append(_engine(model_tok, 3, fast=False, enable_prefix_caching=False))
-    engs[1].one_sync.fused = False
+    engs[1].spec.one_sync.fused = False
     outs = [{i: [] for i in range(len(lens))} for _ in engs]
     for e, o in zip(engs, outs):
         _submit(e, prompts, params, o)
@@ -171,8 +171,8 @@ def test_fast_step_matches_host_step_state(model_tok, fast_log, caches, lens):
             assert torch.equal(x, y)
         _compare_running(engs[0], engs[2], tol=1e-5)
     assert not engs[2].has_work() and checked >= 6
-    post = engs[0].one_sync
-    assert post.calls == checked and engs[1].one_sync.calls == 0 and not engs[1].one_sync.post  # each its own path
+    post, other = engs[0].spec.one_sync, engs[1].spec.one_sync
+    assert post.calls == checked and other.calls == 0 and not other.post  # each engine took its own path
     assert (1 if len(lens) == 1 else 4) in {key[4] for key in post.post}  # bucket 4: a padded row
     for name in METRICS:
         assert engs[0].metrics.get(name) == engs[1].metrics.get(name) == engs[2].metrics.get(name)
@@ -196,7 +196,7 @@ def test_post_verify_inert_run_changes_no_pool(model_tok, caches):
     eng = _engine(model_tok, 3, enable_prefix_caching=False)
     out = {i: [] for i in range(3)}
     _submit(eng, prompts, params, out)
-    pg = eng.one_sync
+    pg = eng.spec.one_sync
     while pg.calls < 3:
         eng.step()
     (pb,) = pg.post.values()
@@ -315,13 +315,13 @@ def test_fast_step_reads_the_host_once(model_tok, fast_log, monkeypatch, spy_rea
     host = [w for took, w in per_step if not took]
     assert len(fast) >= 3 and host, per_step
     assert all(w == {("serve/spec_step.py", "tolist"): 1} for w in fast), fast
-    assert eng.one_sync.calls == len(fast)  # those were post-verify function steps
+    assert eng.spec.one_sync.calls == len(fast)  # those were post-verify function steps
     assert max(sum(w.values()) for w in host) == 4, host
 
 
 def test_steps_that_do_not_qualify_take_the_host_path(model_tok, fast_log):
     """A sampled request (or greedy with a penalty) in the batch, or drafts cut by max_tokens: the all-verify step
-    runs on the host path (`one_sync_eligible` is False); the greedy request alone afterwards qualifies again."""
+    runs on the host path (`Speculation.eligible` is False); the greedy request alone afterwards qualifies again."""
     eng = _engine(model_tok, 2, enable_prefix_caching=False)
     prompts = _prompts([7, 11, 6], seed=7)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -332,7 +332,7 @@ def test_steps_that_do_not_qualify_take_the_host_path(model_tok, fast_log):
 
     def schedule():
         out = orig()
-        seen.append((len(out.items), eng.one_sync_eligible(out.items)))
+        seen.append((len(out.items), eng.spec.eligible(out.items)))
         return out
 
     eng.scheduler.schedule = schedule
@@ -354,10 +354,10 @@ def test_cuda_fast_path_with_captured_graphs_equals_plain(model_tok, fast_log):
     cfg = {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": 256, "max_model_len": MAX_LEN, "warmup": False}
     plain = Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=0, **cfg))
     fused, fast, host = (Engine(cuda_model, tok, ServeConfig(num_speculative_tokens=2, **cfg)) for _ in range(3))
-    fast.one_sync.fused, host.one_sync = False, None
+    fast.spec.one_sync.fused, host.spec.one_sync = False, None
     fused.runner.capture_graphs([1, 4])
-    fused.one_sync.capture_common([1, 4])
-    pg = fused.one_sync
+    fused.spec.one_sync.capture_common([1, 4])
+    pg = fused.spec.one_sync
     assert {key[1] for key in pg.post} == {1, 4} and all(b.graph is not None for b in pg.post.values())
     prompts = _prompts([58, 5, 120], seed=1)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 20)]
@@ -368,7 +368,7 @@ def test_cuda_fast_path_with_captured_graphs_equals_plain(model_tok, fast_log):
     assert sum(t for e, t, *_ in fast_log if e is fused) == pg.calls >= 5
     assert all(b.graph is not None for b in pg.post.values())
     shapes = fast.runner.graphs.shapes
-    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5 and not fast.one_sync.post
+    assert sum(t for e, t, *_ in fast_log if e is fast) >= 5 and not fast.spec.one_sync.post
     verify = [b for k, b in shapes.items() if k[0] == "verify"]
     assert verify and all(b.graph is not None and b.commit.graph is not None for b in verify)
     assert all(b.graph is not None for k, b in shapes.items() if k[0] == "mtp")

@@ -131,7 +131,7 @@ def test_mtp_catch_up_reproduces_model_mtp_logits(model_tok):
 def _drafter_from(eng, continuation, corrupt):
     """Replace the drafts of the real drafter (which still writes the MTP cache) by the target's own greedy
     continuation `continuation[prompt_len]`, with positions chosen by `corrupt(step, j)` made wrong."""
-    orig = eng.proposer.run
+    orig = eng.spec.proposer.run
     step = [0]
 
     def run(jobs):
@@ -148,7 +148,7 @@ def _drafter_from(eng, continuation, corrupt):
             d[:] = new
         return drafts
 
-    eng.proposer.run = run
+    eng.spec.proposer.run = run
 
 
 def _continuations(prompts, outs):
@@ -191,7 +191,7 @@ def test_snapshot_written_inside_a_verify_step_serves_a_second_turn(model_tok):
     out, steps, _ = _run(eng, [prompt], params)
     assert out == ref and steps[0][:2] == [1, 4]
     turn2 = prompt + ref[0] + _prompts([9], seed=9)[0]
-    eng.proposer.run = type(eng.proposer).run.__get__(eng.proposer)  # the real drafter again
+    eng.spec.proposer.run = type(eng.spec.proposer).run.__get__(eng.spec.proposer)  # the real drafter again
     off = _engine(model_tok, 0, enable_prefix_caching=False).generate(turn2, params)[0]
     on = eng.generate(turn2, params)[0]
     assert on[-1].num_cached_tokens == 64
