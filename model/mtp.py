@@ -6,7 +6,7 @@
 
 h_i is the main model's final hidden state (before the final norm). The module reads the main model's hidden
 states and never writes into the main path, so main logits are unchanged by its presence (tested). Its MLA is NoPE
-so that a speculative draft rolls back by truncating its latent cache (section 10 Proposal).
+so that a speculative draft rolls back by truncating its latent cache (architecture.md section 10, k3 choice).
 
 Legend: B batch, T tokens, D width.
 """

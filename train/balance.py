@@ -93,7 +93,7 @@ def qb_update_exact(scores: torch.Tensor, bias: torch.Tensor, k: int, q: int | N
 
 
 def qb_default_range(bias: torch.Tensor) -> tuple[float, float]:
-    """Histogram range [-1 - db, 1 + db], db = max b - min b (project Proposal, architecture.md 9.2).
+    """Histogram range [-1 - db, 1 + db], db = max b - min b (k3 choice, architecture.md 9.2).
 
     With s in (0, 1) and a mean-centred b, margins lie in (-1 - max b, 1 - min b), inside this range; anything
     outside is clamped into the end bins. Every rank derives the same range from the same (replicated) bias, so the

@@ -7,7 +7,7 @@ Training", arXiv 2502.16982, section 2.2), for a matrix W [A, B] with gradient G
     W ← W·(1 − η·λ) − η · 0.2·√max(A, B) · O
 
 The 0.2·√max(A, B) factor gives the update the RMS of a typical AdamW update (~0.2), so Muon and AdamW share one η
-and one λ. Per-Head Muon (K3, reported; partition is the architecture.md 11.2 Proposal) orthogonalizes each head's
+and one λ. Per-Head Muon (K3, reported; partition: architecture.md 11.2, k3 choice) orthogonalizes each head's
 [d_h, d_in] block of a head-major [H·d_h, d_in] matrix on its own, scale 0.2·√max(d_h, d_in). QK-Clip (Kimi K2,
 arXiv 2507.20534 section 2.1) rescales the query/key rows of MLA heads whose max logit exceeded τ.
 

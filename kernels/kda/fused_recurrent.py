@@ -11,7 +11,7 @@ State pool (`ssm_state_indices`, the serving layout of vLLM's recurrent kernels)
 - [N] indices: sequence n starts from pool[idx[n]] and its final state is written back to pool[idx[n]] in place.
   A negative index (vLLM's PAD_SLOT_ID = -1) means "no slot": start from zeros, write nothing. Slots not named are
   left bit-identical.
-- [N, S_max] indices with `num_accepted_tokens` [N] (speculative decoding, kda.md 5 Proposal, vLLM's GDN
+- [N, S_max] indices with `num_accepted_tokens` [N] (speculative decoding, kda.md 5, k3 choice, vLLM's GDN
   convention): sequence n starts from pool[idx[n, num_accepted_tokens[n] - 1]] (the state after the last accepted
   draft token of the previous step) and the state after each of its tokens t is written to pool[idx[n, t]], so a
   rejected draft rolls back by reading an earlier slot, without recompute.
