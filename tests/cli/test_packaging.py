@@ -86,3 +86,12 @@ def test_wheel_and_editable_install_import_from_outside(tmp_path):
     assert r.returncode == 0, r.stderr
     origin = r.stdout.split("KERNELS", 1)[1].strip()
     assert origin == "None" or not origin.startswith(str(ROOT)), origin
+
+
+def test_license_file_is_the_apache_license_pyproject_names():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert py["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert text.rstrip().endswith("limitations under the License.")
