@@ -23,6 +23,23 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"k3 {version('k3')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="print k3's version and exit")) -> None:
+    # a callback turns the app into a group with options of its own; the commands below stay its subcommands
+    pass
+
+
 app.command("pretrain")(pretrain)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)

@@ -6,7 +6,7 @@
 #   OUT=/tmp/sw FIT=/tmp/fit bash examples/scaling/run_debug_sweep.sh
 #
 # Interrupt it at any time (Ctrl-C checkpoints the running model); running it again skips the finished runs and
-# resumes the interrupted one. K3 names the k3 executable (default `k3`; e.g. K3="python -m k3.cli.main").
+# resumes the interrupted one. K3 names the k3 executable (default `k3`; e.g. K3="python -m k3.cli").
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -95,3 +95,15 @@ def test_license_file_is_the_apache_license_pyproject_names():
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert text.rstrip().endswith("limitations under the License.")
+
+
+def test_version_flag_and_python_m_k3_cli_from_outside(tmp_path):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    k3 = Path(sys.executable).parent / "k3"  # the console script of this environment
+    for cmd in ([str(k3), "--version"], [sys.executable, "-m", "k3.cli", "--version"]):
+        r = _run(cmd, cwd=tmp_path)
+        assert (r.returncode, r.stdout, r.stderr) == (0, f"k3 {version}\n", ""), cmd
+    r = _run([sys.executable, "-m", "k3.cli", "generate", "--help"], cwd=tmp_path)
+    assert r.returncode == 0 and "Usage: k3 generate" in r.stdout, r.stdout + r.stderr
+    r = _run([sys.executable, "-m", "k3.cli", "no-such-command"], cwd=tmp_path)
+    assert r.returncode == 2 and "No such command" in r.stderr
