@@ -6,7 +6,11 @@
 - Special tokens (ids 0-3 when trained here): `<|endoftext|>` separates documents and serves as BOS and EOS,
   `<|pad|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns (ChatML).
 - Saved the Hugging Face way: tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast, a Jinja
-  `chat_template` equal to `apply_chat_template`), special_tokens_map.json; each file written atomically.
+  `chat_template` equal to `apply_chat_template`, `add_bos_token`), special_tokens_map.json; each file written
+  atomically.
+- `add_special_tokens=True` in `encode` means what it means in Hugging Face's tokenizers: add what the tokenizer
+  config says, i.e. BOS when `add_bos_token` is true. k3 saves `add_bos_token: false` (tokenizer.json has no
+  post-processor, so Hugging Face's tokenizer adds nothing either); `add_bos=True` prepends BOS regardless.
 - `IncrementalDecoder` turns a stream of ids into text deltas without emitting half a UTF-8 character: it joins the
   raw bytes of each token and decodes them with Python's incremental UTF-8 decoder, which holds back an incomplete
   trailing sequence until the next byte arrives.
@@ -43,6 +47,16 @@ CHAT_TEMPLATE = (
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing, unreadable or unusable; the message names the file and the fix."""
+
+
+def _check_unicode(text: str) -> None:
+    """ValueError naming the first lone UTF-16 surrogate of `text` (JSON's "\\ud800" escape can produce one): the
+    Rust tokenizer refuses such a str with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at position "
+                         f"{e.start}") from None
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -96,7 +110,7 @@ class K3Tokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, bos_token: str = EOT, eos_token: str = EOT, pad_token: str = PAD,
-                 source: str = "<memory>"):
+                 add_bos_token: bool = False, source: str = "<memory>"):
         if not isinstance(tokenizer.decoder, decoders.ByteLevel):
             raise TokenizerError(f"{source}: k3 needs a byte-level BPE tokenizer (decoder ByteLevel), this one has "
                                  f"{type(tokenizer.decoder).__name__}; train one with k3 (leave data.tokenizer unset)")
@@ -114,6 +128,7 @@ class K3Tokenizer:
             pad_token, pad_id = eos_token, ids["eos"]
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], pad_id
+        self.add_bos_token = bool(add_bos_token)  # what encode(add_special_tokens=True) adds
         self._id_bytes: list[bytes] | None = None
         self._special_ids: frozenset[int] = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
@@ -137,14 +152,18 @@ class K3Tokenizer:
             raise TokenizerError(f"{path}: not a valid tokenizer.json ({e}); re-create it with k3 or "
                                  f"`tokenizers`, or unset data.tokenizer to train a new one") from e
         names = {"bos_token": EOT, "eos_token": EOT, "pad_token": PAD}
+        add_bos = False  # Hugging Face's default for a tokenizer.json without a BOS post-processor
         cfg_path = path.parent / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise TokenizerError(f"{cfg_path}: unreadable ({e}); fix or delete it") from e
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}; fix or delete it")
             names = {key: _token_name(cfg.get(key)) or default for key, default in names.items()}
-        return cls(tok, **names, source=str(path))
+            add_bos = cfg.get("add_bos_token", False) is True
+        return cls(tok, **names, add_bos_token=add_bos, source=str(path))
 
     # ---- properties
 
@@ -173,19 +192,34 @@ class K3Tokenizer:
             self._plain.encode_special_tokens = True
         return self._plain
 
-    def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True,
+               add_special_tokens: bool = False) -> list[int]:
         """Text -> ids [N]. parse_special=True turns "<|im_start|>" etc. in `text` into their special ids (needed
         for chat prompts); False encodes them as plain text (training documents). add_bos prepends `bos_id`, as
-        every training document is preceded by it.
+        every training document is preceded by it; add_special_tokens prepends it only when the tokenizer config
+        says so (`add_bos_token`), as Hugging Face's tokenizers do. Text that is not valid Unicode (a lone UTF-16
+        surrogate) raises ValueError naming its position.
 
         Example: `tok.encode("def f():")` -> `[..]`.
         """
-        ids = self._backend(parse_special).encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos else ids
+        try:
+            ids = self._backend(parse_special).encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if isinstance(text, str):
+                _check_unicode(text)
+            raise
+        return [self.bos_id, *ids] if add_bos or (add_special_tokens and self.add_bos_token) else ids
 
     def encode_batch(self, texts: Sequence[str], *, parse_special: bool = True) -> list[list[int]]:
         """Many texts -> list of id lists, tokenized in parallel by the Rust backend."""
-        encs = self._backend(parse_special).encode_batch_fast(list(texts), add_special_tokens=False)
+        texts = list(texts)
+        try:
+            encs = self._backend(parse_special).encode_batch_fast(texts, add_special_tokens=False)
+        except TypeError:
+            for t in texts:
+                if isinstance(t, str):
+                    _check_unicode(t)
+            raise
         return [e.ids for e in encs]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -250,6 +284,7 @@ class K3Tokenizer:
                           "normalized": t.normalized, "single_word": t.single_word}
                  for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special_map, "unk_token": None,
+                  "add_bos_token": self.add_bos_token,
                   "model_max_length": NO_MAX_LENGTH if model_max_length is None else int(model_max_length),
                   "clean_up_tokenization_spaces": False, "added_tokens_decoder": added}
         if len(extra) == 2:

@@ -117,6 +117,7 @@ def test_save_load_round_trip(tok, tmp_path):
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"]) == (EOT, EOT, PAD)
     assert cfg["model_max_length"] == 4096 and cfg["chat_template"] == CHAT_TEMPLATE
+    assert cfg["add_bos_token"] is False  # what add_special_tokens=True adds, as Hugging Face reads it
     smap = json.loads((out / "special_tokens_map.json").read_text())
     assert smap["additional_special_tokens"] == [IM_START, IM_END]
     for src in (out, out / "tokenizer.json"):
@@ -188,3 +189,33 @@ def test_config_names_foreign_special_tokens(tok, tmp_path):
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerError, match="eos token '<\\|missing\\|>'"):
         K3Tokenizer.from_file(out)
+
+
+def test_add_special_tokens_follows_the_config(tok, tmp_path):
+    """encode(add_special_tokens=True) adds BOS only when tokenizer_config.json says add_bos_token: true (Hugging
+    Face's meaning; k3 saves false); add_bos=True always adds it. A config that is not an object is refused."""
+    out = tok.save(tmp_path / "t")
+    plain = K3Tokenizer.from_file(out)
+    assert plain.add_bos_token is False
+    assert plain.encode("x", add_special_tokens=True) == plain.encode("x")
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    bos = K3Tokenizer.from_file(out)
+    assert bos.add_bos_token is True
+    assert bos.encode("x", add_special_tokens=True) == [bos.bos_id, *bos.encode("x")]
+    assert bos.encode("x", add_special_tokens=True, add_bos=True) == [bos.bos_id, *bos.encode("x")]  # one BOS
+    bos.save(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    (out / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(TokenizerError, match="expected a JSON object"):
+        K3Tokenizer.from_file(out)
+
+
+def test_lone_surrogate_is_a_value_error_naming_the_position(tok):
+    """A str with a lone UTF-16 surrogate (JSON's "\\ud800" escape) is not valid Unicode: the Rust tokenizer
+    raises a bare TypeError; encode and encode_batch name the code point and its position instead."""
+    with pytest.raises(ValueError, match="lone surrogate U\\+D800 at position 2"):
+        tok.encode("ab\ud800c")
+    with pytest.raises(ValueError, match="lone surrogate U\\+DC00 at position 0"):
+        tok.encode_batch(["fine", "\udc00x"])
+    assert tok.encode("a\x00b") == tok.encode("a\x00b", parse_special=False)  # NUL is valid text
