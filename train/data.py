@@ -39,13 +39,13 @@ from typing import NamedTuple
 import numpy as np
 import tokenizers
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from k3.model.config import ConfigError
 from k3.model.tokenizer import K3Tokenizer, train_bpe
 
 from .config import DataConfig
+from .console import make_console
 
 CACHE_FORMAT = 1  # bump when the shard layout or tokenization rules change: old cache entries are then ignored
 SUPPORTED = (".txt", ".jsonl", ".parquet")
@@ -458,7 +458,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_out_dir: str | os.P
     if vocab > vocab_size:
         raise ConfigError(f"data.vocab_size={vocab} exceeds model.vocab_size={vocab_size}; the embedding needs a "
                           f"row per token: lower data.vocab_size or raise model.vocab_size")
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     cache = Path(cfg.cache_dir).expanduser()
     (cache / "tokenizers").mkdir(parents=True, exist_ok=True)
     src = (_StdlibSource() if cfg.source == "stdlib" else _HFSource(cfg) if cfg.source.startswith("hf:")

@@ -25,6 +25,7 @@ from k3.model.checkpoint import CheckpointError, load_release, load_state_into, 
 from k3.model.config import ConfigError, ModelConfig
 from k3.model.transformer import build_model, count_parameters
 
+from .console import make_console
 from .data import BatchLoader, prepare_data
 from .loop import Trainer, TrainingError
 from .optim import build_optimizer
@@ -103,9 +104,7 @@ def default_run_dir() -> Path:
 def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = None,
         run_config: dict | None = None, console=None) -> PretrainResult:
     """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config)."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or make_console()
     mcfg, dcfg, ocfg, tcfg, ccfg = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.ckpt
     run_dir = Path(run_dir)
     ckpt_root = run_dir / "checkpoints"

@@ -489,8 +489,9 @@ def run(cfg: ScalingConfig) -> dict:
 
 
 def _run(cfg: ScalingConfig) -> dict:
-    from rich.console import Console
     from rich.table import Table
+
+    from .console import make_console
 
     if not 0 < cfg.ci < 1:
         raise ScalingFitError(f"ci must be in (0, 1), got {cfg.ci}")
@@ -533,7 +534,7 @@ def _run(cfg: ScalingConfig) -> dict:
     if cfg.plot:
         plot_fit(pts, fit, list(cfg.budgets), out / "fit.png")
 
-    console = Console()
+    console = make_console()
     iv = report.get("bootstrap", {}).get("intervals", {})
     tab = Table(title="L(N, D) = E + A/N^alpha + B/D^beta",
                 caption=f"{fit.n_points} points; N of run directories = {cfg.params} non-embedding parameters")

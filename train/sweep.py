@@ -410,11 +410,10 @@ def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict
     A run stopped by SIGINT/SIGTERM (its checkpoint saved by the train loop) stops the sweep; running the same
     command again resumes it. Returns the rows of runs.csv.
     """
-    from rich.console import Console
-
+    from k3.train.console import make_console
     from k3.train.pretrain import run as pretrain_run
 
-    console = console or Console()
+    console = console or make_console()
     plan.out.mkdir(parents=True, exist_ok=True)
     csv_path = plan.out / "runs.csv"
     rows, ran, skipped = [], [], []

@@ -45,9 +45,8 @@ def sweep(
     steps in OUT/runs/<size>-<ratio>/. Finished runs are skipped and interrupted ones resumed when the command is
     run again. OUT/runs.csv (N, D, loss, C) feeds `k3 scaling-fit OUT/runs.csv`.
     """
-    from rich.console import Console
-
     from k3.cli.config import apply_kernels, environment_info, resolve_config
+    from k3.train.console import make_console
     from k3.train.sweep import parse_list, parse_ratio, parse_size, plan_sweep, plan_table, pretrain_command, run_sweep
 
     size_list = parse_list(sizes, "--sizes", parse_size)
@@ -58,7 +57,7 @@ def sweep(
 
     plan = plan_sweep(resolve, preset=preset, sizes=size_list, ratios=ratio_list, sets=list(set_ or []), out=out,
                       params=params.value, tol=tolerance)
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     err.print(plan_table(plan))
     if dry_run:
         for p in plan.points:  # plain print: one command per line, never wrapped, so stdout is a runnable script
@@ -66,4 +65,4 @@ def sweep(
         sys.stdout.flush()
         return
     run_sweep(plan, resolve, env=environment_info(), kernels=apply_kernels(resolve(list(set_ or []))),
-              console=Console())
+              console=make_console())
