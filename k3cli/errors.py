@@ -36,7 +36,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 
 def friendly_errors(fn):
-    """Decorator for a Typer command: k3 errors print `error: <message>` to stderr and exit with code 2."""
+    """Decorator for a Typer command: k3 errors print `error: <message>` to stderr and exit with code 2; Ctrl-C
+    outside the train loop's own handling (loading, data preparation, generation) exits with 130 (128 + SIGINT),
+    as shells expect of an interrupted command (click would print "Aborted!" and exit with 1, an ordinary failure)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -45,5 +47,8 @@ def friendly_errors(fn):
         except _known_errors() as e:
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(code=2) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(code=130) from None
 
     return wrapper

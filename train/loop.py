@@ -283,3 +283,8 @@ class Trainer:
     @property
     def stopped_by_signal(self) -> bool:
         return self._stop_signal is not None
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The number of the signal (SIGINT, SIGTERM) that stopped `fit`, else None."""
+        return self._stop_signal

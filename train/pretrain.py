@@ -40,6 +40,7 @@ class PretrainResult:
     val_bpb: float | None
     wall_time_s: float
     tokens: int
+    stop_signal: int | None = None  # the signal that stopped the run (its checkpoint saved), else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -213,7 +214,8 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     if trainer.stopped_by_signal:
         console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "
                       f"Continue with: k3 pretrain --resume --out {run_dir}")
-        return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens)
+        return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens,
+                              stop_signal=trainer.stop_signal)
 
     ev = trainer.evaluate()
     trainer._record_eval(ev)

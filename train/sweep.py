@@ -400,6 +400,7 @@ class SweepResult:
     skipped: list[str]  # run names already finished
     stopped: str | None  # run name stopped by a signal (the sweep stops there), else None
     csv_path: Path
+    stop_signal: int | None = None  # the signal that stopped it, else None
 
 
 def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict | None = None,
@@ -440,7 +441,7 @@ def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict
             if res.final_dir is None:
                 console.print(f"sweep stopped in {p.name}; run the same `k3 sweep` command to resume it")
                 write_runs_csv(rows, csv_path)
-                return SweepResult(rows, ran, skipped, p.name, csv_path)
+                return SweepResult(rows, ran, skipped, p.name, csv_path, stop_signal=res.stop_signal)
         rows.append(csv_row(p, p.run_dir, plan.params))
         write_runs_csv(rows, csv_path)
     console.print(f"[bold green]sweep done[/]: {len(ran)} trained, {len(skipped)} skipped; wrote {csv_path} "

@@ -50,4 +50,8 @@ def pretrain(
                          sets=list(set_ or []))
     rc = {"command": "pretrain", "preset": preset, "config": config_dict(cfg), "kernels": apply_kernels(cfg),
           "env": environment_info(), "init": None if init is None else str(init)}
-    run(cfg, run_dir=run_dir, resume=resume, init=None if init is None else str(init), run_config=rc)
+    res = run(cfg, run_dir=run_dir, resume=resume, init=None if init is None else str(init), run_config=rc)
+    if res.stop_signal is not None:
+        # 128 + N, the status of a process killed by signal N, so that `k3 pretrain ... && next` stops after Ctrl-C
+        # (130) or SIGTERM (143); the checkpoint and the resume command are written by then
+        raise typer.Exit(code=128 + res.stop_signal)

@@ -64,5 +64,7 @@ def sweep(
             print(pretrain_command(plan, p))
         sys.stdout.flush()
         return
-    run_sweep(plan, resolve, env=environment_info(), kernels=apply_kernels(resolve(list(set_ or []))),
-              console=make_console())
+    res = run_sweep(plan, resolve, env=environment_info(), kernels=apply_kernels(resolve(list(set_ or []))),
+                    console=make_console())
+    if res.stop_signal is not None:
+        raise typer.Exit(code=128 + res.stop_signal)  # as `k3 pretrain`: a stopped sweep is not a finished one

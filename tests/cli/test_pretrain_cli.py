@@ -1,10 +1,13 @@
-"""`k3 pretrain` as a shell runs it: a subprocess with piped output."""
+"""`k3 pretrain` as a shell runs it: a subprocess with piped output (unwrapped lines, exit status 128 + N after a
+signal)."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
 
 # the debug preset cut to seconds (tests/train/test_pretrain.py's settings)
 FAST = ["--preset", "debug", "--set", "data.max_bytes=400000", "--set", "data.tokenizer_sample_bytes=200000",
@@ -36,3 +39,36 @@ def test_piped_output_keeps_long_paths_on_one_line(tmp_path, cache_dir):
     assert any(line.endswith(f"checkpoint: {out / 'final'}") for line in lines), r.stdout
     assert any(line.endswith(f"run dir {out}") for line in lines), r.stdout
 
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_exits_128_plus_n_after_checkpoint_and_resume_hint(tmp_path, cache_dir, sig):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_pretrain_cmd(out, cache_dir, "--set", "train.max_steps=100000"), cwd=tmp_path,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # the first log line: the train loop runs, its signal handlers are installed
+            seen.append(line)
+            if line.startswith("step 1/"):
+                proc.send_signal(sig)
+                break
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stdout = "".join(seen) + rest
+    assert proc.returncode == 128 + sig, stdout + err
+    assert f"Continue with: k3 pretrain --resume --out {out}" in stdout, stdout
+    assert any((d / "COMPLETE").is_file() for d in (out / "checkpoints").iterdir())
+
+
+def test_ctrl_c_before_the_train_loop_exits_130(tmp_path, monkeypatch):
+    # Ctrl-C while the data is prepared or the model is built: Python's KeyboardInterrupt, not the loop's handler
+    import k3.train.pretrain
+    from k3.cli.main import app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(k3.train.pretrain, "run", interrupted)
+    res = CliRunner().invoke(app, ["pretrain", "--preset", "debug", "--out", str(tmp_path / "run")])
+    assert res.exit_code == 130 and res.stderr == "interrupted\n", res.output

@@ -64,12 +64,12 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir, monkeypatch
 
     def lr_at_with_sigterm(step, cfg, max_steps):
         if step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step; the loop finishes step 6, saves, exits 0
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step; the loop finishes step 6, saves, returns
         return real_lr_at(step, cfg, max_steps)
 
     monkeypatch.setattr(loop_mod, "lr_at", lr_at_with_sigterm)
     first = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir)
-    assert first.final_dir is None and first.step == 6
+    assert first.final_dir is None and first.step == 6 and first.stop_signal == signal.SIGTERM
     monkeypatch.setattr(loop_mod, "lr_at", real_lr_at)
     second = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir, resume=True)
     assert second.step == 12

@@ -165,10 +165,12 @@ def test_debug_grid_end_to_end_resume_and_skip(tmp_path, monkeypatch):
     res1 = run_sweep(plan, resolver(), console=quiet)
     monkeypatch.setattr(loop_mod, "lr_at", real_lr_at)
     assert res1.ran == ["25k-0.1", "25k-0.2"] and res1.stopped == "25k-0.2" and len(res1.rows) == 1
+    assert res1.stop_signal == signal.SIGTERM  # `k3 sweep` exits with 128 + it
 
     # 2nd call: finished run skipped, interrupted run resumed, the rest trained
     res2 = run_sweep(plan, resolver(), console=quiet)
     assert res2.skipped == ["25k-0.1"] and res2.ran == ["25k-0.2", "50k-0.1", "50k-0.2"] and res2.stopped is None
+    assert res2.stop_signal is None
     pts = read_points([str(out / "runs.csv")])  # what `k3 scaling-fit OUT/runs.csv` reads
     assert len(pts.N) == 4
     with open(out / "runs.csv", newline="") as fh:
