@@ -1,8 +1,11 @@
 """OpenAI wire protocol: request models with range checks (serving.md 1.3), errors (1.5) and response shapes.
 
-Requests are validated strictly (no type coercion; NaN/inf rejected; unknown informational fields ignored), so bad
-input becomes a 400 naming the field and never reaches the engine. Fields that would change the output but are not
-supported yet (`logit_bias`, `response_format`, `tools`, ...) are rejected with 400 and `param` set.
+Requests are validated strictly (no type coercion but one: a whole-number float such as 4.0 is an integer, as in
+JSON Schema and OpenAI's API; NaN/inf rejected; unknown informational fields ignored), so bad input becomes a 400
+naming the field and never reaches the engine. Every string of the body, dictionary keys included, must be valid
+Unicode: JSON's escapes can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 writer accepts,
+so it is a 400 naming the field and the position. Fields that would change the output but are not supported yet
+(`logit_bias`, `response_format`, `tools`, ...) are rejected with 400 and `param` set.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from .request import SamplingParams, TokenLogprob
 
@@ -31,8 +34,27 @@ class APIError(Exception):
         self.extra, self.headers = extra or {}, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+        param = None if self.param is None else safe_text(self.param)
+        return {"error": {"message": safe_text(self.message), "type": self.type, "param": param, "code": self.code,
                           **self.extra}}
+
+
+def safe_text(s: str) -> str:
+    """`s` with any lone surrogate written as its escape (backslash, u, hex), so a message quoting client input can
+    always be encoded as UTF-8."""
+    if s.isascii():
+        return s
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _whole(v):
+    """A whole-number float (4.0, 1e3) is an integer, as in JSON Schema and OpenAI's API; 4.5 stays invalid."""
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Strict(BaseModel):
@@ -48,28 +70,29 @@ class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stop_token_ids: list[Int] | None = None
+    seed: Int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # >= 0.01: dividing a logit by a denormal penalty (5e-324) overflows to inf, and softmax of inf is NaN
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = Field(None, ge=1)
+    logprobs: Int | None = Field(None, ge=0)
+    best_of: Int | None = Field(None, ge=1)
 
 
 class ChatMessage(_Strict):
@@ -80,10 +103,10 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
@@ -100,7 +123,10 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
+
+
+MAX_DEPTH = 64  # nesting of arrays and objects in a request body; real requests need a handful
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -111,12 +137,13 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    check_values(obj)
     for name in UNSUPPORTED:
         if obj.get(name) not in (None, {}, []):
             raise APIError(400, f"'{name}' is not supported by k3 serve yet; remove it from the request",
                            param=name, code="unsupported_parameter")
     try:
-        return model.model_validate(_reject_nonfinite(obj))
+        return model.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
@@ -124,17 +151,47 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
                        code="invalid_parameter") from None
 
 
-def _reject_nonfinite(obj):
-    """json.loads accepts NaN/Infinity literals; they are invalid JSON numbers for every field."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        raise APIError(400, "NaN and infinite numbers are not valid JSON values", code="invalid_parameter")
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _reject_nonfinite(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            _reject_nonfinite(v)
-    return obj
+def check_values(obj: dict) -> None:
+    """Every value of a decoded body, at any depth: APIError 400 for a NaN or infinite number (json.loads accepts
+    the literals), a string or key that is not valid Unicode (a lone surrogate from a "\\ud800" escape), or nesting
+    deeper than MAX_DEPTH. Iterative, so no depth json.loads accepts can exhaust the stack here."""
+    stack = [(obj, ())]
+    while stack:
+        v, path = stack.pop()
+        if len(path) >= MAX_DEPTH:
+            raise APIError(400, f"the request nests arrays and objects deeper than {MAX_DEPTH} levels",
+                           param=_param(path[:1]), code="invalid_parameter")
+        items = v.items() if type(v) is dict else enumerate(v)
+        for k, x in items:
+            if type(k) is str and not k.isascii():
+                _check_unicode(k, path + (k,), "key")
+            t = type(x)
+            if t is str:
+                if not x.isascii():
+                    _check_unicode(x, path + (k,), "value")
+            elif t is float:
+                if not math.isfinite(x):
+                    raise APIError(400, f"invalid value for '{_param(path + (k,))}': NaN and infinite numbers are "
+                                        "not valid JSON values", param=_param(path + (k,)), code="invalid_parameter")
+            elif t is dict or t is list:
+                stack.append((x, path + (k,)))
+
+
+def _param(path: tuple) -> str:
+    return ".".join(str(x) for x in path)
+
+
+def _check_unicode(s: str, path: tuple, what: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = _param(path)
+        raise APIError(400, f"invalid {what} for '{param}': not valid Unicode: a lone UTF-16 surrogate "
+                            f"U+{ord(s[e.start]):04X} at position {e.start}", param=param,
+                       code="invalid_unicode") from None
+
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 5e-324 overflow to inf (softmax NaN); this close to 0 is argmax
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
@@ -151,6 +208,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, pr
         if v is not None and v > max_top_logprobs:
             raise APIError(400, f"{name} must be <= {max_top_logprobs}, got {v}", param=name)
     temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                           top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0, max_tokens=max_tokens, stop=stop,
                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, seed=req.seed,
@@ -223,3 +282,6 @@ class LogprobFormatter:
 
 def merge_completion_logprobs(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
+
+
+REQUEST_MODELS = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)

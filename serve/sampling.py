@@ -65,6 +65,7 @@ def token_probs(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_p: flo
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop[:, 0] = False  # the top token always stays: a top_p below float32's range (5e-324) rounds to 0
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return probs

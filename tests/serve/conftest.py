@@ -106,8 +106,8 @@ class LiveServer:
 
 def start_server(model, tok, ckpt, **overrides) -> LiveServer:
     """Build the app around an in-memory model and serve it with uvicorn on a background thread."""
-    cfg = ServeConfig(ckpt=str(ckpt), port=free_port(), served_model_name="k3-test", max_model_len=512,
-                      max_num_seqs=8, max_num_batched_tokens=128, **overrides)
+    cfg = ServeConfig(**{"ckpt": str(ckpt), "port": free_port(), "served_model_name": "k3-test", "max_model_len": 512,
+                         "max_num_seqs": 8, "max_num_batched_tokens": 128, **overrides})
     state = make_state(cfg)
     app = GuardMiddleware(build_app(state), state)
     server = make_server(app, state, host="127.0.0.1", port=cfg.port, log_level="warning", timeout_graceful_shutdown=1)
