@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from .protocol import (
     usage,
 )
 from .request import SeqEvent
+
+log = logging.getLogger("k3.serve")
 
 
 @dataclass
@@ -347,6 +350,7 @@ class Job:
                 out, failed = [], False
                 for ev in evs:
                     if ev.error:
+                        log.error("request %s (stream) failed: %s", self.rid, ev.error)
                         out.append(_data({"error": APIError(500, ev.error, type_="server_error").body()["error"]}))
                         failed = True
                         break
@@ -362,8 +366,13 @@ class Job:
             yield "data: [DONE]\n\n"
         except ClientGone:
             self.abort()
+        except Exception as e:  # noqa: BLE001 - after the 200 the stream itself must report and end properly
+            self.abort()
+            log.error("request %s (stream) failed: %r", self.rid, e)
+            err = APIError(500, f"internal error in request {self.rid}: {e!r}", type_="server_error")
+            yield _data({"error": err.body()["error"]}) + "data: [DONE]\n\n"
         except BaseException:
-            self.abort()  # client gone (cancelled) or failure: free the slots now
+            self.abort()  # client gone (cancelled): free the slots now
             raise
 
     def _chunk_head(self) -> dict:

@@ -10,6 +10,8 @@ limit (413), so neither depends on the route or on well-formed JSON.
 Graceful shutdown (serving.md 5): the first SIGTERM/SIGINT starts draining: new requests (and /health) get 503
 `draining`, in-flight ones finish for up to `shutdown_timeout_s`, then whatever is left is aborted and uvicorn exits;
 a second signal exits at once. Streams send `: ping` SSE comments every `sse_ping_interval_s` without events.
+An unexpected exception in a route becomes a 500 in OpenAI's shape, logged as one line with the request id, and the
+connection stays usable (an exception escaping to uvicorn would make it close a kept-alive connection).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .chat import ChatTemplate
 from .config import ServeConfig, serve_dtype
@@ -84,6 +88,8 @@ class GuardMiddleware:
             self.state.in_flight[key] = self.state.in_flight.get(key, 0) + 1  # one event loop: no lock needed
         try:
             return await self._guarded(scope, receive, send, headers)
+        except Exception:  # noqa: BLE001 - Starlette's outermost handler answered and logged it (internal_error),
+            return None   # then re-raised; to uvicorn that would mean closing a kept-alive connection
         finally:
             if limited:
                 self.state.in_flight[key] -= 1
@@ -113,13 +119,53 @@ class GuardMiddleware:
         return await self.app(scope, limited_receive, send)
 
 
+RID = "k3.request_id"  # the scope key a route stores its request id under (cmpl-..., chatcmpl-...)
+
+
+def request_id(request: Request) -> str:
+    rid = request.scope.get(RID)
+    if rid is None:
+        rid = request.scope[RID] = new_id("req")
+    return rid
+
+
+def internal_error(request: Request, exc: BaseException) -> JSONResponse:
+    """500 for an exception no route expected: one log line naming the request, the same id in the body."""
+    rid = request_id(request)
+    log.error("request %s (%s %s) failed: %r", rid, request.method, request.url.path, exc)
+    log.debug("request %s traceback", rid, exc_info=exc)
+    return _error_response(APIError(500, f"internal error in request {rid}: {exc!r}", type_="server_error"))
+
+
+class GuardedRoute(APIRoute):
+    """A route whose unexpected exceptions become internal_error's 500 here, inside the route. Starlette's handler
+    for Exception answers too, but then re-raises, and uvicorn closes a kept-alive connection after an exception."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, StarletteHTTPException):
+                raise  # answered by their exception handlers
+            except Exception as e:  # noqa: BLE001 - any other failure is this request's 500, not the server's
+                return internal_error(request, e)
+
+        return guarded
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application over `state` (the engine may be attached later)."""
     app = FastAPI(title="k3 serve", docs_url=None, redoc_url=None)
+    app.router.route_class = GuardedRoute
     cfg = state.cfg
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
+        if exc.status >= 500 and exc.status != 503:
+            log.error("request %s (%s %s) failed: %s", request_id(request), request.method, request.url.path,
+                      exc.message)
         return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -129,8 +175,8 @@ def build_app(state: ServerState) -> FastAPI:
                                         code=code))
 
     @app.exception_handler(Exception)
-    async def _internal(request, exc: Exception):
-        return _error_response(APIError(500, f"internal error: {exc!r}", type_="server_error"))
+    async def _internal(request, exc: Exception):  # outside a route (GuardedRoute catches the rest)
+        return internal_error(request, exc)
 
     def engine() -> Engine:
         if state.draining:
@@ -151,7 +197,11 @@ def build_app(state: ServerState) -> FastAPI:
                            param="model", code="model_not_found")
 
     async def body(request: Request) -> bytes:
-        return await request.body()
+        try:
+            return await request.body()
+        except ClientDisconnect:  # gone during the upload: nobody reads the answer, so no error either
+            log.debug("client disconnected while sending the body of %s %s", request.method, request.url.path)
+            raise APIError(499, "client closed the request", code="client_closed_request") from None
 
     # ---------------------------------------------------------------------------------------------- plain routes
 
@@ -231,7 +281,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = [sampling_params(req, max_tokens=o, logprobs=lp, prompt_logprobs=lp if (req.echo and lp is not None)
                                   else None, max_stop=cfg.max_stop, max_n=cfg.max_n, max_top_logprobs=cfg.max_top_logprobs)
                   for o in outs]
-        rid = new_id("cmpl")
+        rid = request.scope[RID] = new_id("cmpl")
         job = Job(state, request, rid)
         job.submit(id_lists, params, req.n)
         if req.stream:
@@ -252,7 +302,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = sampling_params(req, max_tokens=out, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                  prompt_logprobs=None, max_stop=cfg.max_stop, max_n=cfg.max_n,
                                  max_top_logprobs=cfg.max_top_logprobs)
-        rid = new_id("chatcmpl")
+        rid = request.scope[RID] = new_id("chatcmpl")
         job = Job(state, request, rid)
         job.submit([ids], [params], req.n)
         if req.stream:
