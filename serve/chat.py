@@ -3,6 +3,7 @@
 Rendered as Hugging Face's `apply_chat_template` does (variables `messages`, `bos_token`, `eos_token`,
 `add_generation_prompt`, plus `chat_template_kwargs`), inside jinja2's ImmutableSandboxedEnvironment so a template
 cannot reach Python internals. Without a template, k3's ChatML default (`K3Tokenizer.apply_chat_template`).
+`tokenizer_info` is the tokenizer config as vLLM's /tokenizer_info serves it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from k3.model.tokenizer import K3Tokenizer
+from k3.model.tokenizer import CHAT_TEMPLATE, NO_MAX_LENGTH, K3Tokenizer
 
 from .protocol import APIError
 
@@ -23,10 +24,11 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: K3Tokenizer, ckpt_dir: str | Path | None):
         self.tok = tokenizer
-        self.source = None
+        self.config: dict = {}  # tokenizer_config.json, as read
         cfg_path = Path(ckpt_dir) / "tokenizer_config.json" if ckpt_dir else None
         if cfg_path is not None and cfg_path.is_file():
-            self.source = json.loads(cfg_path.read_text(encoding="utf-8")).get("chat_template")
+            self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        self.source = self.config.get("chat_template")
         self.template = None
         if isinstance(self.source, str):
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
@@ -57,8 +59,33 @@ class ChatTemplate:
                 text = text[:cut + len(last)]
         return text
 
-    def render(self, messages: list[dict], **kw) -> list[int]:
-        return self.tok.encode(self.render_text(messages, **kw), parse_special=True)
+    def render(self, messages: list[dict], *, add_special_tokens: bool = False, **kw) -> list[int]:
+        """Prompt ids; add_special_tokens adds the tokenizer config's special tokens on top of the template's."""
+        return self.tok.encode(self.render_text(messages, **kw), parse_special=True,
+                               add_special_tokens=add_special_tokens)
+
+
+def tokenizer_info(chat: ChatTemplate) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer config's fields (file names dropped, added tokens and special-token
+    objects as their text) with the special tokens, add_bos_token and chat template this server applies."""
+    tok = chat.tok
+    info = {k: _token_text(v) for k, v in chat.config.items() if k not in ("vocab_file", "merges_file",
+                                                                             "tokenizer_file")}
+    if isinstance(info.get("added_tokens_decoder"), dict):
+        info["added_tokens_decoder"] = {k: _token_text(v) for k, v in info["added_tokens_decoder"].items()}
+    mml = info.get("model_max_length")
+    info.update(tokenizer_class=info.get("tokenizer_class") or "PreTrainedTokenizerFast", bos_token=tok.bos_token,
+                eos_token=tok.eos_token, pad_token=tok.pad_token, add_bos_token=tok.add_bos_token,
+                model_max_length=mml if type(mml) is int else NO_MAX_LENGTH,
+                chat_template=chat.source if isinstance(chat.source, str) else CHAT_TEMPLATE)
+    return info
+
+
+def _token_text(v):
+    """A special token stored as {"content": str, ...} -> its text (what Hugging Face's AddedToken prints as)."""
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return v
 
 
 def _content_text(content, i: int) -> str:

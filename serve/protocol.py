@@ -93,6 +93,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0)
     best_of: Int | None = Field(None, ge=1)
+    add_special_tokens: bool = Field(True, description="add the special tokens the tokenizer config asks for "
+                                     "(BOS when tokenizer_config.json has add_bos_token: true) to string prompts")
 
 
 class ChatMessage(_Strict):
@@ -111,13 +113,16 @@ class ChatRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     echo: bool = False
+    add_special_tokens: bool = Field(False, description="add the tokenizer config's special tokens on top of what "
+                                     "the chat template writes (which already starts with BOS)")
 
 
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(None, description="as on the completion routes; default true with "
+                                            "'prompt', false with 'messages'")
     add_generation_prompt: bool = True
 
 

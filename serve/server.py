@@ -30,7 +30,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .chat import ChatTemplate
+from .chat import ChatTemplate, tokenizer_info
 from .config import ServeConfig, serve_dtype
 from .engine import Engine
 from .jobs import Job, ServerState, sse_response
@@ -223,6 +223,12 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "k3", "root": cfg.ckpt, "max_model_len": eng.max_model_len}]}
 
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        """The tokenizer config (vLLM's /tokenizer_info): what lm-eval's remote tokenizer backend reads."""
+        engine()
+        return tokenizer_info(state.chat)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         eng = engine()
@@ -232,9 +238,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
             ids = state.chat.render([m.model_dump() for m in req.messages],
-                                    add_generation_prompt=req.add_generation_prompt)
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    add_special_tokens=bool(req.add_special_tokens))
         else:
-            ids = eng.tok.encode(req.prompt, add_bos=req.add_special_tokens)
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = eng.tok.encode(req.prompt, add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
 
     @app.post("/detokenize")
@@ -273,7 +281,8 @@ def build_app(state: ServerState) -> FastAPI:
             prompts = [prompts]
         if len(prompts) * req.n > cfg.max_n * 4:
             raise APIError(400, f"too many prompts x n ({len(prompts)} x {req.n})", param="prompt")
-        id_lists = [eng.tok.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in prompts]
+        id_lists = [eng.tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
+                    for p in prompts]
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 is only valid with echo=true (prompt scoring)", param="max_tokens")
         outs = [check_prompt(eng, ids, req.max_tokens, "prompt", allow_zero=req.echo) for ids in id_lists]
@@ -296,7 +305,8 @@ def build_app(state: ServerState) -> FastAPI:
         if not req.logprobs and req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         ids = state.chat.render([m.model_dump() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                                continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+                                continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
+                                add_special_tokens=req.add_special_tokens)
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         out = check_prompt(eng, ids, mt, "messages")
         params = sampling_params(req, max_tokens=out, logprobs=(req.top_logprobs or 0) if req.logprobs else None,

@@ -140,8 +140,10 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def server_factory(model_tok, ckpt):
-    """Start an extra server with ServeConfig overrides: `live = server_factory(api_keys=[...])`; call live.stop()."""
-    return lambda **overrides: start_server(*model_tok, ckpt, **overrides)
+    """Start an extra server with ServeConfig overrides: `live = server_factory(api_keys=[...])`; call live.stop().
+    `tok=` and `ckpt_dir=` replace the tokenizer and the checkpoint directory (its tokenizer_config.json)."""
+    model, tok0 = model_tok
+    return lambda tok=None, ckpt_dir=None, **overrides: start_server(model, tok or tok0, ckpt_dir or ckpt, **overrides)
 
 
 @pytest.fixture
