@@ -6,6 +6,9 @@ naming the field and never reaches the engine. Every string of the body, diction
 Unicode: JSON's escapes can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 writer accepts,
 so it is a 400 naming the field and the position. Fields that would change the output but are not supported yet
 (`logit_bias`, `response_format`, `tools`, ...) are rejected with 400 and `param` set.
+
+The response models below are what /openapi.json declares for each route; the routes build their responses as
+dicts (the hot path) and the tests check the two agree.
 """
 
 from __future__ import annotations
@@ -289,4 +292,165 @@ def merge_completion_logprobs(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
+# ------------------------------------------------------------------------------------------------ response models
+# What /openapi.json declares (serving.md 1); the routes answer plain dicts of the same shape.
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")  # context_length_exceeded adds n_prompt_tokens and n_ctx
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    """POST /v1/completions without stream; with stream the chunks have this shape, usage null or absent."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info: the checkpoint's tokenizer_config.json fields (vLLM's shape), added-token entries as
+    their text, with the special tokens, add_bos_token and chat template the server applies."""
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    add_bos_token: bool
+    model_max_length: int
+    chat_template: str
+
+
+class CompletionChunk(BaseModel):
+    """One SSE event's data of a completion stream; the usage chunk (stream_options.include_usage) has no choices."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
 REQUEST_MODELS = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
+STREAM_MODELS = (CompletionChunk, ChatCompletionChunk)  # what each SSE event's data holds (or an error, or [DONE])

@@ -12,6 +12,8 @@ Graceful shutdown (serving.md 5): the first SIGTERM/SIGINT starts draining: new 
 a second signal exits at once. Streams send `: ping` SSE comments every `sse_ping_interval_s` without events.
 An unexpected exception in a route becomes a 500 in OpenAI's shape, logged as one line with the request id, and the
 connection stays usable (an exception escaping to uvicorn would make it close a kept-alive connection).
+/openapi.json declares every request and response body from protocol.py's models; the routes still parse the raw
+body themselves (protocol.parse), which is faster than FastAPI's own request-model parameters and errors.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -36,11 +40,23 @@ from .engine import Engine
 from .jobs import Job, ServerState, sse_response
 from .metrics import Metrics
 from .protocol import (
+    REQUEST_MODELS,
+    STREAM_MODELS,
     APIError,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
     ChatRequest,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
     context_error,
     new_id,
     parse,
@@ -155,10 +171,54 @@ class GuardedRoute(APIRoute):
         return guarded
 
 
+def _errors(*codes: int) -> dict:
+    return {c: {"model": ErrorResponse, "description": "error in OpenAI's shape"} for c in codes}
+
+
+def _ref(model) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _body(model) -> dict:
+    """openapi_extra declaring `model` as the JSON request body (the route parses the raw body with it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
+
+
+def _sse(model, chunk) -> dict:
+    """A 200 that is `model` as JSON, or with stream: true an SSE stream whose events (the schema describes one, as
+    OpenAPI 3.1 reads it for text/event-stream) carry a `chunk`, an error after the stream started, or [DONE]."""
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"const": "message"}}}
+    return {200: {"model": model, "description": "the response; with stream: true, SSE events of chunks",
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+class PrometheusResponse(PlainTextResponse):
+    media_type = "text/plain; version=0.0.4"
+
+
+def _openapi(app: FastAPI):
+    """app.openapi: FastAPI's schema plus the request models the routes validate with (protocol.REQUEST_MODELS),
+    which FastAPI cannot see because the routes read the raw body."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS]
+                                         + [(m, "serialization") for m in STREAM_MODELS],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application over `state` (the engine may be attached later)."""
     app = FastAPI(title="k3 serve", docs_url=None, redoc_url=None)
     app.router.route_class = GuardedRoute
+    app.openapi = _openapi(app)
     cfg = state.cfg
 
     @app.exception_handler(APIError)
@@ -205,7 +265,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     # ---------------------------------------------------------------------------------------------- plain routes
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse}, **_errors(503)})
     async def health():
         if state.load_error is not None:
             return _error_response(APIError(503, f"loading failed: {state.load_error}", type_="unavailable_error",
@@ -213,23 +273,25 @@ def build_app(state: ServerState) -> FastAPI:
         engine()
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PrometheusResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4 (serving.md 3)"}, **_errors(401)})
     async def metrics():
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PrometheusResponse(state.metrics.render())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(401, 500, 503)})
     async def models():
         eng = engine()
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "k3", "root": cfg.ckpt, "max_model_len": eng.max_model_len}]}
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", responses={200: {"model": TokenizerInfoResponse}, **_errors(401, 500, 503)})
     async def get_tokenizer_info():
         """The tokenizer config (vLLM's /tokenizer_info): what lm-eval's remote tokenizer backend reads."""
         engine()
         return tokenizer_info(state.chat)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse}, **_errors(400, 401, 404, 413, 500, 503)})
     async def tokenize(request: Request):
         eng = engine()
         req = parse(TokenizeRequest, await body(request))
@@ -245,7 +307,8 @@ def build_app(state: ServerState) -> FastAPI:
             ids = eng.tok.encode(req.prompt, add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **_errors(400, 401, 404, 413, 500, 503)})
     async def detokenize(request: Request):
         eng = engine()
         req = parse(DetokenizeRequest, await body(request))
@@ -269,7 +332,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise context_error(len(ids), max(out, 1 if max_tokens is None else out), n_ctx, param)
         return out
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest),
+              responses={**_sse(CompletionResponse, CompletionChunk), **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def completions(request: Request):
         eng = engine()
         req = parse(CompletionRequest, await body(request))
@@ -297,7 +361,8 @@ def build_app(state: ServerState) -> FastAPI:
             return sse_response(job.stream_completion(req, prompts, id_lists))
         return await job.collect_completion(req, prompts, id_lists)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatRequest),
+              responses={**_sse(ChatCompletionResponse, ChatCompletionChunk), **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def chat(request: Request):
         eng = engine()
         req = parse(ChatRequest, await body(request))
