@@ -31,7 +31,7 @@ import sysconfig
 import time
 import tokenize
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -70,6 +70,10 @@ def _unit_hash(salt: str, key: str) -> float:
     """Deterministic hash of `key` mapped to [0, 1); the salt makes the split, order and sample independent."""
     h = hashlib.blake2b(f"{salt}\0{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _digest(obj) -> str:  # cache keys
@@ -115,7 +119,9 @@ class _StdlibSource:
 
 
 class _FileSource:
-    """Local .txt (one document per file), .jsonl and .parquet files."""
+    """Local .txt (one document per file), .jsonl and .parquet files. A blank .txt file or a .jsonl file without a
+    document is skipped (listed in meta["skipped"], with a warning): one stray empty file in a corpus of hundreds
+    is not worth stopping for."""
 
     def __init__(self, source: str):
         files = _local_files(source)
@@ -123,6 +129,7 @@ class _FileSource:
         self.rels = {f: f.relative_to(root).as_posix() for f in files}
         self.files = sorted(files, key=lambda f: _unit_hash("order", self.rels[f]))
         self.manifest = {"kind": "files", "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+        self.skipped: set[str] = set()  # the full paths of the files without a document
 
     def records(self) -> Iterator[_Record]:
         for f in self.files:
@@ -136,10 +143,13 @@ class _FileSource:
                 except OSError as e:
                     raise DataError(f"{f}: cannot read ({e.strerror}); check its permissions") from e
                 if not text.strip():
-                    raise DataError(f"{f}: empty document; remove the file or exclude it from data.source")
+                    self.skipped.add(str(f))
+                    continue
                 yield _Record(self.rels[f], text)
             elif ext == ".jsonl":
-                yield from _jsonl_records(f, self.rels[f])
+                n = yield from _jsonl_records(f, self.rels[f])
+                if n == 0:
+                    self.skipped.add(str(f))
             else:
                 yield from _parquet_records(f, self.rels[f])
 
@@ -185,7 +195,9 @@ def _record_from_obj(obj, where: str, key: str) -> _Record:
     raise DataError(f"{where}: no string 'text' or 'prompt' + 'completion' (keys: {sorted(obj)}); {hint}")
 
 
-def _jsonl_records(path: Path, rel: str) -> Iterator[_Record]:
+def _jsonl_records(path: Path, rel: str) -> Generator[_Record, None, int]:
+    """The file's records; returns how many there were."""
+    n = 0
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -197,8 +209,10 @@ def _jsonl_records(path: Path, rel: str) -> Iterator[_Record]:
                     raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); each line "
                                     f"must be one JSON object; fix or delete the line") from e
                 yield _record_from_obj(obj, f"{path}:{lineno}", f"{rel}:{lineno}")
+                n += 1
     except (UnicodeDecodeError, OSError) as e:
         raise DataError(f"{path}: cannot read it as UTF-8 text ({e}); check its permissions and encoding") from e
+    return n
 
 
 def _parquet_records(path: Path, rel: str) -> Iterator[_Record]:
@@ -275,7 +289,10 @@ def _make_plan(src, val_fraction: float, max_bytes: int | None, source_name: str
         total += b
         if cut is not None:
             break
-    if (n := len(hashes)) == 0:
+    if (n := len(hashes)) == 0 and isinstance(src, _FileSource) and src.skipped:
+        raise DataError(f"data.source {source_name!r}: no usable file; every file read holds no document: "
+                        f"{_few(sorted(src.skipped))}; add text to them or point data.source at other files")
+    if n == 0:
         raise DataError(f"data.source {source_name!r}: no documents to read (data.max_bytes={max_bytes}); "
                         f"raise data.max_bytes or add data")
     val = {i for i, h in enumerate(hashes) if h < val_fraction}
@@ -508,6 +525,9 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_out_dir: str | os.P
         raise DataError(f"cache entry {d}: unreadable meta.json ({e}); delete {d} and run again") from e
     if meta.get("format") != CACHE_FORMAT or meta.get("tokenizer_hash") != tok.hash():
         raise DataError(f"cache entry {d} does not match this k3 version or tokenizer; delete {d} and run again")
+    if meta["manifest"]["kind"] == "files" and meta["skipped"]:
+        print(f"warning: data.source: skipped {len(meta['skipped'])} of {len(meta['manifest']['files'])} files that "
+              f"hold no document: {_few(meta['skipped'])} (all listed in {d / 'meta.json'})", file=sys.stderr)
     for s, st in meta["splits"].items():
         meta[f"{s}_bytes_per_token"] = st["n_loss_bytes"] / st["n_loss_tokens"] if st["n_loss_tokens"] else None
     train, val = (_open_shard(d, s, meta["dtype"], **meta["splits"][s]) for s in ("train", "val"))

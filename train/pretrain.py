@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,26 @@ def _same_architecture(a: ModelConfig, b: ModelConfig) -> list[str]:
     return [k for k in da if k != "name" and da[k] != db.get(k)]
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, innermost first: what path.mkdir(parents=True) creates."""
+    missing, p = [], path.absolute()
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Undo path.mkdir(parents=True): remove the run directory, then each parent it created while it is empty (a
+    parent such as runs/ may meanwhile hold another run's directory)."""
+    if made:
+        shutil.rmtree(made[0], ignore_errors=True)
+    for d in made[1:]:
+        if any(d.iterdir()):
+            break
+        d.rmdir()
+
+
 def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
@@ -116,7 +137,6 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     if not resume and has_ckpt:
         raise ConfigError(f"{run_dir} already holds a run with checkpoints; pass --resume to continue it, or "
                           f"choose another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
@@ -145,30 +165,44 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     if data.tokenizer.vocab_size > mcfg.vocab_size:
         raise ConfigError(f"tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{mcfg.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
-    data.tokenizer.save(run_dir / "tokenizer")
+    # nothing is written into the run directory before this point; a start that fails from here until
+    # run_config.yaml is written removes what it made, so no empty or half-started run directory is left behind
+    made = _missing_dirs(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data.tokenizer.save(run_dir / "tokenizer")
 
-    # ---- model, optimizer, loaders
-    model = build_model(mcfg, seed=tcfg.seed, device="cpu")
-    if init_state is not None:
-        load_state_into(model, init_state)
-    model.to(device)
-    if tcfg.compile:
-        model = torch.compile(model)  # type: ignore[assignment]
-    counts = count_parameters(model)
-    optimizer = build_optimizer(model, ocfg)
-    train_loader = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
+        # ---- model, optimizer, loaders
+        model = build_model(mcfg, seed=tcfg.seed, device="cpu")
+        if init_state is not None:
+            load_state_into(model, init_state)
+        model.to(device)
+        if tcfg.compile:
+            model = torch.compile(model)  # type: ignore[assignment]
+        counts = count_parameters(model)
+        optimizer = build_optimizer(model, ocfg)
+        train_loader = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
 
-    def val_batches():
-        return list(BatchLoader(data.val, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed,
-                                mode="val").take(tcfg.eval_batches))
+        # built now, though first used at the first evaluation, so that a validation split shorter than one window
+        # fails here and not after the training (val mode is stateless: each take() starts from the first window)
+        val_loader = BatchLoader(data.val, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed, mode="val")
 
-    rc = dict(run_config or {})
-    rc["stats"] = {"n_params_total": counts["total"], "n_params_active": counts["active"],
-                   "n_params_active_nonembed": counts["active_nonembed"],
-                   "n_params_total_nonembed": counts["total_nonembed"], "n_params_mtp": counts["mtp"],
-                   "train_tokens_available": int(data.train.n_tokens), "val_tokens": int(data.val.n_tokens),
-                   "tokens_per_step": tcfg.batch_size * tcfg.grad_accum * dcfg.seq_len}
-    _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+        def val_batches():
+            return val_loader.take(tcfg.eval_batches)
+
+        rc = dict(run_config or {})
+        rc["stats"] = {"n_params_total": counts["total"], "n_params_active": counts["active"],
+                       "n_params_active_nonembed": counts["active_nonembed"],
+                       "n_params_total_nonembed": counts["total_nonembed"], "n_params_mtp": counts["mtp"],
+                       "train_tokens_available": int(data.train.n_tokens), "val_tokens": int(data.val.n_tokens),
+                       "tokens_per_step": tcfg.batch_size * tcfg.grad_accum * dcfg.seq_len}
+        _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+    except BaseException:
+        _remove_dirs(made)
+        raise
+    # the lines of an earlier attempt in this directory that stopped before its first checkpoint
+    if not resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     trainer = Trainer(model, optimizer, ocfg, tcfg, ccfg, run_dir, train_loader, val_batches,
                       bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast,

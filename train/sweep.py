@@ -430,8 +430,6 @@ def run_sweep(plan: SweepPlan, resolve: Callable[[list[str]], Any], *, env: dict
             skipped.append(p.name)
         else:
             console.print(f"{head}: {'resuming' if state == 'interrupted' else 'starting'}")
-            if state == "new" and (p.run_dir / "metrics.jsonl").exists():
-                (p.run_dir / "metrics.jsonl").unlink()  # lines of an attempt that died before its first checkpoint
             rc = {"command": "pretrain", "preset": plan.preset, "config": _plain_config(cfg), "kernels": kernels,
                   "env": env or {}, "init": None, "sweep": {"size": p.size_label, "target_N": p.sized.target, "N": p.sized.N,
                                           "params": plan.params, "tokens_per_param": p.ratio,

@@ -72,3 +72,42 @@ def test_ctrl_c_before_the_train_loop_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr(k3.train.pretrain, "run", interrupted)
     res = CliRunner().invoke(app, ["pretrain", "--preset", "debug", "--out", str(tmp_path / "run")])
     assert res.exit_code == 130 and res.stderr == "interrupted\n", res.output
+
+
+def _corpus(d, n, empty=()):
+    d.mkdir(parents=True)
+    for i in range(n):
+        (d / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 40)
+    for name in empty:
+        (d / name).write_text("\n")
+    return d
+
+
+def test_an_empty_file_in_a_corpus_is_skipped_with_a_warning(tmp_path, cache_dir):
+    corpus = _corpus(tmp_path / "corpus", 6, empty=["blank.txt"])
+    out = tmp_path / "run"
+    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", f"data.source={corpus}", "--set", "train.max_steps=2"),
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    head = f"warning: data.source: skipped 1 of 7 files that hold no document: {corpus / 'blank.txt'} (all listed in "
+    assert len(warning) == 1 and warning[0].startswith(head), r.stderr
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path, cache_dir):
+    runs = tmp_path / "runs"
+    (runs / "earlier").mkdir(parents=True)  # another run's directory: kept
+    corpus = _corpus(tmp_path / "empty-corpus", 0, empty=["a.txt", "b.txt"])
+    out = runs / "new" / "run"
+    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", f"data.source={corpus}"), capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: data.source '{corpus}': no usable file; every file read holds no document: "
+                               f"{corpus / 'a.txt'}, {corpus / 'b.txt'}; "), r.stderr
+    assert not (runs / "new").exists()
+    # a failure after the run directory was made (a sequence longer than the training split) removes it again
+    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", "data.seq_len=1000000"), capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    assert r.returncode == 2 and "error: the train split has" in r.stderr, r.stdout + r.stderr
+    assert not (runs / "new").exists() and [p.name for p in runs.iterdir()] == ["earlier"]

@@ -302,11 +302,28 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
         prep(cfg(tmp_path, source=str(p)))
 
 
+def test_files_without_a_document_are_skipped_counted_and_named(tmp_path, capsys):
+    d = write_txt(tmp_path / "txt", n=4)
+    (d / "empty.txt").write_text("\n")
+    (d / "none.jsonl").write_text("\n\n")
+    full = prep(cfg(tmp_path, source=str(write_txt(tmp_path / "clean", n=4))))
+    capsys.readouterr()
+    for cache in ("c1", "c1"):  # a fresh cache entry, then a cache hit: the warning both times
+        data = prep(cfg(tmp_path, source=str(d), cache_dir=str(tmp_path / cache)))
+        assert data.meta["skipped"] == [str(d / "empty.txt"), str(d / "none.jsonl")]
+        err = capsys.readouterr().err
+        assert err.startswith("warning: data.source: skipped 2 of 6 files that hold no document: ")
+        assert f"{d / 'empty.txt'}, {d / 'none.jsonl'} (all listed in " in err and err.count("\n") == 1, err
+        assert data.train.n_tokens + data.val.n_tokens == full.train.n_tokens + full.val.n_tokens
+    for f in d.glob("doc*.txt"):
+        f.write_text("  \n")
+    with pytest.raises(DataError, match=r"no usable file; every file read holds no document: .*doc0.txt, .* and 3 "
+                                        r"more; add text to them"):
+        prep(cfg(tmp_path, source=str(d), cache_dir=str(tmp_path / "c2")))
+
+
 def test_other_clear_errors(tmp_path, monkeypatch):
     d = write_txt(tmp_path / "txt", n=2)
-    (d / "empty.txt").write_text("\n")
-    with pytest.raises(DataError, match="empty.txt: empty document"):
-        prep(cfg(tmp_path, source=str(d)))
     (d / "empty.txt").write_bytes(b"\xff\xfe bad")
     with pytest.raises(DataError, match="empty.txt: not UTF-8"):
         prep(cfg(tmp_path, source=str(d)))

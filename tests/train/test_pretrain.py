@@ -178,3 +178,11 @@ def test_flops_per_token_and_mfu_logging(tmp_path, cache_dir):
         dcounts = count_parameters(K3Model(dbg.model))
     f_dbg = training_flops_per_token(dbg.model, dcounts, dbg.data.seq_len)
     assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * f_dbg / 1e11)
+
+
+def test_a_validation_split_too_short_fails_before_training(tmp_path, cache_dir):
+    from k3.train.data import DataError
+
+    with pytest.raises(DataError, match="the val split has 0 tokens"):
+        run(_cfg(cache_dir, "train.max_steps=5", "data.val_fraction=0"), run_dir=tmp_path / "runs" / "run")
+    assert not (tmp_path / "runs").exists()  # a start that failed leaves no directory behind
