@@ -2,7 +2,7 @@
 
 from .checkpoint import CheckpointError, load_model, load_release, save_release
 from .config import ConfigError, ModelConfig
-from .transformer import K3Model, build_model, count_parameters
+from .transformer import K3Model, build_model, count_parameters, describe_parameters
 
 __all__ = ["CheckpointError", "ConfigError", "K3Model", "ModelConfig", "build_model", "count_parameters",
-           "load_model", "load_release", "save_release"]
+           "describe_parameters", "load_model", "load_release", "save_release"]

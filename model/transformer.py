@@ -261,3 +261,14 @@ def count_parameters(model: K3Model) -> dict[str, int]:
     mtp = sum(k for n, k in numels.items() if n.startswith("mtp."))
     return {"total": total, "active": total - inactive, "active_nonembed": total - inactive - embed,
             "total_nonembed": total - embed, "mtp": mtp}
+
+
+def describe_parameters(counts: dict[str, int]) -> str:
+    """The size line every command prints for a model, from `count_parameters`, so that `k3 pretrain` and `k3 serve`
+    give one checkpoint the same figures: the main model's total (the MTP module apart, as architecture.md section 2
+    counts), its active part, and the MTP module.
+
+    Example: describe_parameters(count_parameters(model)) -> "0.31M params (0.25M active, MTP 0.05M)"
+    """
+    return (f"{counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active, "
+            f"MTP {counts['mtp'] / 1e6:.2f}M)")

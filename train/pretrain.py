@@ -24,7 +24,7 @@ import yaml
 
 from k3.model.checkpoint import CheckpointError, load_release, load_state_into, save_release
 from k3.model.config import ConfigError, ModelConfig
-from k3.model.transformer import build_model, count_parameters
+from k3.model.transformer import build_model, count_parameters, describe_parameters
 
 from .console import make_console
 from .data import BatchLoader, prepare_data
@@ -215,8 +215,7 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
         trainer.resume_from(latest)
         console.print(f"[bold]resumed[/] from {latest} at step {trainer.state.step}")
 
-    console.print(f"[bold]k3 pretrain[/] {mcfg.name}: {counts['total'] / 1e6:.2f}M params "
-                  f"({counts['active'] / 1e6:.2f}M active, MTP {counts['mtp'] / 1e6:.2f}M), "
+    console.print(f"[bold]k3 pretrain[/] {mcfg.name}: {describe_parameters(counts)}, "
                   f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

@@ -111,3 +111,21 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path, cache_dir):
                        text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
     assert r.returncode == 2 and "error: the train split has" in r.stderr, r.stdout + r.stderr
     assert not (runs / "new").exists() and [p.name for p in runs.iterdir()] == ["earlier"]
+
+
+def test_pretrain_reports_the_parameters_a_loaded_checkpoint_has(tmp_path, cache_dir):
+    import yaml
+
+    from k3.model.checkpoint import load_model
+    from k3.model.transformer import count_parameters, describe_parameters
+
+    out = tmp_path / "run"
+    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", "train.max_steps=1"), capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=_env(), check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    model, _ = load_model(out / "final")  # as `k3 serve` and `k3 generate` load it
+    counts = count_parameters(model)
+    assert f"k3 pretrain k3-debug: {describe_parameters(counts)}, " in r.stdout, r.stdout
+    stats = yaml.safe_load((out / "final" / "k3_run.yaml").read_text())["stats"]
+    assert (stats["n_params_total"], stats["n_params_active"], stats["n_params_mtp"]) == (
+        counts["total"], counts["active"], counts["mtp"])

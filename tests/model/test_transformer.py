@@ -10,7 +10,7 @@ import torch
 from k3.cli.config import load_model_config
 from k3.model.attnres import AttnResBlocks, AttnResSource, attn_res_mix, attn_res_mix_blocks, attn_res_weights
 from k3.model.config import ModelConfig
-from k3.model.transformer import K3Model, build_model, count_parameters
+from k3.model.transformer import K3Model, build_model, count_parameters, describe_parameters
 
 # architecture.md section 2 table: total / active / active without embeddings / MTP (millions)
 SPEC_COUNTS = {
@@ -36,6 +36,15 @@ def test_parameter_counts_match_spec(name):
     counts = count_parameters(model)
     for key, table in SPEC_COUNTS[name].items():
         assert _close_to_table(counts[key], table), f"{name} {key}: {counts[key] / 1e6:.3f}M vs table {table}M"
+
+
+def test_describe_parameters_gives_the_main_total_with_mtp_apart():
+    # the line `k3 pretrain` prints and `k3 serve` is to print: its first figure is the total without the MTP module
+    with torch.device("meta"):
+        model = K3Model(load_model_config("k3-debug"))
+    counts = count_parameters(model)
+    assert describe_parameters(counts) == "0.31M params (0.25M active, MTP 0.05M)"
+    assert counts["total"] + counts["mtp"] == sum(p.numel() for p in model.parameters())
 
 
 def test_layout_parses_one_based_lists():
