@@ -18,50 +18,74 @@ body themselves (protocol.parse), which is faster than FastAPI's own request-mod
 
 from __future__ import annotations
 
+import errno
 import gc
 import hmac
 import logging
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
-from pydantic.json_schema import models_json_schema
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from k3.model.config import ConfigError
 
-from .chat import ChatTemplate, tokenizer_info
 from .config import ServeConfig, serve_dtype
 from .engine import Engine
-from .jobs import Job, ServerState, sse_response
 from .metrics import Metrics
-from .protocol import (
-    REQUEST_MODELS,
-    STREAM_MODELS,
-    APIError,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatRequest,
-    CompletionChunk,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorResponse,
-    HealthResponse,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfoResponse,
-    context_error,
-    new_id,
-    parse,
-    sampling_params,
-)
+
+SERVE_EXTRA = ("fastapi", "starlette", "uvicorn", "jinja2", "pydantic")  # top-level modules of `pip install k3[serve]`
+
+
+class MissingServeExtra(ModuleNotFoundError, ConfigError):
+    """A module of the serve extra is not installed. Still a ModuleNotFoundError (for `except ImportError`), and a
+    ConfigError, so `k3 serve` prints its one-line message instead of a traceback."""
+
+
+class ServeError(ConfigError):
+    """`k3 serve` cannot start with these settings here (e.g. the port is taken); the message names the fix."""
+
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from fastapi.routing import APIRoute
+    from pydantic.json_schema import models_json_schema
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
+
+    from .chat import ChatTemplate, tokenizer_info
+    from .jobs import Job, ServerState, sse_response
+    from .protocol import (
+        REQUEST_MODELS,
+        STREAM_MODELS,
+        APIError,
+        ChatCompletionChunk,
+        ChatCompletionResponse,
+        ChatRequest,
+        CompletionChunk,
+        CompletionRequest,
+        CompletionResponse,
+        DetokenizeRequest,
+        DetokenizeResponse,
+        ErrorResponse,
+        HealthResponse,
+        ModelList,
+        TokenizeRequest,
+        TokenizeResponse,
+        TokenizerInfoResponse,
+        context_error,
+        new_id,
+        parse,
+        sampling_params,
+    )
+except ModuleNotFoundError as e:
+    if (e.name or "").partition(".")[0] not in SERVE_EXTRA:
+        raise
+    raise MissingServeExtra(f"k3 serve needs the serve extra ({e.name} is not installed): pip install 'k3[serve]'",
+                            name=e.name) from None
 
 log = logging.getLogger("k3.serve")
 
@@ -388,7 +412,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def load_state(cfg: ServeConfig, state: ServerState) -> None:
-    """Load the checkpoint, build and warm the engine, start its thread; errors land in state.load_error."""
+    """Load the checkpoint, build and warm the engine, start its thread. An error is raised, and its one-line form
+    kept in state.load_error for /health."""
     import torch
 
     from k3.model.checkpoint import load_model
@@ -415,7 +440,6 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
                  state.model_name)
     except Exception as e:
         state.load_error = f"{type(e).__name__}: {e}"
-        log.error("loading failed: %s", state.load_error)
         raise
 
 
@@ -461,7 +485,6 @@ def drain(state: ServerState, timeout_s: float, poll_s: float = 0.02) -> bool:
 
 def make_server(app, state: ServerState, **uvicorn_kwargs):
     """A uvicorn server whose first SIGINT/SIGTERM drains (`drain`) before exiting; a second one exits at once."""
-    import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -494,9 +517,28 @@ def _startup_log(level: str) -> None:
     log.setLevel(logging.INFO if level.lower() in ("trace", "debug", "info", "warning") else logging.ERROR)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound as uvicorn binds it (SO_REUSEADDR), or ServeError naming the port and the fix.
+    Bound before anything else starts: uvicorn's own bind failure calls sys.exit while the loading thread runs
+    torch code, and the interpreter then aborts ("terminate called without an active exception", rc 134)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is already in use; pass a free one with --port (or "
+                             f"--set serve.port=N), or stop the process listening there") from None
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --host or --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(cfg: ServeConfig) -> None:
     """Serve `cfg.ckpt` until interrupted: HTTP comes up at once (503 on /health), the model loads and warms in
-    the background, then /health turns 200; SIGTERM drains (module docstring). Startup progress goes to stderr."""
+    the background, then /health turns 200; SIGTERM drains (module docstring). Startup progress goes to stderr.
+    If loading fails the server stops and the loading error is raised here, as `k3 generate` raises it."""
     _startup_log(cfg.log_level)
     if not Path(cfg.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {cfg.ckpt}; pass a release directory "
@@ -504,20 +546,38 @@ def run_server(cfg: ServeConfig) -> None:
     from k3.model.checkpoint import read_release_config
 
     read_release_config(cfg.ckpt)  # fail fast on a broken checkpoint; weights then load in the background
+    sock = bind_socket(cfg.host, cfg.port)
     state = make_state(cfg)
-    app = GuardMiddleware(build_app(state), state)
-    threading.Thread(target=load_state, args=(cfg, state), name="k3-load", daemon=True).start()
-    make_server(app, state, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout_s))).run()
-    if state.engine is not None:
-        state.engine.stop()
+    server = make_server(GuardMiddleware(build_app(state), state), state, host=cfg.host, port=cfg.port,
+                         log_level=cfg.log_level, timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout_s)))
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_state(cfg, state)
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread, after the server stopped
+            failed.append(e)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="k3-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if state.engine is not None:
+            state.engine.stop()
+    if failed:
+        raise failed[0]
 
 
 __all__ = [
     "GuardMiddleware",
+    "MissingServeExtra",
     "Response",
+    "ServeError",
     "ServerState",
     "attach_engine",
+    "bind_socket",
     "build_app",
     "drain",
     "freeze_heap",
