@@ -31,34 +31,11 @@ def _import_for_the_interpreter() -> None:
                 "the CPU; run tests/kernels on their own or set TRITON_INTERPRET=1")
         for name in TRITON_MODULES:
             importlib.import_module(name)
-        _scalar_index_for_numpy_2_4()
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
-
-
-def _scalar_index_for_numpy_2_4() -> None:
-    """Let the interpreter loop `for i in tl.range(0, n)` over a runtime scalar n, as compiled kernels do.
-
-    Triton 3.6's interpreter holds a scalar as a 1-element array and turns it into a Python int with int(array),
-    which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"). The kernels' chunk
-    scans use tl.range so that a GPU compile can software-pipeline their loads, a `while` loop cannot. This wraps
-    the interpreter's per-launch tensor patch to read the scalar with .item(); test-only, nothing compiled runs it.
-    """
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "k3_scalar_index", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
-
-    patched.k3_scalar_index = True
-    interpreter._patch_lang_tensor = patched
 
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
@@ -241,6 +218,37 @@ def bounds_everywhere(request):
     offences = request.getfixturevalue("bounds_check")
     yield
     assert offences == [], f"out-of-bounds accesses (kernel, kind, addresses): {offences[:3]}"
+
+
+@pytest.fixture(autouse=True)
+def masks_are_bool(monkeypatch):
+    """Every interpreted load and store takes a bool mask, else the test fails (a check only: the accesses run as
+    they would). A block mask combined with a scalar comparison, `m & (slot >= 0)`, reaches Triton 3.6-3.8's
+    interpreter as an int32 mask, which they take and Triton 3.9's refuses ("mask has unsupported dtype"), so this
+    fails such a kernel under every version the tests run on. Nothing on a CUDA machine or without triton."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    offences = []  # (load / store, the mask's numpy dtype)
+    real_load = interpreter.InterpreterBuilder.create_masked_load
+    real_store = interpreter.InterpreterBuilder.create_masked_store
+
+    def load(self, ptrs, mask, *rest):
+        if mask.data.dtype != bool:
+            offences.append(("load", str(mask.data.dtype)))
+        return real_load(self, ptrs, mask, *rest)
+
+    def store(self, ptrs, value, mask, *rest):
+        if mask.data.dtype != bool:
+            offences.append(("store", str(mask.data.dtype)))
+        return real_store(self, ptrs, value, mask, *rest)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", store)
+    yield
+    assert offences == [], f"interpreted loads / stores with a mask that is not bool (kind, dtype): {offences[:3]}"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,6 +19,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3.kernels.kda.triton import recurrent as rec_mod
+from k3.kernels.kda.triton import common
+
+# compiled, the kernels' counted loops are tl.range itself (common.loop_range; a Python loop only under the interpreter)
+assert common.loop_range is triton.language.range and not common.INTERPRETED
 
 fn = rec_mod._recurrent_kda_kernel
 TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "o": "*bf16", "cu_seqlens": "*i64",

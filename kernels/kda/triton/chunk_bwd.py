@@ -61,6 +61,7 @@ from .common import (
     device_sms,
     fp32_dot_precision,
     launch_fitting,
+    loop_range,
 )
 from .intra_bwd import _bwd_dg_kernel, _bwd_intra_kernel
 from .launch import (
@@ -115,9 +116,9 @@ def _bwd_scan_kernel(qg, kg, w, Gam, Aqk, do, dht, dvn, dhs, dh0, cu_seqlens, ch
     if SPLIT and HAS_DHT:
         b_dh2 = _bwd_scan_state(dht, ((i_n * HV + i_hv) * K + BK + o_k[:, None]) * V + o_v[None, :], BK + o_k, m_v,
                                 K)
-    # reverse over the sequence's chunks; tl.range, not while, so a GPU compile software-pipelines the loads (as in
-    # the forward scan, chunk_fwd._scan_kernel)
-    for i_c in tl.range(0, n_chunks):
+    # reverse over the sequence's chunks; a counted loop (loop_range: tl.range when compiled), not while, so a GPU
+    # compile software-pipelines the loads (as in the forward scan, chunk_fwd._scan_kernel)
+    for i_c in loop_range(0, n_chunks):
         c = n_chunks - 1 - i_c
         start = bos + c * BT
         n_valid = tl.minimum(eos - start, BT).to(tl.int32)

@@ -54,6 +54,7 @@ from .common import (
     device_sms,
     fp32_dot_precision,
     launch_fitting,
+    loop_range,
 )
 from .intra_fwd import _intra_sub_kernel
 from .launch import (
@@ -322,10 +323,9 @@ def _scan_kernel(kg, w, u, Gam, vnew, hbuf, h0, ht, qg, Aqk, o, cu_seqlens, chun
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
-    # tl.range, not while: a GPU compile software-pipelines the loop's loads (chunk c + 1's w, u, Gamma, k while chunk
-    # c computes) with the launch's num_stages; a while loop never does. (The interpreter needs the numpy >= 2.4 fix
-    # of tests/kernels/conftest.py for a range over a runtime scalar.)
-    for c in tl.range(0, n_chunks):
+    # a counted loop (loop_range: tl.range when compiled), not while: a GPU compile software-pipelines the loop's loads
+    # (chunk c + 1's w, u, Gamma, k while chunk c computes) with the launch's num_stages; a while loop never does
+    for c in loop_range(0, n_chunks):
         start = bos + c * BT
         n_valid = tl.minimum(eos - start, BT).to(tl.int32)
         m_t = o_t < n_valid

@@ -121,6 +121,24 @@ def _f32(x):
     return tl.full([], x, tl.float32)
 
 
+def _interpreted_range(start, end):
+    """start, start + 1, ... while below end, with end a runtime scalar of an interpreted kernel (loop_range)."""
+    i = start
+    while i < end:  # a scalar comparison, read with bool(): what a kernel's own `while` does under the interpreter
+        yield i
+        i += 1
+
+
+# The iterator of the kernels' counted loops over a runtime bound (a sequence's chunks, a program's sub-chunks).
+# Compiled, it is tl.range itself: a counted loop, which the compiler software-pipelines with the launch's num_stages
+# (a while loop it never does), and the same code as the builtin range. Under Triton's interpreter (TRITON_INTERPRET=1
+# when triton.jit wrapped the kernels, as it wrapped _f32) a Python while over the bound: Triton 3.6's interpreter
+# turns a range bound into a Python int with int() of its 1-element array, which numpy >= 2.4 refuses ("only
+# 0-dimensional arrays can be converted to Python scalars"; Triton 3.7 squeezes the array first).
+INTERPRETED = not isinstance(_f32, triton.runtime.JITFunction)
+loop_range = _interpreted_range if INTERPRETED else tl.range
+
+
 @triton.jit
 def _load_lower_blocks(p, o_t, m_t):
     """A chunk's [BT, BT] tile at pointers p (o_t = arange(BT), m_t its valid rows), its 16 x 16 blocks j // 16 <=

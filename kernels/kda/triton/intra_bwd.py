@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_bounds, _dot, _f32
+from .common import _chunk_bounds, _dot, _f32, loop_range
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
     # row terms, keys of earlier sub-chunks j < i: anchor Gamma_n, both factors <= 1
     b_dqr = tl.zeros([BC, BK], dtype=tl.float32)  # d(qs) of these rows
     b_dkr = tl.zeros([BC, BK], dtype=tl.float32)  # dk of these rows as the query side of Akk
-    for jb in range(i_i):
+    for jb in loop_range(0, i_i):
         r_j = jb * BC + o_c
         p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]
         p_jq = ((start + r_j[:, None]) * H + i_h) * K + o_k[None, :]
@@ -117,7 +117,7 @@ def _bwd_intra_rows(q, k, Gam, dAq, dAk, dqs, dkk, dG, dq_out, dk_out, rq, rk, o
     n_sub = tl.cdiv(n_valid, BC)
     if i_i + 1 < n_sub:
         b_Ga = tl.load(Gam + ((start + i_i * BC + BC - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        for jq in range(i_i + 1, n_sub):  # not `j`: the diagonal's static_range left j a constexpr
+        for jq in loop_range(i_i + 1, n_sub):  # not `j`: the diagonal's static_range left j a constexpr
             r_j = jq * BC + o_c
             m_j = r_j < n_valid
             m_jk = m_j[:, None] & m_k[None, :]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _chunk_bounds, _f32
+from .common import _chunk_bounds, _f32, loop_range
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def _intra_sub_kernel(q, k, g, beta, Gam, Aqk, Lkk, g_ok, qg, q_rstd, chunk_indi
     # off-diagonal blocks (i, j), j < i, walked downwards from j = i - 1 (b_cj: the sum of g over sub-chunks
     # j + 1 .. i - 1)
     b_cj = tl.zeros([BK], dtype=tl.float32)
-    for jb in range(i_i):
+    for jb in loop_range(0, i_i):
         j = i_i - 1 - jb
         r_j = j * BC + o_c
         p_jk = ((start + r_j[:, None]) * HV + i_hv) * K + o_k[None, :]

@@ -51,6 +51,16 @@ def v_block(N: int, HV: int, V: int) -> int:
 
 
 @triton.jit
+def _slot_mask(m, slot):
+    """m & (slot >= 0) for a block mask m and a scalar slot index, the comparison made at m's shape. Triton's
+    interpreter tags a scalar comparison with its operands' dtype (int64 here) and so widens `slot >= 0` to an int64
+    block, which makes `m & (slot >= 0)` an int32 mask; Triton 3.9's interpreter refuses a mask that is not bool
+    ("mask has unsupported dtype"; 3.6 to 3.8 took it). Compared at the block shape it is bool in every version, and
+    compiled it is the same code (the PTX of every variant of test_kda_recurrent_compile.py unchanged)."""
+    return m & (tl.broadcast_to(slot, m.shape) >= 0)
+
+
+@triton.jit
 def _recurrent_kda_kernel(
     q, k, v, g, beta, o, A_log, dt_bias, h0, ht, cu_seqlens, slots, per_token,
     scale, lower_bound, T,
@@ -86,7 +96,7 @@ def _recurrent_kda_kernel(
         if POOL:
             slot = tl.load(slots + i_n).to(tl.int64)
         p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        b_h = tl.load(p_h0, mask=m_kv & (slot >= 0), other=0.0).to(tl.float32)
+        b_h = tl.load(p_h0, mask=_slot_mask(m_kv, slot), other=0.0).to(tl.float32)
 
     if GATE:
         b_A = tl.full([], 1.0, tl.float32)  # the lower-bound gate without A_log
@@ -127,12 +137,12 @@ def _recurrent_kda_kernel(
         if PER_TOKEN:  # speculative decoding: the state after token t goes to its own slot
             s_t = tl.load(per_token + i_n * pt_n + t).to(tl.int64)
             p_w = h0 + tl.maximum(s_t, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-            tl.store(p_w, b_h.to(h0.dtype.element_ty), mask=m_kv & (s_t >= 0))
+            tl.store(p_w, b_h.to(h0.dtype.element_ty), mask=_slot_mask(m_kv, s_t))
         t += 1
 
     if POOL and not PER_TOKEN:  # write the final state back to the sequence's own slot, in place
         p_h0 = h0 + tl.maximum(slot, 0) * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
-        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=m_kv & (slot >= 0))
+        tl.store(p_h0, b_h.to(h0.dtype.element_ty), mask=_slot_mask(m_kv, slot))
     if STORE_HT:
         p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
         tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_kv)
