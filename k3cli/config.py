@@ -12,6 +12,7 @@ import copy
 import importlib.resources
 import os
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -187,6 +188,31 @@ def apply_kernels(cfg: K3Config) -> dict:
     except ValueError as e:
         raise ConfigError(f"kernels: {e}") from None
     return {"effective": config_to_dict(effective), "env_overrides": env}
+
+
+def resolve_device(name: str, flag: str) -> str:
+    """A command's device flag checked against this torch build and machine: "auto" -> "cuda" when a GPU is usable,
+    else "cpu"; "cpu", "cuda" and "cuda:N" are returned as given if they can run, else a ConfigError names the flag,
+    the reason (a CPU-only torch build, no visible GPU) and the fix, instead of torch's traceback from deep inside
+    the model's loading. Example: resolve_device("auto", "--device") -> "cpu" on a machine without a GPU."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ConfigError(f"{flag} {name!r}: unknown device; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ConfigError(f"{flag} {name}: this torch ({torch.__version__}) is a CPU-only build; use {flag} cpu "
+                              f"(or auto), or install a CUDA build of torch: https://pytorch.org/get-started/locally/")
+        raise ConfigError(f"{flag} {name}: torch {torch.__version__} sees no GPU (no driver, or CUDA_VISIBLE_DEVICES "
+                          f"hides them all); use {flag} cpu or auto")
+    index = int(name.partition(":")[2] or 0)
+    if index >= (count := torch.cuda.device_count()):
+        raise ConfigError(f"{flag} {name}: this machine shows {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return name
 
 
 def config_dict(cfg: K3Config) -> dict:

@@ -413,6 +413,25 @@ def read_quantization_config(path: str | Path) -> dict | None:
     return validate_quantization_config(qc, where=str(cfg_path))
 
 
+def trained_seq_len(path: str | Path) -> int | None:
+    """The sequence length a release was trained on: data.seq_len of the resolved config its k3_run.yaml records
+    (a quantized release: its parent run's), or None where none is recorded. A train-only setting, so it lives in
+    the provenance file and never in config.json. Example: trained_seq_len("runs/tiny/final")  # 256"""
+    run_path = Path(path) / "k3_run.yaml"
+    if not run_path.is_file():
+        return None
+    try:
+        run = yaml.safe_load(run_path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{run_path}: not readable YAML ({e}); restore it or re-export the checkpoint") from None
+    while isinstance(run, dict):
+        seq_len = ((run.get("config") or {}).get("data") or {}).get("seq_len")
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool):
+            return seq_len
+        run = run.get("parent_run")
+    return None
+
+
 def load_release(path: str | Path, *, device: str | torch.device = "cpu",
                  mmap: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a release directory: (ModelConfig, state dict). Tied aliases are absent (see `instantiate`).

@@ -17,6 +17,7 @@ from k3.model.checkpoint import (
     load_release,
     load_state_into,
     save_release,
+    trained_seq_len,
     validate_state_dict,
 )
 from k3.model.config import K3_FORMAT_VERSION, ModelConfig
@@ -331,3 +332,17 @@ def test_load_model_round_trip(tmp_path):
     assert sorted(ref) == sorted(got)
     for k, t in ref.items():
         assert torch.equal(bits(t), bits(got[k])), k
+
+
+def test_trained_seq_len_from_the_run_record(tmp_path, cfg):
+    sd = {"w": torch.randn(2)}
+    plain = save_release(tmp_path / "plain", sd, cfg)
+    assert trained_seq_len(plain) is None  # nothing recorded: no claim
+    trained = save_release(tmp_path / "trained", sd, cfg, run_info={"config": {"data": {"seq_len": 256}}})
+    assert trained_seq_len(trained) == 256
+    derived = save_release(tmp_path / "derived", sd, cfg,
+                           run_info={"parent_run": yaml.safe_load((Path(trained) / "k3_run.yaml").read_text())})
+    assert trained_seq_len(derived) == 256  # a quantized release records its source run as parent_run
+    (Path(derived) / "k3_run.yaml").write_text("config: [unclosed\n")
+    with pytest.raises(CheckpointError, match="k3_run.yaml: not readable YAML"):
+        trained_seq_len(derived)
