@@ -13,15 +13,11 @@ from k3.train.quantize import quantize_release
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def ckpt(tmp_path_factory, pretrain_cmd):
     """k3-debug after 2 steps at data.seq_len=64 (what its k3_run.yaml records)."""
     root = tmp_path_factory.mktemp("generate_ckpt")
-    sets = ["train.max_steps=2", "train.batch_size=4", "data.max_bytes=400000", "data.tokenizer_sample_bytes=200000",
-            f"data.cache_dir={root / 'cache'}", "train.eval_every=0", "train.eval_batches=2", "ckpt.every=0",
-            "train.threads=1"]
-    cmd = [sys.executable, "-m", "k3.cli", "pretrain", "--preset", "debug", "--out", str(root / "run")]
-    r = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], capture_output=True, text=True, timeout=300,
-                       cwd=root, check=False)
+    r = subprocess.run(pretrain_cmd(root / "run", "--set", "train.max_steps=2"), capture_output=True, text=True,
+                       timeout=300, cwd=root, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     return root / "run" / "final"
 

@@ -1,39 +1,17 @@
-"""`k3 pretrain` as a shell runs it: a subprocess with piped output (unwrapped lines, exit status 128 + N after a
-signal)."""
+"""`k3 pretrain` as a shell runs it, a subprocess with piped output: unwrapped lines, exit status 128 + N after a
+signal, empty corpus files skipped with a warning, no run directory after a failed start, the parameter line."""
 
-import os
 import signal
 import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
-# the debug preset cut to seconds (tests/train/test_pretrain.py's settings)
-FAST = ["--preset", "debug", "--set", "data.max_bytes=400000", "--set", "data.tokenizer_sample_bytes=200000",
-        "--set", "train.batch_size=4", "--set", "train.log_every=1", "--set", "train.eval_every=0",
-        "--set", "train.eval_batches=2", "--set", "ckpt.every=0", "--set", "train.threads=1"]
 
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("k3cache"))
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR")}
-    return {**env, "COLUMNS": "80", "PYTHONUNBUFFERED": "1"}  # 80: what rich assumes for a pipe
-
-
-def _pretrain_cmd(out, cache_dir, *sets):
-    return [sys.executable, "-m", "k3.cli", "pretrain", *FAST, "--set", f"data.cache_dir={cache_dir}", *sets,
-            "--out", str(out)]
-
-
-def test_piped_output_keeps_long_paths_on_one_line(tmp_path, cache_dir):
+def test_piped_output_keeps_long_paths_on_one_line(tmp_path, pretrain_cmd, piped_env):
     out = tmp_path / "a-run-directory-whose-name-alone-is-longer-than-half-of-an-80-column-line" / "tiny"
-    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", "train.max_steps=2"), capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path, env=_env(), check=False)
+    r = subprocess.run(pretrain_cmd(out, "--set", "train.max_steps=2"), capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=piped_env, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert any(line.endswith(f"checkpoint: {out / 'final'}") for line in lines), r.stdout
@@ -41,10 +19,10 @@ def test_piped_output_keeps_long_paths_on_one_line(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_exits_128_plus_n_after_checkpoint_and_resume_hint(tmp_path, cache_dir, sig):
+def test_signal_exits_128_plus_n_after_checkpoint_and_resume_hint(tmp_path, pretrain_cmd, piped_env, sig):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_pretrain_cmd(out, cache_dir, "--set", "train.max_steps=100000"), cwd=tmp_path,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(pretrain_cmd(out, "--set", "train.max_steps=100000"), cwd=tmp_path,
+                            env=piped_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     try:
         for line in proc.stdout:  # the first log line: the train loop runs, its signal handlers are installed
@@ -83,11 +61,11 @@ def _corpus(d, n, empty=()):
     return d
 
 
-def test_an_empty_file_in_a_corpus_is_skipped_with_a_warning(tmp_path, cache_dir):
+def test_an_empty_file_in_a_corpus_is_skipped_with_a_warning(tmp_path, pretrain_cmd, piped_env):
     corpus = _corpus(tmp_path / "corpus", 6, empty=["blank.txt"])
     out = tmp_path / "run"
-    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", f"data.source={corpus}", "--set", "train.max_steps=2"),
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    r = subprocess.run(pretrain_cmd(out, "--set", f"data.source={corpus}", "--set", "train.max_steps=2"),
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=piped_env, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     warning = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     head = f"warning: data.source: skipped 1 of 7 files that hold no document: {corpus / 'blank.txt'} (all listed in "
@@ -95,33 +73,33 @@ def test_an_empty_file_in_a_corpus_is_skipped_with_a_warning(tmp_path, cache_dir
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_a_failed_start_leaves_no_run_directory(tmp_path, cache_dir):
+def test_a_failed_start_leaves_no_run_directory(tmp_path, pretrain_cmd, piped_env):
     runs = tmp_path / "runs"
     (runs / "earlier").mkdir(parents=True)  # another run's directory: kept
     corpus = _corpus(tmp_path / "empty-corpus", 0, empty=["a.txt", "b.txt"])
     out = runs / "new" / "run"
-    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", f"data.source={corpus}"), capture_output=True,
-                       text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    r = subprocess.run(pretrain_cmd(out, "--set", f"data.source={corpus}"), capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=piped_env, check=False)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
     assert r.stderr.startswith(f"error: data.source '{corpus}': no usable file; every file read holds no document: "
                                f"{corpus / 'a.txt'}, {corpus / 'b.txt'}; "), r.stderr
     assert not (runs / "new").exists()
     # a failure after the run directory was made (a sequence longer than the training split) removes it again
-    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", "data.seq_len=1000000"), capture_output=True,
-                       text=True, timeout=300, cwd=tmp_path, env=_env(), check=False)
+    r = subprocess.run(pretrain_cmd(out, "--set", "data.seq_len=1000000"), capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=piped_env, check=False)
     assert r.returncode == 2 and "error: the train split has" in r.stderr, r.stdout + r.stderr
     assert not (runs / "new").exists() and [p.name for p in runs.iterdir()] == ["earlier"]
 
 
-def test_pretrain_reports_the_parameters_a_loaded_checkpoint_has(tmp_path, cache_dir):
+def test_pretrain_reports_the_parameters_a_loaded_checkpoint_has(tmp_path, pretrain_cmd, piped_env):
     import yaml
 
     from k3.model.checkpoint import load_model
     from k3.model.transformer import count_parameters, describe_parameters
 
     out = tmp_path / "run"
-    r = subprocess.run(_pretrain_cmd(out, cache_dir, "--set", "train.max_steps=1"), capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path, env=_env(), check=False)
+    r = subprocess.run(pretrain_cmd(out, "--set", "train.max_steps=1"), capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=piped_env, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     model, _ = load_model(out / "final")  # as `k3 serve` and `k3 generate` load it
     counts = count_parameters(model)
