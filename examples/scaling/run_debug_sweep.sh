@@ -2,8 +2,9 @@
 # Debug-scale scaling study on a CPU (~5-8 min on 2 cores): `k3 sweep` trains 9 K3-shaped models (3 sizes x
 # 3 token budgets) on the Python standard library, then `k3 scaling-fit` fits L(N, D) = E + A/N^alpha + B/D^beta.
 #
-#   bash examples/scaling/run_debug_sweep.sh             # runs in ./runs/scaling-debug, writes fit.* next to this file
+#   bash examples/scaling/run_debug_sweep.sh                    # runs in ./runs/scaling-debug, fit in .../fit
 #   OUT=/tmp/sw FIT=/tmp/fit bash examples/scaling/run_debug_sweep.sh
+#   bash examples/scaling/run_debug_sweep.sh --update-example   # the fit replaces the committed fit.* beside this
 #
 # Interrupt it at any time (Ctrl-C checkpoints the running model); running it again skips the finished runs and
 # resumes the interrupted one. K3 names the k3 executable (default `k3`; e.g. K3="python -m k3.cli").
@@ -11,7 +12,14 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-runs/scaling-debug}"    # sweep directory: runs/<size>-<ratio>/, runs.csv, token cache
-FIT="${FIT:-$HERE}"                 # where fit.json, fit.png and a copy of runs.csv go
+FIT="${FIT:-$OUT/fit}"              # where fit.json, fit.png and a copy of runs.csv go
+# the committed example outputs (runs.csv, fit.json, fit.png beside this script) change only when asked to
+case "$#:${1:-}" in
+  0:) ;;
+  1:--update-example) FIT="$HERE" ;;
+  *) echo "usage: bash $0 [--update-example]  (OUT, FIT, THREADS and K3 are environment variables)" >&2; exit 2 ;;
+esac
+echo "sweep: $OUT; fit: $FIT"
 THREADS="${THREADS:-2}"
 K3="${K3:-k3}"
 
