@@ -39,6 +39,8 @@ def _seed_and_poison(monkeypatch):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU")
     config.addinivalue_line("markers", "slow: longer CPU test (still run in CI)")
+    config.addinivalue_line("markers", "slow_compile: every variant of a GPU compile check (minutes with an empty "
+                                       "Triton cache); skipped unless -m names slow_compile, as CI's own step does")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,4 +48,10 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "cuda" in item.keywords:
+                item.add_marker(skip)
+    # the README's test command runs the covering subset of each compile check; all of them on request
+    if "slow_compile" not in (config.getoption("markexpr") or ""):
+        skip = pytest.mark.skip(reason="every compile variant: python -m pytest -m slow_compile tests/kernels")
+        for item in items:
+            if "slow_compile" in item.keywords:
                 item.add_marker(skip)

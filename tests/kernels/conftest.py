@@ -9,6 +9,10 @@ test. Without triton installed nothing happens and those files skip themselves.
 import importlib
 import importlib.util
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,6 +253,44 @@ def masks_are_bool(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", store)
     yield
     assert offences == [], f"interpreted loads / stores with a mask that is not bool (kind, dtype): {offences[:3]}"
+
+
+@pytest.fixture
+def sm90_compile(tmp_path):
+    """run(script, mode, timeout): compile for sm_90 the kernel variants that `script` declares (sm90_compile.py: mode
+    "cover", a subset that still gives every value of every kernel's variants, or "every"), in one process a core
+    (at most 8) without the interpreter, all within `timeout` seconds; fails with a failed process's output or
+    where the processes together compiled none (or, in mode "every", not all), else returns how many they compiled."""
+    def run(script: str, mode: str, timeout: float) -> int:
+        (tmp_path / "variants.py").write_text(script)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        shards = max(1, min(8, len(os.sched_getaffinity(0))))
+        logs = [tmp_path / f"shard{i}.log" for i in range(shards)]
+        procs = []
+        for i, log in enumerate(logs):
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("sm90_compile.py")), str(tmp_path / "variants.py"),
+                     mode, str(i), str(shards)], stdout=out, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        compiled = 0
+        for p, log in zip(procs, logs):
+            text = log.read_text()
+            assert p.returncode == 0 and "compiled " in text, text[-3000:]
+            n, _, total = text.rsplit("compiled ", 1)[1].split()[:3]  # "compiled N of M"
+            compiled += int(n)
+        assert compiled == int(total) if mode == "every" else 0 < compiled <= int(total), (compiled, total)
+        return compiled
+
+    return run
 
 
 @pytest.fixture(autouse=True, scope="session")

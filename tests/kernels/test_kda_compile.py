@@ -1,28 +1,25 @@
-"""The Triton KDA backward kernels, the forward's intra, solve and w/u kernels, and the gate compile for the GPU
-(sm_90, Triton's front end and ptxas, without a GPU; at the launch's num_warps where it sets one), in every variant a
-launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
-varlen or not.
+"""The Triton KDA backward kernels, the forward's intra, solve, w/u, scan and output kernels, and the gate compile for
+the GPU (sm_90, Triton's front end and ptxas, without a GPU; at the launch's num_warps where it sets one) in the
+variants a launch can pick: the exact and safe diagonal paths, each dot precision, fp32 or bf16 stored states,
+varlen or not, fp64 float scalars (as inductor passes them).
 
 The interpreter, which runs the CPU tests, executes kernels as Python and never type-checks them the way the
 compiler does: a loop variable reused with another type (a `tl.static_range` index and a runtime `range` one) ran on
-the CPU and failed to compile on the H200. Compiled in a process of its own, without the interpreter.
+the CPU and failed to compile on the H200. Compiled in processes of their own, without the interpreter
+(sm90_compile.py), one a core. By default a covering subset: each value that any variant gives a kernel's
+constexpr, argument type or launch option, compiled at least once (41 of the 245 variants: 60 s on 2 cores with an
+empty Triton cache); every combination under `-m slow_compile` (213 s).
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
-_COMPILE = r"""
-import itertools, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_VARIANTS = r"""
+import itertools, re
 from k3.kernels.kda.triton import chunk_bwd as B
 from k3.kernels.kda.triton import chunk_fwd as F
 from k3.kernels.kda.triton import gate as G
@@ -33,7 +30,7 @@ SCALARS = {"scale": "fp32", "shift": "fp32", "g_floor": "fp32", "lower_bound": "
            "NT": "i32", "T_all": "i32", "part_stride": "i32", "aqk_stride": "i32"}
 INDEX = {"chunk_indices", "cu_seqlens", "chunk_offsets", "g_ok"}  # int32 pointers
 
-def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS):
+def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, scalars=SCALARS, check=None):
     defaults = {"KSPLIT": 1, "Q_RSTD": False, "AQK_PARTS": 1}  # the intra kernel unsplit, q normalised, Aqk whole
     consts = {**{k: v for k, v in defaults.items() if k in fn.arg_names}, **consts}
     sig = {a: "constexpr" if a in consts else scalars.get(a) or ("*i32" if a in INDEX else "*bf16" if not all_fp32
@@ -41,12 +38,8 @@ def compile_(fn, consts, num_warps, half=(), num_stages=None, all_fp32=False, sc
     # pointers 16-byte aligned, as a launch specialises them: the pipelined (num_stages > 1) loops then compile to
     # the cp.async path the GPU runs (without the hint they compile as at 1 stage)
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=aligned)
     opts = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    assert f".entry {fn.__name__}" in ptx, fn.__name__
-    return ptx
+    variant(fn, sig, consts, opts, attrs=aligned, check=check)  # sm90_compile.py
 
 shape = {"H": 1, "HV": 2, "K": 32, "BT": 64}
 for varlen in (False, True):
@@ -127,6 +120,12 @@ for prec in ("tf32x3", "tf32"):  # fp32 inputs under K3_KDA_FP32_DOTS: every poi
 # fp32 at entry (_f32), so it compiles (else the intra kernel's diagonal block fails: "Both operands must be same
 # dtype") and no tile arithmetic runs in fp64
 F64 = {**SCALARS, "scale": "fp64", "shift": "fp64", "g_floor": "fp64", "lower_bound": "fp64"}
+
+
+def no_fp64_arithmetic(ptx):
+    f64 = re.findall(r"\b(?:add|sub|mul|fma|div|ex2)\.[\w.]*f64", ptx)
+    assert not f64, f64[:5]
+
 kv = {**shape, "V": 32, "BK": 32, "BV": 32, "VARLEN": False, "PREC": "tf32"}
 gate = {"HV": 2, "K": 32, "BK": 32, "BT": 64, "HAS_A": True, "HAS_BIAS": True, "LOWER": True}
 for fn, consts, warps in ((F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "NC": 4, "SAFE": True, "STORE_AKK": True,
@@ -138,15 +137,37 @@ for fn, consts, warps in ((F._intra_sub_kernel, {**shape, "BK": 32, "BC": 16, "N
                                                  "SAFE": True, "VARLEN": False, "PREC": "tf32", "OFF": "tf32",
                                                  "NORM": True, "Q_NORM_OUT": False}, 1),
                           (G._gate_fwd_kernel, gate, 4), (G._gate_bwd_kernel, gate, 4)):
-    ptx = compile_(fn, consts, warps, scalars=F64)
-    f64 = re.findall(r"\b(?:add|sub|mul|fma|div|ex2)\.[\w.]*f64", ptx)
-    assert not f64, (fn.__name__, f64[:5])
-print("compiled")
+    compile_(fn, consts, warps, scalars=F64, check=no_fp64_arithmetic)
 """
 
 
-def test_backward_kernels_compile_for_sm90_in_every_variant():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], check=False, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+def test_kernels_compile_for_sm90_with_every_value(sm90_compile):
+    """Each constexpr value, argument type and launch option of every kernel's variants, in a covering subset."""
+    sm90_compile(_VARIANTS, "cover", timeout=600)
+
+
+@pytest.mark.slow_compile
+def test_backward_kernels_compile_for_sm90_in_every_variant(sm90_compile):
+    """Every variant: each combination of the flags (245 compiles)."""
+    sm90_compile(_VARIANTS, "every", timeout=1800)
+
+
+def test_the_covering_subset_keeps_every_value():
+    """sm90_compile.cover on 2 x 2 x 3 flag combinations of one kernel: 3 variants, together every flag value."""
+    import itertools
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("sm90_compile", Path(__file__).with_name("sm90_compile.py"))
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+
+    def kernel():
+        pass
+
+    variants = [(kernel, {"x": "*fp32", "A": "constexpr", "B": "constexpr"}, {"A": a, "B": b}, {"num_warps": w}, None,
+                 None) for a, b, w in itertools.product((0, 1), (0, 1), (1, 2, 4))]
+    chosen = harness.cover(variants)
+    assert len(chosen) == 3
+    for flag in ("A", "B"):
+        assert {variants[i][2][flag] for i in chosen} == {0, 1}
+    assert {variants[i][3]["num_warps"] for i in chosen} == {1, 2, 4}

@@ -1,23 +1,19 @@
 """The recurrent KDA kernel (recurrent._recurrent_kda_kernel) compiles for the GPU (sm_90, Triton's front end,
-without a GPU). The interpreter, which runs the CPU tests, never compiles it; compiled in a process of its own,
-without the interpreter (as test_kda_compile.py).
+without a GPU). The interpreter, which runs the CPU tests, never compiles it; compiled in processes of their own,
+without the interpreter (sm90_compile.py, as test_kda_compile.py): by default a covering subset of the variants,
+all of them under `-m slow_compile`.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
-_COMPILE = r"""
+_VARIANTS = r"""
 import itertools
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from k3.kernels.kda.triton import recurrent as rec_mod
 from k3.kernels.kda.triton import common
 
@@ -40,17 +36,17 @@ for (K, V, BV), t1, states in cases + [((128, 128, 64), True, "pool")]:  # + the
     if states != "none":
         consts["s0_k" if v_first else "s0_v"] = 1
     sig = {a: "constexpr" if a in consts else TYPES.get(a, "*fp32" if a[0] in "ghAd" else "i32") for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): x for a, x in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    assert f".entry {fn.__name__}" in ptx, fn.__name__
-print("compiled")
+    variant(fn, sig, consts, {"num_warps": 4})  # sm90_compile.py
 """
 
 
-def test_recurrent_kernel_compiles_for_sm90():
+def test_recurrent_kernel_compiles_for_sm90_with_every_value(sm90_compile):
+    """Each value that _VARIANTS gives the kernel, in a covering subset."""
+    sm90_compile(_VARIANTS, "cover", timeout=600)
+
+
+@pytest.mark.slow_compile
+def test_recurrent_kernel_compiles_for_sm90(sm90_compile):
     """Pool, per-token, plain and no states (the last two varlen with V-first strides), K = V = 128 and K = 100 /
-    V = 60, one token as a constant (a decode launch's specialisation) or a runtime T."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], check=False, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    V = 60, one token as a constant (a decode launch's specialisation) or a runtime T: every combination."""
+    sm90_compile(_VARIANTS, "every", timeout=1800)
