@@ -74,7 +74,7 @@ def serve(
 
     Every setting is a field of the `serve:` section (k3cli/README.md); the flags are shortcuts for the common ones.
     """
-    from k3.cli.config import apply_kernels, resolve_config
+    from k3.cli.config import apply_kernels, resolve_config, resolve_device
     from k3.serve.server import run_server
 
     graph_batches = None
@@ -101,6 +101,7 @@ def serve(
     over = {"serve": {"ckpt": str(ckpt), **{k: v for k, v in shortcuts.items() if v is not None}}}
     cfg = resolve_config("serve", preset=preset, config_files=[str(p) for p in config or []], sets=list(set_ or []),
                          overrides=over)
+    resolve_device(cfg.serve.device, "serve.device")  # a device this torch cannot use: one line, before any loading
     kernels = apply_kernels(cfg)
     env = kernels["env_overrides"]
     env_note = f" ({', '.join(f'{k}={v}' for k, v in env.items())} from the environment)" if env else ""

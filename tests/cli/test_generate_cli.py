@@ -1,5 +1,6 @@
-"""`k3 generate` as a shell runs it: a device this torch cannot use is one line and exit 2; a prompt plus
---max-tokens past the checkpoint's trained sequence length warns in one line on stderr and still generates."""
+"""`k3 generate` as a shell runs it: a device this torch cannot use is one line and exit 2 (`k3 serve` too); a
+prompt plus --max-tokens past the checkpoint's trained sequence length warns in one line on stderr and still
+generates."""
 
 import os
 import subprocess
@@ -56,3 +57,11 @@ def test_max_tokens_past_the_trained_length_warns_once_and_generates(ckpt, tmp_p
         assert r.stdout.startswith("def ") and "[70 tokens in" in r.stderr  # greedy: no EOS this early
     r = _generate(ckpt, "--max-tokens", str(64 - n), "--temperature", "0", "--device", "cpu", cwd=tmp_path)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU that --device cuda can use")
+def test_serve_device_cuda_without_cuda_is_one_line_and_exit_2(ckpt, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "serve", str(ckpt), "--device", "cuda"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, check=False)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error: serve.device cuda: ") and "serve.device cpu" in r.stderr
