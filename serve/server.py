@@ -418,7 +418,7 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
 
     from k3.model.checkpoint import load_model
     from k3.model.tokenizer import K3Tokenizer
-    from k3.model.transformer import weight_numels
+    from k3.model.transformer import count_parameters, describe_parameters
 
     t0 = time.monotonic()
     try:
@@ -429,8 +429,8 @@ def load_state(cfg: ServeConfig, state: ServerState) -> None:
         log.info("loading %s on %s", cfg.ckpt, dev)
         model, _ = load_model(cfg.ckpt, device=dev, dtype=dtype)
         tok = K3Tokenizer.from_file(cfg.ckpt)
-        n_params = sum(weight_numels(model).values())  # quantized experts counted as the weights they stand for
-        log.info("loaded %.1fM parameters (%s) in %.1f s; warming up%s", n_params / 1e6,
+        # the size line k3 pretrain prints for the same checkpoint (quantized experts counted as their weights)
+        log.info("loaded %s (%s) in %.1f s; warming up%s", describe_parameters(count_parameters(model)),
                  next(model.parameters()).dtype, time.monotonic() - t0,
                  " (CUDA graphs%s)" % (", compiled: minutes" if cfg.compile_decode else "")
                  if dev.startswith("cuda") and cfg.cuda_graphs else "")

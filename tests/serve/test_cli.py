@@ -51,6 +51,11 @@ def test_serve_process_end_to_end(ckpt, serve_process):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     log = run.log
     assert "k3 serve: loading" in log and "k3 serve: ready in" in log, log  # startup progress on stderr
+    from k3.model.checkpoint import load_model
+    from k3.model.transformer import count_parameters, describe_parameters
+
+    size = describe_parameters(count_parameters(load_model(ckpt)[0]))
+    assert f"loaded {size}" in log, log  # the size line k3 pretrain prints for this checkpoint
 
 
 def _serve(*args, prelude: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
