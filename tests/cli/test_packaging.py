@@ -22,7 +22,9 @@ def test_package_list_matches_folders():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    found.add("k3")  # k3main/: only __main__.py, mapped to the namespace itself (`python -m k3`)
     assert listed == found, f"pyproject packages differ from folders: missing {found - listed}, extra {listed - found}"
+    assert sorted(p.name for p in (ROOT / "k3main").iterdir() if p.name != "__pycache__") == ["__main__.py"]
 
 
 def test_no_forbidden_top_level_imports():
@@ -81,6 +83,8 @@ def test_wheel_and_editable_install_import_from_outside(tmp_path):
     assert str(ROOT) not in r.stdout
     r = _run([sys.executable, "-c", "from k3.cli.main import app; app()", "--help"], cwd=outside, env=env)
     assert r.returncode == 0 and "pretrain" in r.stdout, r.stdout + r.stderr
+    r = _run([sys.executable, "-m", "k3", "--help"], cwd=outside, env=env)  # k3main/__main__.py in the wheel
+    assert r.returncode == 0 and "pretrain" in r.stdout, r.stdout + r.stderr
     # editable (the dev install): importable from outside, and 'kernels' does not resolve into the repo
     r = _run([sys.executable, "-c", CHECK], cwd=outside)
     assert r.returncode == 0, r.stderr
@@ -97,10 +101,11 @@ def test_license_file_is_the_apache_license_pyproject_names():
     assert text.rstrip().endswith("limitations under the License.")
 
 
-def test_version_flag_and_python_m_k3_cli_from_outside(tmp_path):
+def test_version_flag_and_python_m_k3_from_outside(tmp_path):
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     k3 = Path(sys.executable).parent / "k3"  # the console script of this environment
-    for cmd in ([str(k3), "--version"], [sys.executable, "-m", "k3.cli", "--version"]):
+    for cmd in ([str(k3), "--version"], [sys.executable, "-m", "k3", "--version"],
+                [sys.executable, "-m", "k3.cli", "--version"]):
         r = _run(cmd, cwd=tmp_path)
         assert (r.returncode, r.stdout, r.stderr) == (0, f"k3 {version}\n", ""), cmd
     r = _run([sys.executable, "-m", "k3.cli", "generate", "--help"], cwd=tmp_path)
