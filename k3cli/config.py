@@ -44,7 +44,8 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "tra
             "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
 COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
-                    "generate": ("kernels",)}
+                    "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels")}
+PRESET_KINDS = {"extend-context": "extend"}  # presets/<kind>/ of a command whose folder is not named after it
 
 
 def _presets_root():
@@ -143,7 +144,7 @@ def resolve_config(command: str, *, preset: str | None, config_files: list[str] 
     allowed = set(sections) if command in COMMAND_SECTIONS else set(SECTIONS)
     raw: dict = {s: {} for s in sections}
     if preset is not None:
-        raw = deep_merge(raw, read_preset(command, preset))
+        raw = deep_merge(raw, read_preset(PRESET_KINDS.get(command, command), preset))
     for f in config_files or []:
         raw = deep_merge(raw, read_yaml_file(f))
     if overrides:

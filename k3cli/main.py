@@ -10,6 +10,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer
 
+from k3.cli.commands.eval import app as eval_app
+from k3.cli.commands.extend_context import extend_context
 from k3.cli.commands.generate import generate
 from k3.cli.commands.pretrain import pretrain
 from k3.cli.commands.scaling_fit import scaling_fit
@@ -18,7 +20,8 @@ from k3.cli.commands.sweep import sweep
 
 app = typer.Typer(
     name="k3",
-    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, generate, serve, sweep, scaling-fit.",
+    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, eval, "
+         "generate, serve, sweep, scaling-fit.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -41,6 +44,8 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
 
 
 app.command("pretrain")(pretrain)
+app.command("extend-context")(extend_context)
+app.add_typer(eval_app, name="eval")
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
 app.command("serve")(serve)

@@ -51,7 +51,7 @@ FP32_TENSORS = ("e_score_correction_bias", "A_log", "dt_bias", "scales")
 _WRAPPER_COMPONENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 # config.json keys that are not ModelConfig fields (HF bookkeeping); all other unknown keys are errors.
 HF_CONFIG_KEYS = ("model_type", "architectures", "torch_dtype", "auto_map", "transformers_version",
-                  "quantization_config")
+                  "quantization_config", "max_position_embeddings")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256}
@@ -274,7 +274,8 @@ def _plain(x: Any) -> Any:
 def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, *,
                  tokenizer_dir: str | Path | None = None, run_info: dict | None = None,
                  dtype: torch.dtype | str | None = None, generation_config: dict | None = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantization_config: dict | None = None) -> Path:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantization_config: dict | None = None,
+                 max_position_embeddings: int | None = None) -> Path:
     """Write a release checkpoint directory atomically and return its path.
 
     state_dict: the unwrapped model's tensors (wrapper prefixes are stripped anyway). dtype: export dtype for floating
@@ -283,7 +284,9 @@ def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: 
     or the tokenizer.json file itself. run_info: provenance for k3_run.yaml. generation_config: overrides of the
     sampling defaults. Tied weights (cfg.tie_word_embeddings) are written once. quantization_config: required
     exactly when `state_dict` is quantized (`.scales` tensors; k3.model.quant.quantize_state_dict makes both);
-    written to config.json. Integer tensors (quantized weights) are never cast.
+    written to config.json. Integer tensors (quantized weights) are never cast. max_position_embeddings: the
+    sequence length the weights were trained at, written to config.json under Hugging Face's key (read back by
+    `trained_seq_len`; not a ModelConfig field: nothing in the model is sized by it).
 
     Example: save_release("runs/x/final", model.state_dict(), cfg, dtype="bfloat16", run_info={"git_sha": sha})
     """
@@ -326,6 +329,8 @@ def save_release(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: 
                   **cfg.to_dict(), "k3_format_version": K3_FORMAT_VERSION}
         if quantization_config is not None:
             config["quantization_config"] = quantization_config
+        if max_position_embeddings is not None:
+            config["max_position_embeddings"] = int(max_position_embeddings)
         write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         _write_safetensors(tmp, sd, max_shard_bytes)
         for fname, src in tok_files.items():
@@ -414,9 +419,17 @@ def read_quantization_config(path: str | Path) -> dict | None:
 
 
 def trained_seq_len(path: str | Path) -> int | None:
-    """The sequence length a release was trained on: data.seq_len of the resolved config its k3_run.yaml records
-    (a quantized release: its parent run's), or None where none is recorded. A train-only setting, so it lives in
-    the provenance file and never in config.json. Example: trained_seq_len("runs/tiny/final")  # 256"""
+    """The sequence length a release was trained on: config.json's max_position_embeddings where save_release wrote
+    it, else data.seq_len of the resolved config its k3_run.yaml records (a quantized release: its parent run's),
+    else None. Not a ModelConfig field (a train-only setting). Example: trained_seq_len("runs/tiny/final")  # 256"""
+    cfg_path = Path(path) / "config.json"
+    if cfg_path.is_file():
+        try:
+            recorded = json.loads(cfg_path.read_text(encoding="utf-8")).get("max_position_embeddings")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            recorded = None  # read_release_config reports a damaged config.json with its own message
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            return recorded
     run_path = Path(path) / "k3_run.yaml"
     if not run_path.is_file():
         return None

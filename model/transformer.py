@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attnres import AttnResBlocks, AttnResSource, PseudoQuery, attn_res_mix, attn_res_mix_blocks
 from .cache import InferenceState, KDACache, MLACache, PagedLatentView
@@ -62,7 +63,13 @@ class K3DecoderLayer(nn.Module):
 
 
 class K3Backbone(nn.Module):
-    """Embedding, layers, the output AttnRes and the final norm (HF prefix `model.`)."""
+    """Embedding, layers, the output AttnRes and the final norm (HF prefix `model.`).
+
+    `activation_checkpointing` ("none" | "mla" | "all", a plain attribute the train loop sets from
+    train.activation_checkpointing): under autograd, the mixer and the MLP of the MLA layers ("mla") or of every
+    layer ("all") keep only their input and run again in the backward (torch.utils.checkpoint, non-reentrant).
+    The residual stream and the AttnRes mixtures stay saved: they are cheap and hold no per-head activations.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,6 +80,21 @@ class K3Backbone(nn.Module):
         if cfg.residual == "attnres":
             self.output_attn_res_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
             self.output_attn_res_proj = PseudoQuery(cfg.d_model)
+        self.activation_checkpointing = "none"
+
+    def _sublayers(self, layer: K3DecoderLayer, cache):
+        """(mixer, mlp): functions of the normalised-to-be input x [B, T, D], recomputed in the backward where
+        activation checkpointing covers this layer."""
+        mixer = lambda x: layer.self_attn(layer.input_layernorm(x), cache=cache)
+        mlp = lambda x: layer.mlp(layer.post_attention_layernorm(x))
+        mode = self.activation_checkpointing
+        if mode not in ("none", "mla", "all"):
+            raise ValueError(f"activation_checkpointing must be none, mla or all, got {mode!r}")
+        if cache is not None or not torch.is_grad_enabled() or mode == "none" or (
+                mode == "mla" and layer.layer_type != "mla"):
+            return mixer, mlp
+        return (lambda x: checkpoint(mixer, x, use_reentrant=False),
+                lambda x: checkpoint(mlp, x, use_reentrant=False))
 
     def forward(self, emb_BTD: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
         """Embedded tokens [B, T, D] -> final hidden [B, T, D] (before the final norm); layer i's mixer reads and
@@ -83,8 +105,9 @@ class K3Backbone(nn.Module):
         x_BTD = emb_BTD
         if self.cfg.residual == "preln":
             for layer, cache in zip(self.layers, caches):
-                x_BTD = x_BTD + layer.self_attn(layer.input_layernorm(x_BTD), cache=cache)
-                x_BTD = x_BTD + layer.mlp(layer.post_attention_layernorm(x_BTD))
+                mixer, mlp = self._sublayers(layer, cache)
+                x_BTD = x_BTD + mixer(x_BTD)
+                x_BTD = x_BTD + mlp(x_BTD)
             return x_BTD
         eps, bsz = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
         # inference stacks the completed blocks once (a fixed kernel count per mixture); under autograd the list
@@ -100,14 +123,15 @@ class K3Backbone(nn.Module):
 
         partial = x_BTD
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            mixer, mlp = self._sublayers(layer, cache)
             x = mix(partial, layer.attn_res_norm, layer.attn_res_proj) if len(blocks) else partial
             if i % bsz == 0:
                 blocks.append(AttnResSource(partial, eps))
                 partial = None
-            a = layer.self_attn(layer.input_layernorm(x), cache=cache)
+            a = mixer(x)
             partial = a if partial is None else partial + a
             x = mix(partial, layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.mlp(layer.post_attention_layernorm(x))
+            partial = partial + mlp(x)
         return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj)
 
 

@@ -8,7 +8,7 @@ InferenceState (one prefill, then one recurrent step per token), kept as the ind
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -69,3 +69,41 @@ def generate_tokens(model: K3Model, prompt_ids: list[int], *, max_tokens: int = 
         if t in stop_ids:
             return
         logits = model(tok.view(1, 1), state=state).logits[:, -1]
+
+
+def generate_batch(model: K3Model, tok: K3Tokenizer, prompts: list[list[int]], *, max_tokens: int,
+                   max_num_seqs: int = 16, max_num_batched_tokens: int = 0,
+                   on_finish: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Greedy completions of many prompts through one engine (continuous batching: chunked prefill, then batched
+    recurrent decode): the new token ids of each prompt, in order, each ending at EOS or `max_tokens`.
+    on_finish(i) is called as prompt i completes (progress bars). Example:
+    generate_batch(model, tok, [tok.encode("def ", add_bos=True)] * 4, max_tokens=8)"""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    block = 64
+    max_len = -(-(max(len(p) for p in prompts) + max_tokens) // block) * block
+    dev = next(model.parameters()).device
+    cfg = ServeConfig(device=dev.type, max_num_seqs=min(max_num_seqs, len(prompts)), max_model_len=max_len,
+                      max_num_batched_tokens=max_num_batched_tokens, max_queue=max(512, len(prompts)),
+                      enable_prefix_caching=False, warmup=False, cuda_graphs=dev.type == "cuda")
+    engine = Engine(model, tok, cfg)
+    outs: list[list[int]] = [[] for _ in prompts]
+    errors: list[str] = []
+
+    def sink_for(i: int):
+        def sink(ev: SeqEvent) -> None:
+            outs[i].extend(ev.token_ids)
+            if ev.error:
+                errors.append(ev.error)
+            if ev.finish_reason is not None and on_finish is not None:
+                on_finish(i)
+        return sink
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i, p in enumerate(prompts):
+        engine.submit(p, params, sink_for(i))
+    while engine.has_work():
+        engine.step()
+        if errors:
+            raise RuntimeError(f"generation failed: {errors[0]}")
+    return outs

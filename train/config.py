@@ -23,6 +23,7 @@ class DataConfig:
     cache_dir: str = ".k3_cache"  # tokenized shard cache, keyed by data + tokenizer hash
     seq_len: int = 256  # tokens per training sequence
     seed: int = 1234  # seed of the data order
+    passkey_fraction: float = 0.0  # training sequences replaced by synthetic passkey documents (k3.train.passkey); k3 extend-context's presets set 0.1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +73,8 @@ class TrainConfig:
     threads: int | None = None  # torch CPU threads (None = torch default)
     track_max_logit: bool = True  # compute MLA per-head max logits each step (needed for QK-Clip and logging)
     peak_tflops: float | None = None  # device peak for the logged `mfu`; None: 989 (bf16 datasheet) on H100/H200, else no mfu
+    activation_checkpointing: str = "none"  # "none" | "mla" (the MLA layers' mixer and MLP recomputed in the backward) | "all" (every layer's); memory for long sequences
+    loss_chunk_tokens: int = 0  # LM head + cross-entropy over chunks of this many tokens, recomputed in the backward, so the [B, T, V] logits never exist at once (0 = one piece)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,3 +112,4 @@ class ScalingConfig:
     polish: int = 8  # best distinct grid optima refined to a stationary point (0 = report the grid's best as is)
     threads: int | None = 1  # torch CPU threads for the fit (None = torch default); 2 gain ~1.25x, lose on a busy CPU
     plot: bool = True  # write fit.png
+

@@ -618,3 +618,49 @@ class BatchLoader:
         if not (0 <= int(state["pos"]) < self.n_windows and int(state["epoch"]) >= 0):
             raise DataError(f"data loader state has an invalid position {state}; the checkpoint is damaged")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class PasskeyMixLoader:
+    """A train BatchLoader whose rows are each replaced, with probability `fraction`, by a synthetic passkey
+    document of T+1 tokens (k3.train.passkey) at a uniform random depth, its filler a random window of the same
+    shard; every target of such a row counts. The draws of batch n come from a generator seeded with (seed, n),
+    so the mix is a pure function of the position in the stream and resumes exactly (state: the inner loader's
+    and n). Example: `PasskeyMixLoader(BatchLoader(data.train, batch_size=8, seq_len=1024), tok, 0.1, seed=0)`.
+    """
+
+    def __init__(self, inner: BatchLoader, tokenizer: K3Tokenizer, fraction: float, *, seed: int):
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"data.passkey_fraction={fraction} must be in [0, 1]")
+        if inner.mode != "train":
+            raise ValueError("PasskeyMixLoader mixes a train loader (mode='train')")
+        self.inner, self.tok, self.fraction, self.seed = inner, tokenizer, fraction, seed
+        self.batches = 0  # batches drawn so far
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from .passkey import make_passkey_doc  # data is imported by every command; the generator only here
+
+        tokens_BT1, mask_BT = self.inner.next_batch()
+        rng = np.random.default_rng([self.seed, self.batches])
+        for r in range(tokens_BT1.shape[0]):
+            if rng.random() < self.fraction:
+                doc = make_passkey_doc(self.tok, self.inner.shard.tokens, tokens_BT1.shape[1], float(rng.random()),
+                                       rng, with_answer=True)
+                tokens_BT1[r] = torch.tensor(doc.tokens)
+                mask_BT[r] = True
+        self.batches += 1
+        return tokens_BT1, mask_BT
+
+    def __iter__(self):
+        return self
+
+    __next__ = next_batch
+
+    def state_dict(self) -> dict:
+        return {**self.inner.state_dict(), "passkey_fraction": self.fraction, "passkey_batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("passkey_fraction") != self.fraction:
+            raise DataError(f"data loader state was saved with passkey_fraction={state.get('passkey_fraction')} but "
+                            f"this run has {self.fraction}; resume with the same data.passkey_fraction")
+        self.inner.load_state_dict(state)
+        self.batches = int(state["passkey_batches"])

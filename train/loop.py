@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from k3.model.checkpoint import load_state_into
 from k3.model.transformer import K3Model
@@ -46,17 +47,51 @@ class LoopState:
     last_eval: dict = field(default_factory=dict)
 
 
+def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden_BTD: torch.Tensor,
+                          targets_BT: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Mean CE of head(hidden) [B, T, V] against targets [B, T] (-100 ignored), computed over chunks of
+    `chunk_tokens` flattened tokens, each recomputed in the backward (torch.utils.checkpoint), so that only one
+    chunk's fp32 logits exist at a time: at T = 131,072 and V = 32,768 the whole would be 16 GiB.
+    Equals F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten()) up to float summation order.
+    """
+    D = hidden_BTD.shape[-1]
+    h_ND, t_N = hidden_BTD.reshape(-1, D), targets_BT.reshape(-1)
+
+    def piece(h, t):
+        z = head(h)
+        return F.cross_entropy(z.to(torch.promote_types(z.dtype, torch.float32)), t, ignore_index=-100,
+                               reduction="sum")
+
+    total = sum(checkpoint(piece, h_ND[i:i + chunk_tokens], t_N[i:i + chunk_tokens], use_reentrant=False)
+                for i in range(0, h_ND.shape[0], chunk_tokens))
+    return total / (t_N != -100).sum()
+
+
+def _targets(tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+    targets = tokens_BT1[:, 1:].clone()
+    if mask_BT is not None:
+        targets[~mask_BT] = -100
+    return targets
+
+
 def lm_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | None,
-              with_mtp: bool = True) -> dict[str, torch.Tensor]:
+              with_mtp: bool = True, chunk_tokens: int = 0) -> dict[str, torch.Tensor]:
     """Next-token CE and MTP CE (t_{i+2}) for a packed batch tokens [B, T+1]; mask marks counted targets [B, T].
 
     with_mtp=False skips the MTP branch (evaluation, or lambda = 0: then MTP parameters get no gradient at all, so
-    the step is bit-identical to a model without MTP, grad-norm reduction included).
+    the step is bit-identical to a model without MTP, grad-norm reduction included). chunk_tokens > 0: both
+    losses through `chunked_cross_entropy` (train.loss_chunk_tokens).
     """
-    inputs, targets = tokens_BT1[:, :-1], tokens_BT1[:, 1:].clone()
-    if mask_BT is not None:
-        targets[~mask_BT] = -100
+    inputs, targets = tokens_BT1[:, :-1], _targets(tokens_BT1, mask_BT)
     use_mtp = with_mtp and model.mtp is not None
+    if chunk_tokens > 0:
+        hidden = model.hidden_states(inputs)
+        res = {"ce": chunked_cross_entropy(model.logits, hidden, targets, chunk_tokens)}
+        if use_mtp:
+            mtp_t = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1)
+            res["mtp_ce"] = chunked_cross_entropy(model.mtp_head, model.mtp_hidden(hidden, tokens_BT1[:, 1:]),
+                                                  mtp_t, chunk_tokens)
+        return res
     out = model(inputs, mtp_tokens_BT=tokens_BT1[:, 1:] if use_mtp else None)
     V = out.logits.shape[-1]
     ce = F.cross_entropy(out.logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=-100)
@@ -66,6 +101,16 @@ def lm_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | 
         mtp_t = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1)
         res["mtp_ce"] = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_t.reshape(-1), ignore_index=-100)
     return res
+
+
+@torch.no_grad()
+def token_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+    """Next-token CE in nats of every target [B, T] for tokens [B, T+1] (NaN where the mask leaves a target out):
+    what `k3 eval loss` buckets by position."""
+    targets = _targets(tokens_BT1, mask_BT)
+    logits = model(tokens_BT1[:, :-1]).logits.float()
+    ce = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    return ce.masked_fill(targets == -100, float("nan"))
 
 
 class Trainer:
@@ -185,6 +230,7 @@ class Trainer:
         mlas = model.mla_layers()
         for m in mlas:
             m.track_max_logit = tcfg.track_max_logit
+        model.model.activation_checkpointing = tcfg.activation_checkpointing
         old_handlers = self._install_signals()
         t_seg = time.time()
         t_last, tok_last = time.time(), self.state.tokens
@@ -204,7 +250,7 @@ class Trainer:
                     tokens = tokens.to(self.device, non_blocking=True)
                     mask = None if mask is None else mask.to(self.device, non_blocking=True)
                     with self._autocast():
-                        losses = lm_losses(model, tokens, mask, with_mtp=lam > 0)
+                        losses = lm_losses(model, tokens, mask, with_mtp=lam > 0, chunk_tokens=tcfg.loss_chunk_tokens)
                     loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
                     (loss / tcfg.grad_accum).backward()
                     sum_ce += losses["ce"].item()
@@ -271,6 +317,7 @@ class Trainer:
                 m.record_router = False
             for m in mlas:
                 m.track_max_logit = False
+            model.model.activation_checkpointing = "none"
         self.state.wall_time += time.time() - t_seg
         return self.state
 

@@ -22,12 +22,20 @@ from typing import Any
 import torch
 import yaml
 
-from k3.model.checkpoint import CheckpointError, load_release, load_state_into, save_release
+from k3.model.checkpoint import (
+    CheckpointError,
+    load_release,
+    load_state_into,
+    read_quantization_config,
+    save_release,
+    trained_seq_len,
+)
 from k3.model.config import ConfigError, ModelConfig
 from k3.model.transformer import build_model, count_parameters, describe_parameters
 
+from .checkpoint import load_checkpoint
 from .console import make_console
-from .data import BatchLoader, prepare_data
+from .data import BatchLoader, PasskeyMixLoader, prepare_data
 from .loop import Trainer, TrainingError
 from .optim import build_optimizer
 
@@ -94,9 +102,52 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _same_architecture(a: ModelConfig, b: ModelConfig) -> list[str]:
+def _same_architecture(a: ModelConfig, b: ModelConfig, may_differ: tuple[str, ...] = ()) -> list[str]:
     da, db = a.to_dict(), b.to_dict()
-    return [k for k in da if k != "name" and da[k] != db.get(k)]
+    return [k for k in da if k != "name" and k not in may_differ and da[k] != db.get(k)]
+
+
+@dataclass
+class InitWeights:
+    """Weights to start from: a release directory (RUN_DIR/final) or a training checkpoint (RUN_DIR/checkpoints/
+    step-N), with what a continued run needs to know about them."""
+
+    path: Path
+    kind: str  # "release" | "training"
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]
+    tokenizer: str | None  # the tokenizer.json the weights were trained with, where it is found
+    trained_seq_len: int | None  # the sequence length they were trained at, where it is recorded
+    quantization: str | None  # the quantized format of a quantized release ("w4a8", ...), else None
+    run_info: dict | None  # the resolved config they were trained with (k3_run.yaml / run_config.yaml)
+
+
+def read_init(path: str | Path) -> InitWeights:
+    """Read a release or training checkpoint of `k3 pretrain` / `k3 extend-context` for --init / extend-context.
+
+    Example: read_init("runs/tiny/checkpoints/step-0000110").trained_seq_len  # 256
+    """
+    path = Path(path)
+    if (path / "train_state.json").is_file():
+        ck = load_checkpoint(path)
+        rc_path = path / "run_config.yaml"
+        rc = yaml.safe_load(rc_path.read_text(encoding="utf-8")) if rc_path.is_file() else None
+        model = ((rc or {}).get("config") or {}).get("model")
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{rc_path}: no model section, so the architecture of {path} is unknown; pass the "
+                                  f"run's release directory (RUN_DIR/final) instead")
+        seq_len = ((rc or {}).get("config") or {}).get("data", {}).get("seq_len")
+        tok = path.parent.parent / "tokenizer" / "tokenizer.json"
+        return InitWeights(path, "training", ModelConfig.from_dict(model), ck["model_state"],
+                           str(tok) if tok.is_file() else None, seq_len if isinstance(seq_len, int) else None, None,
+                           rc)
+    cfg, state = load_release(path)
+    qc = read_quantization_config(path)
+    run_path = path / "k3_run.yaml"
+    info = yaml.safe_load(run_path.read_text(encoding="utf-8")) if run_path.is_file() else None
+    tok = path / "tokenizer.json"
+    return InitWeights(path, "release", cfg, state, str(tok) if tok.is_file() else None, trained_seq_len(path),
+                       None if qc is None else str(qc.get("format")), info)
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -123,9 +174,15 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = None,
-        run_config: dict | None = None, console=None) -> PretrainResult:
-    """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config)."""
+def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeights | None = None,
+        run_config: dict | None = None, console=None, init_may_differ: tuple[str, ...] = (),
+        command: str = "k3 pretrain") -> PretrainResult:
+    """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config).
+
+    init: weights to start from (a release or training checkpoint path, or read_init's result); init_may_differ:
+    the ModelConfig fields in which they may differ from cfg.model (extend-context's position mode and RoPE base);
+    command: the command a stopped run's resume hint names.
+    """
     console = console or make_console()
     mcfg, dcfg, ocfg, tcfg, ccfg = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.ckpt
     run_dir = Path(run_dir)
@@ -137,6 +194,11 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     if not resume and has_ckpt:
         raise ConfigError(f"{run_dir} already holds a run with checkpoints; pass --resume to continue it, or "
                           f"choose another --out")
+    if tcfg.activation_checkpointing not in ("none", "mla", "all"):
+        raise ConfigError(f"train.activation_checkpointing={tcfg.activation_checkpointing!r}: use none, mla (the MLA "
+                          f"layers recomputed in the backward) or all (every layer)")
+    if tcfg.loss_chunk_tokens < 0:
+        raise ConfigError(f"train.loss_chunk_tokens={tcfg.loss_chunk_tokens} must be >= 0 (0 = the loss in one piece)")
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
@@ -146,16 +208,20 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
     # ---- initial weights (before data, so a bad --init fails fast)
     init_state = None
     if init is not None:
-        init_cfg, init_state = load_release(init)
-        diff = _same_architecture(init_cfg, mcfg)
+        weights = init if isinstance(init, InitWeights) else read_init(init)
+        if weights.quantization is not None:
+            raise CheckpointError(f"{weights.path}: a quantized release ({weights.quantization}) cannot be trained; "
+                                  f"start from the bf16 / fp32 release it was made from")
+        init_state = weights.state
+        diff = _same_architecture(weights.cfg, mcfg, init_may_differ)
         if diff:
-            raise ConfigError(f"--init {init}: its architecture differs from the configured model in {diff}; "
+            raise ConfigError(f"--init {weights.path}: its architecture differs from the configured model in {diff}; "
                               f"pass the same model preset or --set model.<field>=<value> to match")
 
     # ---- data and tokenizer
     tok_src = dcfg.tokenizer
-    if tok_src is None and init is not None and (Path(init) / "tokenizer.json").is_file():
-        tok_src = str(Path(init) / "tokenizer.json")  # continued training must keep the token ids
+    if tok_src is None and init is not None and weights.tokenizer is not None:
+        tok_src = weights.tokenizer  # continued training must keep the token ids
     if resume and tok_src is None and (run_dir / "tokenizer" / "tokenizer.json").is_file():
         tok_src = str(run_dir / "tokenizer" / "tokenizer.json")
     if tok_src != dcfg.tokenizer:
@@ -182,6 +248,8 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
         counts = count_parameters(model)
         optimizer = build_optimizer(model, ocfg)
         train_loader = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
+        if dcfg.passkey_fraction > 0:
+            train_loader = PasskeyMixLoader(train_loader, data.tokenizer, dcfg.passkey_fraction, seed=dcfg.seed)
 
         # built now, though first used at the first evaluation, so that a validation split shorter than one window
         # fails here and not after the training (val mode is stateless: each take() starts from the first window)
@@ -215,7 +283,7 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
         trainer.resume_from(latest)
         console.print(f"[bold]resumed[/] from {latest} at step {trainer.state.step}")
 
-    console.print(f"[bold]k3 pretrain[/] {mcfg.name}: {describe_parameters(counts)}, "
+    console.print(f"[bold]{' '.join(command.split()[:2])}[/] {mcfg.name}: {describe_parameters(counts)}, "
                   f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -246,7 +314,7 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
 
     if trainer.stopped_by_signal:
         console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "
-                      f"Continue with: k3 pretrain --resume --out {run_dir}")
+                      f"Continue with: {command} --resume --out {run_dir}")
         return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens,
                               stop_signal=trainer.stop_signal)
 
@@ -263,7 +331,8 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | None = Non
                "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256, "do_sample": True}
     final = save_release(run_dir / "final", {k: v.detach().cpu() for k, v in model.state_dict().items()}, mcfg,
                          tokenizer_dir=run_dir / "tokenizer", run_info=rc, generation_config=gen_cfg,
-                         dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16)
+                         dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16,
+                         max_position_embeddings=dcfg.seq_len)
     # the resumable checkpoint (weights + optimizer state, ~4x the release) after the release, so a run stopped while
     # writing it still has its final/ (on the H200, 2026-11-29, a k3-small run's time limit struck after the final
     # evaluation, most likely inside this write when it came first, and left no final/)

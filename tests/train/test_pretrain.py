@@ -82,8 +82,8 @@ def test_nan_loss_stops_with_message(tmp_path, cache_dir, monkeypatch):
     real = loop_mod.lm_losses
     calls = {"n": 0}
 
-    def poisoned(model, tokens, mask, with_mtp=True):
-        out = real(model, tokens, mask, with_mtp)
+    def poisoned(model, tokens, mask, with_mtp=True, **kw):
+        out = real(model, tokens, mask, with_mtp, **kw)
         calls["n"] += 1
         if calls["n"] == 4:
             out["ce"] = out["ce"] * float("nan")
