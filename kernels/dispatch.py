@@ -41,6 +41,8 @@ TRITON_OPS: dict[str, str] = {
     "chunk_kda": "k3.kernels.kda.chunk:chunk_kda_triton",
     "c2_glu": "k3.kernels.glu.triton:c2_glu_dispatch",
     "paged_mla_decode": "k3.kernels.mla.triton_decode:paged_mla_decode_triton",
+    "quant_grouped_mm": "k3.kernels.quant.triton:quant_grouped_mm_triton",
+    "quant_linear": "k3.kernels.quant.triton:quant_linear_triton",
 }
 
 log = logging.getLogger("k3.kernels")

@@ -1,5 +1,6 @@
-"""Weight quantization of routed experts in plain PyTorch: int4 packing, symmetric group / channel quantization,
-per-token FP8 activation fake-quant, and the dequantize-then-grouped-matmul that serves quantized experts.
+"""Weight quantization in plain PyTorch: int4 packing, symmetric group / channel quantization, per-token FP8
+activation fake-quant, and the dequantize-then-matmul twins (grouped for experts, dense for linears) of the fused
+Triton kernels in triton.py.
 
 Legend: E experts, N out-features (rows of an nn.Linear weight), K in-features (the last, reduced dim),
 G = K / group_size groups per row, M routed rows, I in-features of x (= K).
@@ -10,21 +11,25 @@ Formats (k3.model.quant writes them into release checkpoints; model/README.md "Q
   the even index in the low nibble. Activations are quantized per token (row) to float8_e4m3fn with the scale
   absmax(row) / 448 (448 = the largest finite e4m3fn value; OCP FP8 spec, "OFP8 Formats for Deep Learning",
   Micikevicius et al. 2022, arXiv 2209.05433). Emulated here: quantize, dequantize, matmul in the compute dtype.
+- "w4a16": the int4 weights of "w4a8", activations in the compute dtype.
 - "w8a16": int8 weights, symmetric, one fp32 scale per output channel, s = absmax(row) / 127, q in [-127, 127];
   activations stay in the compute dtype.
 Symmetric formats need no zero points (the `.zeros` of style.md are absent).
 
-No fused kernel yet: `quant_grouped_mm` materializes the dequantized weights in x's dtype on every call
-(kernels/README.md lists a fused dequant grouped GEMM as remaining work).
+`quant_grouped_mm_torch` / `quant_linear_torch` materialize the dequantized weights in x's dtype on every call (the
+CPU path and the reference); the public `quant_grouped_mm` / `quant_linear` in __init__.py dispatch the int4 formats
+to the fused Triton GEMMs on the triton backend.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from k3.kernels.moe import moe_grouped_mm
 
-FORMATS = ("w4a8", "w8a16")
+FORMATS = ("w4a8", "w4a16", "w8a16")
+INT4_FORMATS = ("w4a8", "w4a16")  # int4 group-quantized weights (the fused Triton kernels take these)
 INT4_MIN, INT4_MAX = -8, 7
 INT8_MAX = 127
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -76,22 +81,49 @@ def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
 
 
-def quantize_int4_grouped(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_group_scales(w: torch.Tensor, group_size: int = 32, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """RTN scales of symmetric int4 groups: s = clip * absmax(group) / 7, fp32 [..., K/group_size].
+
+    clip: optional ratios in (0, 1] broadcastable to the scales (a calibrated clipping range, k3.train.calibrate);
+    None is plain round-to-nearest (clip 1). An all-zero group has scale 0.
+
+    Example: s = int4_group_scales(w_NK, 32)   # [N, K/32]
+    """
+    if not w.is_floating_point():
+        raise ValueError(f"int4_group_scales expects floating weights, got {w.dtype}")
+    s_G = _groups(w.detach().float(), group_size).abs().amax(-1) / INT4_MAX
+    return s_G if clip is None else s_G * clip.to(s_G)
+
+
+def int4_group_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes q = clamp(round(w / s), -8, 7) [..., K] of w [..., K] on the scales [..., G] (groups of K / G);
+    an all-zero scale gives 0. torch.round rounds half to even, so a value at exactly (k + 1/2) s goes to the even
+    neighbour. The one rounding rule of every int4 path: RTN export, fake quantization and calibration."""
+    G = scales.shape[-1]
+    if scales.shape[:-1] != w.shape[:-1] or G == 0 or w.shape[-1] % G:
+        raise ValueError(f"int4 scales {tuple(scales.shape)} do not fit weights {tuple(w.shape)}: scales must be "
+                         "[..., K / group_size] with the same leading dims")
+    s = scales.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group quantizes to 0 with scale 0
+    w_G = w.float().reshape(*w.shape[:-1], G, w.shape[-1] // G)
+    return torch.round(w_G / safe.unsqueeze(-1)).clamp_(INT4_MIN, INT4_MAX).to(torch.int8).flatten(-2)
+
+
+def quantize_int4_grouped(w: torch.Tensor, group_size: int = 32, scales: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest int4 per group of `group_size` along the last dim.
 
-    Args: w [..., K] floating (K divisible by group_size and even).
-    Returns: (packed uint8 [..., K/2], scales fp32 [..., K/group_size]); s = absmax / 7 (0 for an all-zero group),
-    q = round(w / s) in [-7, 7], so |w - q s| <= s / 2 per element.
+    Args: w [..., K] floating (K divisible by group_size and even); scales: optional fp32 [..., K/group_size] to
+    round on (calibrated clipping: values beyond 7 s clamp to 7, below -8 s to -8), default int4_group_scales(w).
+    Returns: (packed uint8 [..., K/2], scales fp32 [..., K/group_size]); RTN: s = absmax / 7 (0 for an all-zero
+    group), q = round(w / s) in [-7, 7], so |w - q s| <= s / 2 per element.
 
     Example: qw, s = quantize_int4_grouped(experts.gate_up_proj.detach(), 32)   # [E, 2F, L/2], [E, 2F, L/32]
     """
     if not w.is_floating_point():
         raise ValueError(f"quantize_int4_grouped expects floating weights, got {w.dtype}")
-    w_G = _groups(w.float(), group_size)  # [..., G, group]
-    s_G = w_G.abs().amax(-1) / INT4_MAX
-    safe = torch.where(s_G > 0, s_G, torch.ones_like(s_G))  # an all-zero group quantizes to 0 with scale 0
-    q = torch.round(w_G / safe.unsqueeze(-1)).clamp_(INT4_MIN, INT4_MAX).to(torch.int8)
-    return pack_int4(q.flatten(-2)), s_G
+    s_G = int4_group_scales(w, group_size) if scales is None else scales.float()
+    return pack_int4(int4_group_codes(w.detach(), s_G)), s_G
 
 
 def dequantize_int4_grouped(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
@@ -106,6 +138,13 @@ def dequantize_int4_grouped(packed: torch.Tensor, scales: torch.Tensor, dtype: t
     if scales.shape[:-1] != q.shape[:-1] or G == 0 or K % G:
         raise ValueError(f"int4 weights {tuple(q.shape)} (unpacked) and scales {tuple(scales.shape)} disagree: "
                          "scales must be [..., K / group_size] with the same leading dims")
+    return int4_group_dequant(q, scales, dtype)
+
+
+def int4_group_dequant(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codes q [..., K] (int8 in [-8, 7]) times their group scales [..., G] -> [..., K] in `dtype`: q * s in fp32
+    (float64 for float64), cast once. Shared by dequantization and the fake quantizer, so both give the same bits."""
+    K, G = q.shape[-1], scales.shape[-1]
     ct = torch.float64 if dtype == torch.float64 else torch.float32
     w_G = q.to(ct).reshape(*q.shape[:-1], G, K // G) * scales.to(ct).unsqueeze(-1)
     return w_G.flatten(-2).to(dtype)
@@ -158,28 +197,55 @@ def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     return (q.to(ct) * safe).to(x.dtype)
 
 
+def quantize_weight(w: torch.Tensor, fmt: str, group_size: int | None,
+                    scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight [..., N, K] in format `fmt`: (stored tensor, fp32 scales) as `dequantize_weight` reads them.
+    int4 formats take optional `scales` (calibrated clipping); w8a16 is per channel and takes none."""
+    if fmt in INT4_FORMATS:
+        return quantize_int4_grouped(w, group_size, scales)
+    if fmt == "w8a16":
+        if scales is not None:
+            raise ValueError("w8a16 is round-to-nearest per output channel; it takes no calibrated scales")
+        return quantize_int8_channel(w)
+    raise ValueError(f"unknown quantization format {fmt!r}; use one of {FORMATS}")
+
+
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, fmt: str,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantize one stored expert weight of format `fmt` ("w4a8" | "w8a16") to [E, N, K] in `dtype`."""
-    if fmt == "w4a8":
+    """Dequantize one stored weight of format `fmt` to [..., N, K] in `dtype`."""
+    if fmt in INT4_FORMATS:
         return dequantize_int4_grouped(qweight, scales, dtype)
     if fmt == "w8a16":
         return dequantize_int8_channel(qweight, scales, dtype)
     raise ValueError(f"unknown quantization format {fmt!r}; use one of {FORMATS}")
 
 
-def quant_grouped_mm(x_MI: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, counts_E: torch.Tensor,
-                     fmt: str, impl: str = "auto") -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The activation side of format `fmt` on x [..., I]: per-token FP8 fake-quant for w4a8, x itself otherwise."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; use one of {FORMATS}")
+    return fake_quant_fp8_per_token(x) if fmt == "w4a8" else x
+
+
+def quant_grouped_mm_torch(x_MI: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, counts_E: torch.Tensor,
+                           fmt: str, impl: str = "auto") -> torch.Tensor:
     """`moe_grouped_mm` on quantized expert weights: y[rows of e] = A(x[rows of e]) @ deq(w[e]).T.
 
-    Args: x_MI [M, I] rows grouped by expert; qweight uint8 [E, O, I/2] (w4a8) or int8 [E, O, I] (w8a16);
-    scales fp32 [E, O, I/group] (w4a8) or [E, O, 1] (w8a16); counts_E [E] rows per expert; fmt "w4a8" | "w8a16";
-    impl as `moe_grouped_mm`. A = per-token FP8 fake-quant for w4a8, identity for w8a16.
+    Args: x_MI [M, I] rows grouped by expert; qweight uint8 [E, O, I/2] (int4 formats) or int8 [E, O, I] (w8a16);
+    scales fp32 [E, O, I/group] (int4) or [E, O, 1] (w8a16); counts_E [E] rows per expert; fmt one of FORMATS;
+    impl as `moe_grouped_mm`. A = per-token FP8 fake-quant for w4a8, identity otherwise.
     Returns: y_MO [M, O] in x's dtype; the weights are dequantized (fp32 math) and cast to x's dtype.
 
-    Example: y_MO = quant_grouped_mm(x_MI, qw, s, counts_E, "w4a8")
+    Example: y_MO = quant_grouped_mm_torch(x_MI, qw, s, counts_E, "w4a8")
     """
     w_EOI = dequantize_weight(qweight, scales, fmt, x_MI.dtype)
-    if fmt == "w4a8":
-        x_MI = fake_quant_fp8_per_token(x_MI)
-    return moe_grouped_mm(x_MI, w_EOI, counts_E, impl=impl)
+    return moe_grouped_mm(quantize_activations(x_MI, fmt), w_EOI, counts_E, impl=impl)
+
+
+def quant_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`F.linear` on a quantized weight: x [..., K], qweight [N, K/2] (int4) or [N, K] (w8a16), scales [N, G]
+    -> y [..., N] = A(x) @ deq(w).T in x's dtype (A as in quant_grouped_mm_torch).
+
+    Example: y = quant_linear_torch(x_BTD, qw_VD2, s_VG, "w4a16")   # the quantized head
+    """
+    return F.linear(quantize_activations(x, fmt), dequantize_weight(qweight, scales, fmt, x.dtype))
