@@ -87,12 +87,18 @@ class GroupedExperts(nn.Module):
     """E gated MLPs in the latent width, stored as 3-D params (nn.Linear layout per expert).
 
     `gate_up_proj` [E, 2F, L] packs [gate | up] along dim 1; `down_proj` [E, L, F].
+    Quantization hooks (k3.model.quant): `fake_quant` (a k3.kernels.quant.FakeQuant, or None) makes both grouped
+    matmuls quantization-aware (fake-quantized weights and activations, straight-through gradients);
+    `input_observer` (callable(name, x_MI, counts_E), or None) sees each matmul's input (calibration).
+    k3.model.quant.QuantGroupedExperts overrides `expert_mm` to run on stored quantized weights.
     """
 
     def __init__(self, num_experts: int, d_latent: int, d_ff: int, act: str = "c2glu", beta1: float = 4.0,
                  beta2: float = 25.0):
         super().__init__()
         self.d_ff, self.act, self.beta1, self.beta2 = d_ff, act, beta1, beta2
+        self.fake_quant = None
+        self.input_observer = None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * d_ff, d_latent))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_latent, d_ff))
         self.reset_parameters()
@@ -103,12 +109,21 @@ class GroupedExperts(nn.Module):
             bound = 1.0 / math.sqrt(w.shape[2])
             nn.init.uniform_(w, -bound, bound)
 
+    def expert_mm(self, x_MI: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
+        """One grouped matmul: x_MI [M, I] through weight `name` ("gate_up_proj" | "down_proj") -> [M, O]."""
+        if self.input_observer is not None:
+            self.input_observer(name, x_MI, counts_E)
+        w_EOI, fq = getattr(self, name), self.fake_quant
+        if fq is not None:
+            x_MI, w_EOI = fq.act(x_MI), fq.weight(w_EOI)
+        return moe_grouped_mm(x_MI, w_EOI, counts_E)
+
     def forward(self, x_ML: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_ML [M, L] rows grouped by expert (counts_E [E] rows each) -> y_ML [M, L], each row through its expert."""
-        gu_M2F = moe_grouped_mm(x_ML, self.gate_up_proj, counts_E)
+        gu_M2F = self.expert_mm(x_ML, "gate_up_proj", counts_E)
         gate_MF, up_MF = gu_M2F.split(self.d_ff, dim=-1)
         h_MF = glu_activation(gate_MF, up_MF, self.act, self.beta1, self.beta2)
-        return moe_grouped_mm(h_MF, self.down_proj, counts_E)
+        return self.expert_mm(h_MF, "down_proj", counts_E)
 
 
 class LatentMoE(nn.Module):

@@ -281,7 +281,8 @@ def count_parameters(model: K3Model) -> dict[str, int]:
     for n, k in main.items():
         if ".mlp.experts." in n:
             inactive += k * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
-    embed = model.model.embed_tokens.weight.numel() + (0 if cfg.tie_word_embeddings else model.lm_head.weight.numel())
+    # from the logical counts: a quantized head's `weight` buffer holds packed int4 pairs
+    embed = numels["model.embed_tokens.weight"] + (0 if cfg.tie_word_embeddings else numels["lm_head.weight"])
     mtp = sum(k for n, k in numels.items() if n.startswith("mtp."))
     return {"total": total, "active": total - inactive, "active_nonembed": total - inactive - embed,
             "total_nonembed": total - embed, "mtp": mtp}

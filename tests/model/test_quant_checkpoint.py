@@ -93,7 +93,7 @@ def test_layout_names_dtypes_and_sizes(release, qrel, fmt):
     conf = json.loads((out / "config.json").read_text())
     assert conf["quantization_config"] == {"quant_method": "k3", "format": fmt,
                                            "group_size": 32 if fmt == "w4a8" else None,
-                                           "modules": ["routed_experts"], "k3_quant_version": 1}
+                                           "modules": ["routed_experts"], "mode": "ptq", "k3_quant_version": 2}
     assert read_quantization_config(out) == conf["quantization_config"]
     assert conf["torch_dtype"] == "bfloat16"
     assert not any(fmt in p.name for p in out.iterdir())  # the method never goes into a file name
@@ -156,7 +156,7 @@ def test_logits_equal_dequantized_reference_and_close_to_original(release, qrel,
     model, cfg = load_model(qrel[fmt], dtype=dtype)
     assert cfg == CFG
     mods = [m for m in model.modules() if isinstance(m, QuantGroupedExperts)]
-    assert len(mods) == 3 and not any(isinstance(m, GroupedExperts) for m in model.modules())
+    assert len(mods) == 3 and not any(type(m) is GroupedExperts for m in model.modules())
     assert all(m.gate_up_proj_scales.dtype == torch.float32 for m in mods)  # dtype= casts no scales
     got = logits(model)
     assert torch.equal(got, logits(_reference(release, qrel[fmt], fmt, dtype)))
@@ -185,15 +185,20 @@ def _set_qc(**kw):
 
 @pytest.mark.parametrize(("edit", "match"), [
     (_set_qc(quant_method="gptq"), r"quant_method is 'gptq'.*re-quantize"),
-    (_set_qc(format="nf4"), r"format 'nf4' is not a k3 quantization format; use one of \['w4a8', 'w8a16'\]"),
-    (_set_qc(k3_quant_version=2), r"k3_quant_version 2 is newer .* upgrade k3"),
+    (_set_qc(format="nf4"), (r"format 'nf4' is not a k3 quantization format; use one of \['w4a8', 'w4a16', "
+                             r"'w8a16'\]")),
+    (_set_qc(k3_quant_version=3), r"k3_quant_version 3 is newer .* upgrade k3"),
     (_set_qc(k3_quant_version="1"), "k3_quant_version is missing or not a positive integer"),
     (_set_qc(group_size=33), r"group_size 33 is not supported for w4a8; use one of \[16, 32, 64, 128\]"),
     (_set_qc(group_size=True), "group_size True is not supported"),
     (_set_qc(modules=["all"]), r"modules is \['all'\]"),
+    (_set_qc(mode="awq"), r"mode 'awq' is not one of \['ptq', 'qat'\]"),
+    (_set_qc(modules=["routed_experts", "shared_experts", "linear"], format="w8a16", group_size=None),
+     r"format w8a16 does not support the linear modules"),
     (_set_qc(bits=4), r"unknown keys \['bits'\]"),
     (lambda c: c.update(quantization_config="w4a8"), "must be a JSON object"),
-], ids=["method", "format", "newer", "version-type", "group", "group-bool", "modules", "extra-key", "not-dict"])
+], ids=["method", "format", "newer", "version-type", "group", "group-bool", "modules", "mode", "w8-linear",
+        "extra-key", "not-dict"])
 def test_bad_quantization_config_is_a_clear_error(qrel, tmp_path, edit, match):
     bad = _edit_config(qrel["w4a8"], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=match) as e:
@@ -206,7 +211,9 @@ def test_bad_quantization_config_is_a_clear_error(qrel, tmp_path, edit, match):
 def test_config_disagreeing_with_the_weights(qrel, tmp_path):
     # a group size that the model's widths do not allow
     g128 = _edit_config(qrel["w4a8"], tmp_path / "g128", _set_qc(group_size=128))
-    with pytest.raises(CheckpointError, match="group_size 128 does not divide the expert in-features"):
+    with pytest.raises(CheckpointError, match="group size 128 does not divide the in-features 32 of "
+                       r"model.layers.1.mlp.experts.gate_up_proj; group sizes that divide every selected tensor: "
+                       r"\[16, 32\]"):
         load_model(g128)
     # w8a16 declared over w4a8 tensors, or the config dropped: the tensors do not fit the model
     w8 = _edit_config(qrel["w4a8"], tmp_path / "w8", _set_qc(format="w8a16", group_size=None))
