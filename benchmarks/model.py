@@ -2,12 +2,20 @@
 
     python benchmarks/model.py --model k3-tiny --device cpu --batch 8 --seq 256
     python benchmarks/model.py --model k3-small --device cuda --batch 8 --seq 4096
+    K3_KDA_RECOMPUTE=1 python benchmarks/model.py --model k3-small --device cuda --batch 1 --seq 131072 \
+        --activation-checkpointing all --loss-chunk 8192 --no-anchor
 
 Both models run one full training step (forward, CE loss, backward; no optimizer) in the same process on the same
 batch. The anchor is a plain Pre-LN transformer (SDPA causal attention with d/64 heads, SwiGLU MLP sized to match
 the K3 model's *active* non-embedding parameters, same vocab), i.e. what a user would train instead. Prints a
 table with tokens/s, ms/step, model FLOPs utilisation (6 * active params * tokens + attention) and the ratio to the
-anchor. Timing: warmup steps, then the median of --steps timed steps (CUDA synchronised).
+anchor. Timing: warmup steps, then the median of --steps timed steps (CUDA synchronised). On CUDA the table adds
+each model's peak allocated memory over its warmup and timed steps.
+
+Long sequences: --activation-checkpointing mla|all recomputes the MLA layers' (or every layer's) mixer and MLP in
+the backward (train.activation_checkpointing), --loss-chunk N computes the head and the losses over N-token chunks
+(train.loss_chunk_tokens), K3_KDA_RECOMPUTE=1 makes the KDA backward recompute its chunk states (kernels.
+kda_recompute), and --no-anchor skips the dense model (whose full attention and logits would not fit).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.cli.config import load_model_config
+from k3.kernels.dispatch import active_config
 from k3.model.transformer import build_model, count_parameters
+from k3.train.loop import lm_losses
 
 
 class DenseBlock(nn.Module):
@@ -99,6 +109,10 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="device peak for MFU (default: the matmul rate measured here, bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--no-mtp", action="store_true", help="drop the MTP branch")
+    ap.add_argument("--activation-checkpointing", choices=("none", "mla", "all"), default="none",
+                    help="recompute the MLA layers' or every layer's mixer and MLP in the backward")
+    ap.add_argument("--loss-chunk", type=int, default=0, help="head + CE over chunks of this many tokens (0 = whole)")
+    ap.add_argument("--no-anchor", action="store_true", help="time the K3 model only")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -115,13 +129,12 @@ def main() -> None:
     B, T, V = args.batch, args.seq, cfg.vocab_size
     tokens = torch.randint(0, V, (B, T + 1), device=dev)
 
+    k3.model.activation_checkpointing = args.activation_checkpointing
+
     def k3_step():
-        with amp:
-            out = k3(tokens[:, :-1], mtp_tokens_BT=None if args.no_mtp else tokens[:, 1:])
-            loss = F.cross_entropy(out.logits.float().reshape(-1, V), tokens[:, 1:].reshape(-1))
-            if out.mtp_logits is not None:
-                loss = loss + 0.3 * F.cross_entropy(out.mtp_logits[:, :-1].float().reshape(-1, V),
-                                                    tokens[:, 2:].reshape(-1))
+        with amp:  # the train loop's losses: CE + 0.3 x MTP CE, chunked with --loss-chunk
+            losses = lm_losses(k3, tokens, None, with_mtp=not args.no_mtp, chunk_tokens=args.loss_chunk)
+            loss = losses["ce"] + 0.3 * losses.get("mtp_ce", 0.0)
         loss.backward()
         k3.zero_grad(set_to_none=True)
 
@@ -135,11 +148,15 @@ def main() -> None:
     peak = args.peak_tflops or measured_matmul_tflops(dev)
     n_mla = cfg.layer_types.count("mla")
     rows = []
-    for name, step, active, attn_layers, hd in [
-        ("dense anchor", dense_step, dense_active, cfg.n_layers, cfg.d_model),
-        (f"{args.model}", k3_step, k3_active + (0 if args.no_mtp else counts["mtp"]), n_mla,
-         cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / 2),
-    ]:
+    runs = [("dense anchor", dense_step, dense_active, cfg.n_layers, cfg.d_model),
+            (f"{args.model}", k3_step, k3_active + (0 if args.no_mtp else counts["mtp"]), n_mla,
+             cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / 2)]
+    if args.no_anchor:
+        del dense
+        runs = runs[1:]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for name, step, active, attn_layers, hd in runs:
         t = time_steps(step, args.steps, args.warmup, cuda)
         flops = 6 * active * B * T + 6 * attn_layers * B * T * T * hd  # causal attention ~ half of 12*T*d
         rows.append((name, active, t, B * T / t, flops / t / 1e12 / peak))
@@ -147,12 +164,15 @@ def main() -> None:
             rows[-1] += (torch.cuda.max_memory_allocated() / 2**30,)
             torch.cuda.reset_peak_memory_stats()
     print(f"\nfwd+bwd, B={B} T={T}, device={dev} ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, MFU against {peak:.3f} TFLOP/s matmul")
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, MFU against {peak:.3f} TFLOP/s matmul; "
+          f"activation checkpointing {args.activation_checkpointing}, loss chunk {args.loss_chunk or 'off'}, "
+          f"KDA recompute {active_config().kda_recompute}")
     print(f"{'model':<14} {'FLOP params':>14} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'vs anchor':>10}"
           + (f" {'peak GiB':>9}" if cuda else ""))
-    base = rows[0][3]
+    base = None if args.no_anchor else rows[0][3]
     for r in rows:
-        line = f"{r[0]:<14} {r[1] / 1e6:>13.1f}M {r[2] * 1e3:>9.1f} {r[3]:>11,.0f} {r[4] * 100:>6.1f}% {r[3] / base:>9.2f}x"
+        ratio = f"{r[3] / base:>9.2f}x" if base else f"{'-':>10}"
+        line = f"{r[0]:<14} {r[1] / 1e6:>13.1f}M {r[2] * 1e3:>9.1f} {r[3]:>11,.0f} {r[4] * 100:>6.1f}% {ratio}"
         print(line + (f" {r[5]:>9.1f}" if cuda else ""))
 
 

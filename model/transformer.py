@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3.kernels.moe import grouped_mm_available
+
 from .attnres import AttnResBlocks, AttnResSource, PseudoQuery, attn_res_mix, attn_res_mix_blocks
 from .cache import InferenceState, KDACache, MLACache, PagedLatentView
 from .config import ModelConfig
@@ -93,6 +95,8 @@ class K3Backbone(nn.Module):
         if cache is not None or not torch.is_grad_enabled() or mode == "none" or (
                 mode == "mla" and layer.layer_type != "mla"):
             return mixer, mlp
+        if isinstance(layer.mlp, LatentMoE):
+            _probe_grouped_mm(layer.mlp)
         return (lambda x: checkpoint(mixer, x, use_reentrant=False),
                 lambda x: checkpoint(mlp, x, use_reentrant=False))
 
@@ -133,6 +137,20 @@ class K3Backbone(nn.Module):
             x = mix(partial, layer.mlp_res_norm, layer.mlp_res_proj)
             partial = partial + mlp(x)
         return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj)
+
+
+def _probe_grouped_mm(moe: LatentMoE) -> None:
+    """Run k3.kernels.moe's one-time probe of torch._grouped_mm (per device and dtype) outside any checkpointed
+    region: it saves tensors of its own, so its first run inside one would make the forward save more tensors than
+    the recomputation, which torch.utils.checkpoint refuses."""
+    w = getattr(moe.experts, "gate_up_proj", None)
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():  # quantized experts: no grouped matmul
+        return
+    dtypes = {w.dtype} | ({torch.get_autocast_dtype(w.device.type)} if torch.is_autocast_enabled(w.device.type)
+                          else set())
+    with torch.enable_grad():
+        for dt in dtypes:
+            grouped_mm_available(torch.zeros(1, w.shape[2], device=w.device, dtype=dt), w.detach().to(dt))
 
 
 class K3Model(nn.Module):
