@@ -24,7 +24,7 @@ import yaml
 from k3.kernels.config import KernelConfig
 from k3.model.config import ConfigError, ModelConfig, config_from_dict, config_to_dict
 from k3.serve.config import ServeConfig
-from k3.train.config import CheckpointConfig, DataConfig, OptimConfig, TrainConfig
+from k3.train.config import CheckpointConfig, DataConfig, OptimConfig, QuantizeConfig, TrainConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,13 +38,15 @@ class K3Config:
     ckpt: CheckpointConfig | None = None  # training checkpoints
     kernels: KernelConfig | None = None  # kernel backend and numerics (KDA backward, recompute, fp32 dots)
     serve: ServeConfig | None = None  # the serving engine and HTTP server (`k3 serve`)
+    quantize: QuantizeConfig | None = None  # format, modules, mode and calibration of `k3 quantize`
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-            "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig}
+            "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig, "quantize": QuantizeConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
 COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
-                    "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels")}
+                    "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels"),
+                    "quantize": ("quantize", "data", "optim", "train", "ckpt", "kernels")}
 PRESET_KINDS = {"extend-context": "extend"}  # presets/<kind>/ of a command whose folder is not named after it
 
 

@@ -14,13 +14,14 @@ from k3.cli.commands.eval import app as eval_app
 from k3.cli.commands.extend_context import extend_context
 from k3.cli.commands.generate import generate
 from k3.cli.commands.pretrain import pretrain
+from k3.cli.commands.quantize import quantize
 from k3.cli.commands.scaling_fit import scaling_fit
 from k3.cli.commands.serve import serve
 from k3.cli.commands.sweep import sweep
 
 app = typer.Typer(
     name="k3",
-    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, eval, "
+    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, quantize, eval, "
          "generate, serve, sweep, scaling-fit.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -46,6 +47,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
 app.command("pretrain")(pretrain)
 app.command("extend-context")(extend_context)
 app.add_typer(eval_app, name="eval")
+app.command("quantize")(quantize)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
 app.command("serve")(serve)

@@ -113,3 +113,16 @@ class ScalingConfig:
     threads: int | None = 1  # torch CPU threads for the fit (None = torch default); 2 gain ~1.25x, lose on a busy CPU
     plot: bool = True  # write fit.png
 
+
+@dataclass(kw_only=True, slots=True)
+class QuantizeConfig:
+    """`k3 quantize`: format, modules, mode and the calibration search (k3.train.quantize; model/README.md)."""
+
+    method: str = "w4a8"  # "w4a8" (int4 weights, per-token FP8 activations) | "w4a16" (int4, activations as computed) | "w8a16" (int8 per output channel)
+    group_size: int = 32  # int4 group along the in-features: 16 | 32 | 64 | 128 (unused by the per-channel w8a16)
+    mode: str = "ptq"  # "ptq" (round-to-nearest, calibrated clipping with `data`) | "qat" (fake-quant fine-tune on `data`, then convert)
+    modules: str = "routed_experts"  # "routed_experts" | "experts" (+ shared experts) | "all_linear" (+ attention, dense MLP, MTP, head)
+    data: str | None = None  # text for calibration (ptq) or fine-tuning (qat), any data.source value; None: ptq without calibration
+    calib_batches: int = 8  # ptq: calibration batches of train.batch_size x data.seq_len tokens from the train split of `data`
+    clip_grid: int = 20  # ptq: clip ratios searched are 1 - i / clip_grid, i = 0 .. clip_grid * clip_max_shrink (AWQ's grid)
+    clip_max_shrink: float = 0.5  # ptq: the smallest clip ratio searched is 1 - clip_max_shrink

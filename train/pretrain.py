@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,12 +177,16 @@ def default_run_dir() -> Path:
 
 def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeights | None = None,
         run_config: dict | None = None, console=None, init_may_differ: tuple[str, ...] = (),
-        command: str = "k3 pretrain") -> PretrainResult:
+        command: str = "k3 pretrain", prepare_model: Callable[[torch.nn.Module], None] | None = None,
+        release_state: Callable[[torch.nn.Module], tuple[dict, dict | None]] | None = None) -> PretrainResult:
     """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config).
 
     init: weights to start from (a release or training checkpoint path, or read_init's result); init_may_differ:
     the ModelConfig fields in which they may differ from cfg.model (extend-context's position mode and RoPE base);
     command: the command a stopped run's resume hint names.
+    Hooks of recipes that train through this run (k3 quantize's QAT): prepare_model(model) changes the model in
+    place after its initial weights, before the optimizer (fake quantization); release_state(model) returns the
+    (state dict, quantization_config or None) final/ is written from instead of the model's own weights.
     """
     console = console or make_console()
     mcfg, dcfg, ocfg, tcfg, ccfg = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.ckpt
@@ -242,6 +247,8 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
         model = build_model(mcfg, seed=tcfg.seed, device="cpu")
         if init_state is not None:
             load_state_into(model, init_state)
+        if prepare_model is not None:
+            prepare_model(model)
         model.to(device)
         if tcfg.compile:
             model = torch.compile(model)  # type: ignore[assignment]
@@ -329,7 +336,9 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     tok = data.tokenizer
     gen_cfg = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256, "do_sample": True}
-    final = save_release(run_dir / "final", {k: v.detach().cpu() for k, v in model.state_dict().items()}, mcfg,
+    release_sd, qc = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, None) if release_state is None \
+        else release_state(model)
+    final = save_release(run_dir / "final", release_sd, mcfg, quantization_config=qc,
                          tokenizer_dir=run_dir / "tokenizer", run_info=rc, generation_config=gen_cfg,
                          dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16,
                          max_position_embeddings=dcfg.seq_len)
