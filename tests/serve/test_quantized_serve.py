@@ -82,3 +82,32 @@ def test_k3_serve_loads_the_quantized_checkpoint(qckpt, serve_process):
         assert r.usage.completion_tokens == 4 and isinstance(r.choices[0].text, str)
     log = run.log
     assert "k3 serve: ready in" in log, log
+
+
+@pytest.fixture(scope="module")
+def qckpt_all(ckpt, tmp_path_factory):
+    """The same release with every linear quantized (all_linear, w4a8: int4 weights, FP8 activations)."""
+    return quantize_release(ckpt, tmp_path_factory.mktemp("qa") / "final-qa", fmt="w4a8", group_size=32,
+                            modules="all_linear")
+
+
+def test_engine_on_all_linear_equals_the_fake_quant_model(ckpt, qckpt_all):
+    """The engine (paged caches, absorbed MLA decode, QuantLinear everywhere but kv_b_proj) decodes the quantized
+    release exactly as it decodes the unquantized model made quantization-aware with the same config."""
+    from k3.model.checkpoint import read_quantization_config
+    from k3.model.quant import QuantLinear, enable_fake_quant
+
+    qmodel, _ = load_model(qckpt_all)
+    assert sum(isinstance(m, QuantLinear) for m in qmodel.modules()) > 10
+    ref, _ = load_model(ckpt)
+    enable_fake_quant(ref, read_quantization_config(qckpt_all))
+    tok = K3Tokenizer.from_file(qckpt_all)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (3, 30)]
+    assert _greedy(qmodel, tok, prompts) == _greedy(ref, tok, prompts)
+
+
+def test_k3_serve_loads_an_all_linear_checkpoint(qckpt_all, serve_process):
+    with serve_process(qckpt_all, "--max-model-len", "256", "--max-batch", "2") as run:
+        assert run.statuses and run.statuses[-1] == 200, run.log or run.statuses[-5:]
+    assert "k3 serve: ready in" in run.log, run.log
