@@ -16,8 +16,11 @@
 #   serve    benchmarks/serve.py: the compiled k3-small server (random weights) at concurrency 1 and 32 through
 #            HTTP, the Hugging Face anchors in the same run; then the trained k3-tiny (carry runs/tiny): the
 #            2,048-token prefix hit and MTP speculative decoding at k = 2
-#   quant    the quantized-checkpoint tests, then benchmarks/serve.py on the trained k3-tiny and on its w4a8 and
-#            w8a16 exports (quantize_release), one after another (carry runs/tiny)
+#   quant    the quantized-checkpoint tests (the Triton int4 GEMMs in bf16 too), benchmarks/quant.py (the fused
+#            int4 GEMMs against bf16 torch._grouped_mm / torch.matmul), benchmarks/serve.py on a random-weight
+#            k3-small in bf16 and its w4a8 (routed experts) and all_linear w4a16 exports at concurrency 1 and 32;
+#            with QUANT_PARTS=tiny (a second call) the trained k3-tiny and its w4a8 and w8a16 exports, one after
+#            another (carry runs/tiny: its tokenizer serves the k3-small releases too)
 #   all      every mode above in turn (about 40 minutes: more than one call)
 #
 # What to carry (the device tool's `carry`):
@@ -227,14 +230,32 @@ mode_serve() {
 }
 
 mode_quant() {
-  local q=/tmp/k3-quant ck tag
-  # shellcheck disable=SC2046  # one word per test file
-  step "quantized checkpoint tests" 120 quant_tests.log env K3_KERNELS=triton python3 -m pytest \
-    $(existing tests/kernels/test_quant.py tests/model/test_quant_checkpoint.py tests/serve/test_quantized_serve.py) \
-    -p no:cacheprovider -rfs -n 4
-  tests_summary "$OUT/quant_tests.log"
+  local q=/tmp/k3-quant ck tag parts=${QUANT_PARTS:-kernels small}
   if [ ! -f runs/tiny/final/config.json ]; then echo "no runs/tiny/final here: carry runs/tiny for the rows"; return 1; fi
   rm -rf "$q"
+  if [[ " $parts " == *" kernels "* ]]; then
+    # shellcheck disable=SC2046  # one word per test file
+    step "quantized checkpoint tests" 120 quant_tests.log env K3_KERNELS=triton python3 -m pytest \
+      $(existing tests/kernels/test_quant.py tests/kernels/test_quant_triton.py tests/kernels/test_quant_fake.py \
+        tests/model/test_quant_checkpoint.py tests/model/test_qat.py tests/serve/test_quantized_serve.py) \
+      -p no:cacheprovider -rfs -n 4
+    tests_summary "$OUT/quant_tests.log"
+    step "int4 GEMMs (quant.py)" 150 quant_bench.log python3 "$(bench quant.py)"
+    tables "$OUT/quant_bench.log"
+  fi
+  if [[ " $parts " == *" small "* ]]; then
+    step "k3-small releases: bf16, w4a8, all_linear w4a16" 90 quant_export.log python3 "$(bench quant.py)" \
+      --export "$q/small" --tokenizer runs/tiny/final --preset k3-small
+    cat "$OUT/quant_export.log"
+    for ck in "$q/small/bf16" "$q/small/w4a8" "$q/small/w4a16-all"; do
+      [ -d "$ck" ] || continue
+      tag=small-$(basename "$ck")
+      step "serve $tag" 100 "serve_quant_$tag.log" python3 benchmarks/serve.py --ckpt "$ck" --subprocess \
+        --device cuda --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0
+      echo "-- $tag:"; clean_tail "$OUT/serve_quant_$tag.log" 12
+    done
+  fi
+  [[ " $parts " == *" tiny "* ]] || return 0
   step "quantize k3-tiny (w4a8, w8a16)" 60 quantize.log python3 -c "from k3.train.quantize import quantize_release
 for fmt in ('w4a8', 'w8a16'):
     print(quantize_release('runs/tiny/final', '$q/tiny-' + fmt, fmt=fmt, group_size=32))"

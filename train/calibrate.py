@@ -45,7 +45,7 @@ def _add_gram(acc: torch.Tensor, x_TK: torch.Tensor, group: int) -> None:
 class GramRecorder:
     """Accumulates per-group input Gram matrices of the selected weights during ordinary forwards.
 
-    grams: weight name -> [G, g, g] (nn.Linear) or [E, G, g, g] (routed experts), float64 on the CPU.
+    grams: weight name -> [G, g, g] (nn.Linear) or [E, G, g, g] (routed experts), float64 on the weight's device.
     Use as a context manager around `model(tokens)` calls; the hooks are removed on exit.
     """
 
@@ -57,7 +57,7 @@ class GramRecorder:
             for n, w in module_weights(name, m):
                 lead = (w.shape[0],) if w.dim() == 3 else ()
                 self.grams[n] = torch.zeros(*lead, w.shape[-1] // self.group, self.group, self.group,
-                                            dtype=torch.float64)
+                                            dtype=torch.float64, device=w.device)
         self._stack = ExitStack()
 
     def __enter__(self) -> Self:
@@ -76,13 +76,13 @@ class GramRecorder:
     def _linear_hook(self, key: str):
         def hook(module, args):
             x = args[0]
-            _add_gram(self.grams[key], x.reshape(-1, x.shape[-1]).cpu(), self.group)
+            _add_gram(self.grams[key], x.reshape(-1, x.shape[-1]), self.group)
         return hook
 
     def _expert_observer(self, name: str):
         def observe(weight: str, x_MI: torch.Tensor, counts_E: torch.Tensor) -> None:
             acc = self.grams[f"{name}.{weight}"]
-            x = x_MI.detach().cpu()
+            x = x_MI.detach()
             start = 0
             for e, c in enumerate(counts_E.tolist()):  # calibration only: the host sync is fine
                 if c:
@@ -102,6 +102,7 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, group: int, ratios: list[fl
     Example: s, st = search_clip(w_NK, C_GGg, 32, clip_ratios(20, 0.5))
     """
     wf = w.detach().float()
+    gram = gram.to(wf.device)
     s_rtn = int4_group_scales(wf, group)  # [.., N, G]
     gram = gram.to(torch.float64)
     w_G = wf.double().reshape(*s_rtn.shape, group)  # [.., N, G, g]
