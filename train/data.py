@@ -621,11 +621,14 @@ class BatchLoader:
 
 
 class PasskeyMixLoader:
-    """A train BatchLoader whose rows are each replaced, with probability `fraction`, by a synthetic passkey
-    document of T+1 tokens (k3.train.passkey) at a uniform random depth, its filler a random window of the same
-    shard; every target of such a row counts. The draws of batch n come from a generator seeded with (seed, n),
-    so the mix is a pure function of the position in the stream and resumes exactly (state: the inner loader's
-    and n). Example: `PasskeyMixLoader(BatchLoader(data.train, batch_size=8, seq_len=1024), tok, 0.1, seed=0)`.
+    """A train BatchLoader whose rows are each replaced, with probability `fraction`, by synthetic passkey documents
+    (k3.train.passkey) packed back to back like any other documents: lengths log-uniform in [max(64, the shortest
+    the tokenizer allows), T+1] (the last one takes the rest of the row), each with its key at a uniform random depth and its filler a random window of
+    the same shard; every target of such a row counts. Short documents put many retrievals into one row (a single
+    1,024-token document holds 4 answer tokens), long ones reach across the row. The draws of batch n come from a
+    generator seeded with (seed, n), so the mix is a pure function of the position in the stream and resumes
+    exactly (state: the inner loader's and n).
+    Example: `PasskeyMixLoader(BatchLoader(data.train, batch_size=8, seq_len=1024), tok, 0.1, seed=0)`.
     """
 
     def __init__(self, inner: BatchLoader, tokenizer: K3Tokenizer, fraction: float, *, seed: int):
@@ -633,19 +636,34 @@ class PasskeyMixLoader:
             raise ConfigError(f"data.passkey_fraction={fraction} must be in [0, 1]")
         if inner.mode != "train":
             raise ValueError("PasskeyMixLoader mixes a train loader (mode='train')")
+        from .passkey import min_doc_length  # data is imported by every command; the generator only here
+
+        self.min_doc = max(64, min_doc_length(tokenizer))
+        if inner.seq_len + 1 < self.min_doc:
+            raise ConfigError(f"data.passkey_fraction needs data.seq_len >= {self.min_doc - 1} (the passkey "
+                              f"documents of this tokenizer), got {inner.seq_len}; set data.passkey_fraction=0")
         self.inner, self.tok, self.fraction, self.seed = inner, tokenizer, fraction, seed
         self.batches = 0  # batches drawn so far
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from .passkey import make_passkey_doc  # data is imported by every command; the generator only here
+    def _row(self, n: int, rng: np.random.Generator) -> list[int]:
+        from .passkey import make_passkey_doc
 
+        row: list[int] = []
+        lo, hi = np.log(self.min_doc), np.log(n)
+        while len(row) < n:
+            left = n - len(row)
+            L = int(np.exp(rng.uniform(lo, hi))) if left > self.min_doc else left
+            L = left if left - L < self.min_doc else L
+            row += make_passkey_doc(self.tok, self.inner.shard.tokens, L, float(rng.random()), rng,
+                                    with_answer=True).tokens
+        return row
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens_BT1, mask_BT = self.inner.next_batch()
         rng = np.random.default_rng([self.seed, self.batches])
         for r in range(tokens_BT1.shape[0]):
             if rng.random() < self.fraction:
-                doc = make_passkey_doc(self.tok, self.inner.shard.tokens, tokens_BT1.shape[1], float(rng.random()),
-                                       rng, with_answer=True)
-                tokens_BT1[r] = torch.tensor(doc.tokens)
+                tokens_BT1[r] = torch.tensor(self._row(tokens_BT1.shape[1], rng))
                 mask_BT[r] = True
         self.batches += 1
         return tokens_BT1, mask_BT

@@ -44,6 +44,13 @@ def draw_key(rng: np.random.Generator) -> str:
     return str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS)))
 
 
+def min_doc_length(tok: K3Tokenizer) -> int:
+    """Tokens a training document needs at least: separator, needle, question and answer of the longest-tokenizing
+    of a few keys (digits split differently by a BPE), plus 8 tokens of filler."""
+    keys = ("10000", "12345", "40404", "55555", "67890", "98765", "99999")
+    return 1 + 8 + max(sum(len(p) for p in _parts(tok, k, True)) for k in keys)
+
+
 def _parts(tok: K3Tokenizer, key: str, with_answer: bool) -> tuple[list[int], list[int], list[int]]:
     enc = lambda s: tok.encode(s, parse_special=False)
     return enc(NEEDLE.format(key=key)), enc(QUESTION), enc(ANSWER.format(key=key)) if with_answer else []

@@ -4,6 +4,7 @@ to the loss, and every refusal (exit 2, nothing written)."""
 
 import json
 import os
+import re
 import signal
 
 import numpy as np
@@ -19,6 +20,7 @@ from k3.model.checkpoint import load_model, load_state_into, trained_seq_len
 from k3.model.tokenizer import K3Tokenizer
 from k3.model.transformer import build_model
 from k3.serve.generate import generate_batch
+from k3.train.data import BatchLoader, PasskeyMixLoader
 from k3.train.evaluate import eval_data, loss_eval, passkey_eval, position_buckets
 from k3.train.extend import model_overrides
 from k3.train.extend import run as extend_run
@@ -98,6 +100,25 @@ def test_passkey_documents_are_deterministic_and_place_the_key_at_the_depth(pare
     assert other.key != a.key or other.tokens != a.tokens
     train_doc = make_passkey_doc(tok, filler, 129, 0.5, np.random.default_rng(0), with_answer=True)
     assert len(train_doc.tokens) == 129 and tok.decode(train_doc.tokens).endswith(f"is {train_doc.key}\n")
+
+
+def test_the_training_mix_packs_whole_passkey_documents_deterministically(parent):
+    tok = K3Tokenizer.from_file(parent)
+    data = eval_data(parent, tok.vocab_size)
+    loaders = [PasskeyMixLoader(BatchLoader(data.train, batch_size=4, seq_len=256, seed=1), tok, 0.5, seed=3)
+               for _ in range(2)]
+    a, b = ([next(lo) for _ in range(3)] for lo in loaders)
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    plain = [next(lo) for lo in [BatchLoader(data.train, batch_size=4, seq_len=256, seed=1)] for _ in range(3)]
+    mixed = [(t, row) for (t, _), (p, _) in zip(a, plain) for row in range(4) if not torch.equal(t[row], p[row])]
+    assert 0 < len(mixed) < 12  # about half the rows
+    for t, row in mixed:
+        text = tok.decode(t[row].tolist())
+        n_docs = text.count("# What is the pass key? The pass key is")
+        assert n_docs >= 1 and text.count(" is the pass key.\n") == n_docs  # whole documents only
+        needles = re.findall(r"# The pass key is (\d{5})\. Remember it\.", text)
+        answers = re.findall(r"# What is the pass key\? The pass key is (\d{5})\n", text)
+        assert needles == answers and len(answers) == n_docs  # each answer is its own document's key
 
 
 def test_scorer_counts_exact_matches_only(parent):
