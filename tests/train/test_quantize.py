@@ -83,8 +83,11 @@ def test_gram_recorder_sees_each_weights_inputs():
     qc = make_quantization_config("w4a16", 16, "all_linear")
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     seen = {}
-    head = model.lm_head
-    h = head.register_forward_pre_hook(lambda m, a: seen.setdefault("head", a[0].detach().reshape(-1, a[0].shape[-1])))
+    head = model.model.layers[0].mlp.down_proj  # the dense MLP's [D, F] projection
+    def keep(module, args):  # returns None: the input goes on unchanged
+        seen.setdefault("head", args[0].detach().reshape(-1, args[0].shape[-1]))
+
+    h = head.register_forward_pre_hook(keep)
     ex = model.model.layers[2].mlp.experts
     ex.input_observer = lambda name, x, c: seen.setdefault(name, (x.detach(), c.clone()))
     with torch.no_grad():
@@ -95,8 +98,9 @@ def test_gram_recorder_sees_each_weights_inputs():
     with rec, torch.no_grad():
         model(tokens)
     assert ex.input_observer is None and not head._forward_pre_hooks  # the hooks are gone afterwards
-    x = seen["head"].double().reshape(-1, cfg.d_model // 16, 16)
-    assert torch.allclose(rec.grams["lm_head.weight"], torch.einsum("tgi,tgj->gij", x, x))
+    x = seen["head"].double().reshape(-1, cfg.dense_intermediate_size // 16, 16)
+    assert torch.allclose(rec.grams["model.layers.0.mlp.down_proj.weight"], torch.einsum("tgi,tgj->gij", x, x))
+    assert "lm_head.weight" not in rec.grams  # the head keeps its RTN scales (calibrate.KEEP_RTN)
     x, counts = seen["down_proj"]
     e = int(counts.argmax())
     rows = x[int(counts[:e].sum()):int(counts[:e + 1].sum())].double().reshape(-1, x.shape[1] // 16, 16)
