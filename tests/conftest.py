@@ -40,7 +40,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU")
     config.addinivalue_line("markers", "slow: longer CPU test (still run in CI)")
     config.addinivalue_line("markers", "slow_compile: every variant of a GPU compile check (minutes with an empty "
-                                       "Triton cache); skipped unless -m names slow_compile, as CI's own step does")
+                                       "Triton cache); skipped unless -m names slow_compile "
+                                       "(benchmarks/gpu.sh kernels runs them)")
 
 
 def pytest_collection_modifyitems(config, items):
