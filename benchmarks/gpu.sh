@@ -6,7 +6,8 @@
 #   kernels  every GPU kernel test (KDA chunk, recurrent, K-block backward, saved intermediates, gate, fused output,
 #            time segments; paged MLA decode; C2-GLU; router; the Triton path end to end) beside every CUDA test
 #            outside tests/kernels (`-k cuda`: decode, verify and tail graphs, compiled decode and its bucket
-#            routing, one-sync speculative steps, dtypes, the Muon step); then benchmarks/mla_decode.py (the paged
+#            routing, one-sync speculative steps, dtypes, the Muon step); every variant of the sm_90 compile checks
+#            (`-m slow_compile`, which CI leaves out for time); then benchmarks/mla_decode.py (the paged
 #            MLA table) and benchmarks/kda_tune.py --defaults (each KDA kernel's time at its own launch)
 #   kda      the KDA table: benchmarks/kda.py (k3, fla and SDPA in one process per shape: forward and
 #            forward+backward at the four shapes, then decode), then the model's call (raw gate, the gate in kernel
@@ -41,10 +42,13 @@
 # K3_BASELINE may also name a commit when the tree has its .git. SERVE_PARTS picks the parts: "small" (the k3-small
 # rows), "anchors" (the HF anchors, added to this tree's k3-small run only: they run no k3 code), "tiny" (the k3-tiny
 # rows). Default "small anchors tiny"; with a baseline "small", so that both trees fit one call (SERVE_PARTS=tiny in
-# a second call compares the k3-tiny rows).
+# a second call compares the k3-tiny rows). SERVE_PAIRS=N alternates N baseline / current pairs; SERVE_PROMPTS=N
+# sends N requests per stream (serve.py's default, 2, is ~1.5 s of work at 32 streams: too short to separate a few
+# percent; 8 is ~6 s).
 #
 # Environment: OUT (logs; default /tmp/k3out; on the device machine $OUT is what comes back), KDA_TEST_LIMIT
-# (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS. Each step runs under its own `timeout`
+# (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS, SERVE_PAIRS, SERVE_PROMPTS. Each step runs
+# under its own `timeout`
 # (rc 124: it ran past its limit) with its output in a log in $OUT; the step's table or test summary is printed after
 # it, and a summary of every step (rc, seconds, log) comes last ($OUT/summary.txt).
 set -o pipefail
@@ -107,7 +111,8 @@ step() {
   return $rc
 }
 tests_summary() { grep -E "^FAILED|^ERROR|passed|failed|no tests ran" "$1" | tail -12; }
-tables() { grep -E "^\||^#|^\(" "$1"; }  # the markdown tables and notes a benchmark prints
+# the tables and notes a benchmark prints: markdown rows, and serve.py's plain table (header, rule, numeric rows)
+tables() { grep -E "^\||^#|^\(|^ conc |^---|^ +[0-9]+ +[0-9]+ " "$1"; }
 clean_tail() { grep -v -i "warn" "$1" | tail -"${2:-30}"; }
 existing() { for f in "$@"; do [ -e "$f" ] && echo "$f"; done; }
 # a benchmark script by name, in benchmarks/ or benchmarks/repro/
@@ -130,6 +135,9 @@ mode_kernels() {
   tests_summary "$OUT/kernel_tests.log"
   wait "$others"
   echo "-- CUDA tests outside tests/kernels:"; tests_summary "$OUT/serve_tests.log"
+  step "every sm_90 compile variant (-m slow_compile)" 200 slow_compile.log python3 -m pytest -m slow_compile \
+    tests/kernels -p no:cacheprovider -rf -n 8
+  tests_summary "$OUT/slow_compile.log"
   step "paged MLA decode (mla_decode.py)" 90 mla_decode.log python3 "$(bench mla_decode.py)"
   tables "$OUT/mla_decode.log"
   step "KDA kernels at their launch (kda_tune.py)" 90 kda_tune.log python3 "$(bench kda_tune.py)" --defaults --iters 3
@@ -155,12 +163,14 @@ mode_train() {
 }
 
 # serve_small TREE TAG LIMIT [serve.py flags]: the compiled k3-small server, from TREE's benchmarks/serve.py
+# (SERVE_PROMPTS: requests per stream at each concurrency level, default serve.py's 2)
 serve_small() {
   local tree=$1 tag=$2 limit=$3
   shift 3
   (cd "$tree" && step "serve k3-small ($tag)" "$limit" "serve_small_$tag.log" python3 benchmarks/serve.py \
     --model k3-small --subprocess --device cuda --dtype bfloat16 --compile-decode --cuda-graph-batches 1 32 \
-    --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 "$@")
+    --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 ${SERVE_PROMPTS:+--prompts-per-stream "$SERVE_PROMPTS"} \
+    "$@")
   echo "-- k3-small, $tag:"; clean_tail "$OUT/serve_small_$tag.log" 30
 }
 
@@ -209,8 +219,14 @@ mode_serve() {
   base=$(baseline_tree) || return 1
   if [ ! -f "$base/benchmarks/serve.py" ]; then echo "$base has no benchmarks/serve.py" >&2; return 1; fi
   echo "baseline: $base ($(commit_of "$base")), then this tree ($(commit_of "$ROOT")); parts: $parts"
-  for tag in baseline current; do
-    if [ "$tag" = baseline ]; then tree=$base; else tree=$ROOT; fi
+  # SERVE_PAIRS=N: N alternating baseline / current runs (baseline, current, baseline, ...), so that a drift of the
+  # machine over the call lands on both trees; the k-th pair's logs are tagged baseline<k> / current<k> after the first
+  local pairs=${SERVE_PAIRS:-1} k order=()
+  for k in $(seq 1 "$pairs"); do
+    if [ "$k" = 1 ]; then order+=(baseline current); else order+=("baseline$k" "current$k"); fi
+  done
+  for tag in "${order[@]}"; do
+    if [ "${tag#baseline}" != "$tag" ]; then tree=$base; else tree=$ROOT; fi
     install_tree "$tree" || { echo "pip install -e $tree failed" >&2; install_tree "$ROOT"; return 1; }
     echo "== k3 from $(k3_from) ($tag)"
     # the anchors run no k3 code: with a baseline they run once, from this tree
@@ -221,9 +237,18 @@ mode_serve() {
     fi
     has_part "$parts" tiny && serve_tiny "$tree" "$tag" 170
   done
+  # output tok/s of this tree over the baseline's, per pair and concurrency (serve.py's rows: conc, req, out tok/s)
+  echo; echo "== current / baseline output tok/s, per pair and concurrency"
+  for k in $(seq 1 "$pairs"); do
+    local sfx=""; [ "$k" = 1 ] || sfx=$k
+    [ -f "$OUT/serve_small_baseline$sfx.log" ] && [ -f "$OUT/serve_small_current$sfx.log" ] || continue
+    awk -v k="$k" '/^ +[0-9]+ +[0-9]+ +[0-9.]+ /{ if (FNR == NR) b[$1] = $3; else if ($1 in b)
+      printf "pair %s, concurrency %s: %.1f / %.1f tok/s = %.3f\n", k, $1, $3, b[$1], $3 / b[$1] }' \
+      "$OUT/serve_small_baseline$sfx.log" "$OUT/serve_small_current$sfx.log"
+  done
   echo; echo "== serving tables, baseline ($(commit_of "$base")) then this tree ($(commit_of "$ROOT"))"
   for f in serve_small serve_tiny; do
-    for tag in baseline current; do
+    for tag in "${order[@]}"; do
       [ -f "$OUT/${f}_$tag.log" ] && { echo "-- ${f#serve_}, $tag:"; tables "$OUT/${f}_$tag.log"; }
     done
   done

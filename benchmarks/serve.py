@@ -374,7 +374,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto | float32 | bfloat16 | float16; auto = "
                     "bfloat16 on a GPU, float16 for a float16 checkpoint, float32 on the CPU: k3 serve's policy)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency level (default 2 x concurrency)")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency level (default: --prompts-per-stream "
+                    "x concurrency)")
+    ap.add_argument("--prompts-per-stream", type=int, default=2, help="requests per stream at each concurrency level "
+                    "when --num-prompts is not given (2: ~1.5 s of work for k3-small at 32 streams on an H200, too "
+                    "short to separate a few percent; 8 for A/B comparisons)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1024, help="repeated-prompt length for the prefix-hit row "
@@ -417,7 +421,8 @@ def main() -> None:
     try:
         bench_openai_server(url, model, concurrency=2, num_prompts=2, input_len=args.input_len, output_len=4,
                             vocab=vocab)  # warmup, excluded
-        rows = [bench_openai_server(url, model, concurrency=c, num_prompts=args.num_prompts or 2 * c,
+        rows = [bench_openai_server(url, model, concurrency=c,
+                                    num_prompts=args.num_prompts or args.prompts_per_stream * c,
                                     input_len=args.input_len, output_len=args.output_len, vocab=vocab)
                 for c in args.concurrency]
         label = f"k3 serve {args.ckpt or args.model or url} ({args.device}), input {args.input_len}, " \
