@@ -167,7 +167,28 @@ def step_layout(seqs, buf: StepBuffers, geom, max_seqs: int, token_slot) -> torc
             table += [0] * (Gb - len(bt))  # pages past the sequence are masked (key > position)
     if min(tokens) < 0 or max(tokens) >= vocab:
         raise ValueError(f"step: a token of {tokens} is outside the vocabulary ({vocab})")
-    Bb, N = buf.Bb, buf.Bb * T
+    if T == 1 and buf.Bb <= 16:
+        return _decode_layout(tokens, starts, slots, table, buf.Bb, Gb, ps)
+    return _chunk_layout(tokens, starts, slots, table, buf.Bb, T, Gb, ps)
+
+
+def _decode_layout(tokens, starts, slots, table, Bb: int, Gb: int, ps: int) -> torch.Tensor:
+    """_chunk_layout at T = 1 in plain Python: a decode step's ~12 fields of <= 16 rows are cheaper as lists than as
+    ~25 numpy calls (min of 5 on a loaded CPU: 14 / 59 us at one row, 69 / 85 us at 16, 116 / 69 us at 32)."""
+    B = len(tokens)
+    row = list(range(B)) + [0] * (Bb - B)  # the sequence each row carries: padded rows repeat row 0
+    tab = [table[r * Gb:(r + 1) * Gb] for r in row]
+    pos = [starts[r] for r in row]
+    smap = [t[p // ps] * ps + p % ps for t, p in zip(tab, pos)]
+    slot = [slots[r] for r in row]
+    flat = ([tokens[r] for r in row] + pos + smap + row + [1] * Bb + [-1] * Bb + row
+            + slot[:B] + [-1] * (Bb - B) + slot + row + row + [x for t in tab for x in t])
+    return torch.tensor(flat, dtype=torch.long)
+
+
+def _chunk_layout(tokens, starts, slots, table, Bb: int, T: int, Gb: int, ps: int) -> torch.Tensor:
+    """The "step" layout of B rows of T tokens each, padded to Bb rows (the fields of StepBuffers, in its order)."""
+    B, N = len(starts), Bb * T
     ar = np.arange(Bb)
     row = np.where(ar < B, ar, 0)  # [Bb] the sequence each row carries: padded rows repeat row 0
     table_BG = np.asarray(table, dtype=np.int64).reshape(B, Gb)[row]  # [Bb, Gb]

@@ -442,3 +442,19 @@ def test_cuda_engine_warmup_captures_and_serves(model_tok):
             assert not any(b.failed for b in g.shapes.values())
         texts.append([[t for e in eng.generate(p, params)[0] for t in e.token_ids] for p in prompts])
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("B,Bb", [(1, 1), (3, 4), (32, 32), (5, 64)])
+def test_decode_layout_equals_the_array_layout(B, Bb):
+    """The list-built T = 1 layout (decode's host path) is the numpy layout of the same step, field for field."""
+    from k3.serve.static import _chunk_layout, _decode_layout
+
+    g = torch.Generator().manual_seed(B * 100 + Bb)
+    Gb, ps = 3, 16
+    tokens = torch.randint(0, 500, (B,), generator=g).tolist()
+    starts = torch.randint(0, Gb * ps, (B,), generator=g).tolist()
+    slots = torch.randperm(128, generator=g)[:B].tolist()
+    table = torch.randint(0, 40, (B * Gb,), generator=g).tolist()
+    got = _decode_layout(tokens, starts, slots, table, Bb, Gb, ps)
+    want = _chunk_layout(tokens, starts, slots, table, Bb, 1, Gb, ps)
+    assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
