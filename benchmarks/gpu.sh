@@ -13,7 +13,9 @@
 #            forward+backward at the four shapes, then decode), then the model's call (raw gate, the gate in kernel
 #            in both libraries) at the first shape; fla's autotuning results come back as $OUT/fla-autotune.tgz
 #   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096, then
-#            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category)
+#            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category);
+#            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
+#            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits
 #   serve    benchmarks/serve.py: the compiled k3-small server (random weights) at concurrency 1 and 32 through
 #            HTTP, the Hugging Face anchors in the same run; then the trained k3-tiny (carry runs/tiny): the
 #            2,048-token prefix hit and MTP speculative decoding at k = 2
@@ -47,7 +49,8 @@
 # percent; 8 is ~6 s).
 #
 # Environment: OUT (logs; default /tmp/k3out; on the device machine $OUT is what comes back), KDA_TEST_LIMIT
-# (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS, SERVE_PAIRS, SERVE_PROMPTS. Each step runs
+# (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS, SERVE_PAIRS, SERVE_PROMPTS, SERVE_CONCURRENCY,
+# TRAIN_PARTS, QUANT_PARTS. Each step runs
 # under its own `timeout`
 # (rc 124: it ran past its limit) with its output in a log in $OUT; the step's table or test summary is printed after
 # it, and a summary of every step (rc, seconds, log) comes last ($OUT/summary.txt).
@@ -110,6 +113,7 @@ step() {
   printf '%-44s rc=%-4s %4s s  %s\n' "$label" "$rc" $((SECONDS - t0)) "$(basename "$log")" >> "$SUMMARY"
   return $rc
 }
+has_part() { case " $1 " in *" $2 "*) return 0 ;; esac; return 1; }
 tests_summary() { grep -E "^FAILED|^ERROR|passed|failed|no tests ran" "$1" | tail -12; }
 # the tables and notes a benchmark prints: markdown rows, and serve.py's plain table (header, rule, numeric rows)
 tables() { grep -E "^\||^#|^\(|^ conc |^---|^ +[0-9]+ +[0-9]+ " "$1"; }
@@ -153,24 +157,51 @@ mode_kda() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/fla-autotune.tgz" -T -)
 }
 
+# train_long: k3-small fwd + bwd at 4K to 128K tokens per sequence, one process per row ("B T checkpointing anchor"),
+# the head and CE in 8K-token chunks (a 128K x vocab fp32 logits tensor alone would not fit); the dense anchor beside
+# it where it fits
+train_long() {
+  local spec b t ac an log
+  for spec in "4 4096 none anchor" "4 4096 all -" "1 16384 none anchor" "1 32768 none anchor" "1 65536 all -" \
+      "1 131072 all -"; do
+    read -r b t ac an <<< "$spec"
+    log=long_${t}_${ac}.log
+    # shellcheck disable=SC2046  # --no-anchor or nothing
+    step "k3-small B=$b T=$t checkpointing $ac" 150 "$log" python3 benchmarks/model.py --model k3-small --device cuda \
+      --batch "$b" --seq "$t" --steps 2 --warmup 1 --activation-checkpointing "$ac" --loss-chunk 8192 \
+      $([ "$an" = anchor ] || echo --no-anchor)
+    grep -E "^fwd\+bwd|^dense anchor|^k3-small|OutOfMemory|out of memory" "$OUT/$log" | tail -4
+  done
+}
+
+# TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096), "breakdown" (the profiled step by
+# kernel category), "long" (train_long). Default "step breakdown".
 mode_train() {
-  step "training step: dense anchor vs k3-small" 300 model.log python3 benchmarks/model.py --model k3-small \
-    --device cuda --batch 4 --seq 4096 --steps 4 --warmup 2
-  clean_tail "$OUT/model.log" 12
-  step "training step by kernel category" 200 breakdown.log python3 benchmarks/model_breakdown.py --model k3-small \
-    --device cuda --batch 4 --seq 4096 --profile-step
-  clean_tail "$OUT/breakdown.log" 45
+  local parts=${TRAIN_PARTS:-step breakdown}
+  if has_part "$parts" step; then
+    step "training step: dense anchor vs k3-small" 300 model.log python3 benchmarks/model.py --model k3-small \
+      --device cuda --batch 4 --seq 4096 --steps 4 --warmup 2
+    clean_tail "$OUT/model.log" 12
+  fi
+  if has_part "$parts" breakdown; then
+    step "training step by kernel category" 200 breakdown.log python3 benchmarks/model_breakdown.py --model k3-small \
+      --device cuda --batch 4 --seq 4096 --profile-step
+    clean_tail "$OUT/breakdown.log" 45
+  fi
+  has_part "$parts" long && train_long
+  return 0
 }
 
 # serve_small TREE TAG LIMIT [serve.py flags]: the compiled k3-small server, from TREE's benchmarks/serve.py
-# (SERVE_PROMPTS: requests per stream at each concurrency level, default serve.py's 2)
+# (SERVE_PROMPTS: requests per stream at each concurrency level, default serve.py's 2; SERVE_CONCURRENCY: the
+# levels, default "1 32")
 serve_small() {
   local tree=$1 tag=$2 limit=$3
   shift 3
   (cd "$tree" && step "serve k3-small ($tag)" "$limit" "serve_small_$tag.log" python3 benchmarks/serve.py \
     --model k3-small --subprocess --device cuda --dtype bfloat16 --compile-decode --cuda-graph-batches 1 32 \
-    --concurrency 1 32 --input-len 128 --output-len 128 --prefix-len 0 ${SERVE_PROMPTS:+--prompts-per-stream "$SERVE_PROMPTS"} \
-    "$@")
+    --concurrency ${SERVE_CONCURRENCY:-1 32} --input-len 128 --output-len 128 --prefix-len 0 \
+    ${SERVE_PROMPTS:+--prompts-per-stream "$SERVE_PROMPTS"} "$@")
   echo "-- k3-small, $tag:"; clean_tail "$OUT/serve_small_$tag.log" 30
 }
 
@@ -200,8 +231,6 @@ baseline_tree() {
     return 1
   fi
 }
-
-has_part() { case " $1 " in *" $2 "*) return 0 ;; esac; return 1; }
 
 mode_serve() {
   local parts base tag tree
