@@ -24,7 +24,7 @@ import yaml
 from k3.kernels.config import KernelConfig
 from k3.model.config import ConfigError, ModelConfig, config_from_dict, config_to_dict
 from k3.serve.config import ServeConfig
-from k3.train.config import CheckpointConfig, DataConfig, OptimConfig, QuantizeConfig, TrainConfig
+from k3.train.config import CheckpointConfig, DataConfig, DistillConfig, OptimConfig, QuantizeConfig, TrainConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,14 +39,17 @@ class K3Config:
     kernels: KernelConfig | None = None  # kernel backend and numerics (KDA backward, recompute, fp32 dots)
     serve: ServeConfig | None = None  # the serving engine and HTTP server (`k3 serve`)
     quantize: QuantizeConfig | None = None  # format, modules, mode and calibration of `k3 quantize`
+    distill: DistillConfig | None = None  # loss, routing and sampling of `k3 distill`
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-            "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig, "quantize": QuantizeConfig}
+            "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig, "quantize": QuantizeConfig,
+            "distill": DistillConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
 COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
                     "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels"),
-                    "quantize": ("quantize", "data", "optim", "train", "ckpt", "kernels")}
+                    "quantize": ("quantize", "data", "optim", "train", "ckpt", "kernels"),
+                    "distill": ("distill", "optim", "train", "ckpt", "kernels")}
 PRESET_KINDS = {"extend-context": "extend"}  # presets/<kind>/ of a command whose folder is not named after it
 
 
@@ -248,3 +251,15 @@ def environment_info() -> dict:
         info["triton"] = None
     info["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
     return info
+
+
+def resume_config_files(run_dir: Path, files: list[str], resume: bool) -> tuple[list[str], bool]:
+    """--resume: the run's saved resolved config (run_config.yaml's `config`) first, so that the resumed run trains
+    the same thing, then `files`. Returns (config files, whether the saved config replaces the preset)."""
+    saved = Path(run_dir) / "run_config.yaml"
+    if not (resume and saved.is_file()):
+        return files, False
+    prev = yaml.safe_load(saved.read_text()) or {}
+    tmp = Path(run_dir) / ".resume_config.yaml"
+    tmp.write_text(yaml.safe_dump(prev.get("config", {})))
+    return [str(tmp), *files], True

@@ -10,6 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer
 
+from k3.cli.commands.distill import distill
 from k3.cli.commands.eval import app as eval_app
 from k3.cli.commands.extend_context import extend_context
 from k3.cli.commands.generate import generate
@@ -21,8 +22,8 @@ from k3.cli.commands.sweep import sweep
 
 app = typer.Typer(
     name="k3",
-    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, quantize, eval, "
-         "generate, serve, sweep, scaling-fit.",
+    help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, distill, quantize, "
+         "eval, generate, serve, sweep, scaling-fit.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -47,6 +48,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
 app.command("pretrain")(pretrain)
 app.command("extend-context")(extend_context)
 app.add_typer(eval_app, name="eval")
+app.command("distill")(distill)
 app.command("quantize")(quantize)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)

@@ -73,13 +73,17 @@ def generate_tokens(model: K3Model, prompt_ids: list[int], *, max_tokens: int = 
 
 def generate_batch(model: K3Model, tok: K3Tokenizer, prompts: list[list[int]], *, max_tokens: int,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 0,
-                   on_finish: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Greedy completions of many prompts through one engine (continuous batching: chunked prefill, then batched
-    recurrent decode): the new token ids of each prompt, in order, each ending at EOS or `max_tokens`.
-    on_finish(i) is called as prompt i completes (progress bars). Example:
+                   on_finish: Callable[[int], None] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:
+    """Completions of many prompts through one engine (continuous batching: chunked prefill, then batched
+    recurrent decode): the new token ids of each prompt, in order, each ending at EOS or `max_tokens`. Greedy by
+    default; temperature > 0 samples, prompt i with its own generator seeded by seeds[i] (reproducible whatever
+    the batch). on_finish(i) is called as prompt i completes (progress bars). Example:
     generate_batch(model, tok, [tok.encode("def ", add_bos=True)] * 4, max_tokens=8)"""
     if not prompts or any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
     block = 64
     max_len = -(-(max(len(p) for p in prompts) + max_tokens) // block) * block
     dev = next(model.parameters()).device
@@ -99,8 +103,9 @@ def generate_batch(model: K3Model, tok: K3Tokenizer, prompts: list[list[int]], *
                 on_finish(i)
         return sink
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                seed=None if seeds is None else seeds[i])
         engine.submit(p, params, sink_for(i))
     while engine.has_work():
         engine.step()

@@ -126,3 +126,18 @@ class QuantizeConfig:
     calib_batches: int = 8  # ptq: calibration batches of train.batch_size x data.seq_len tokens from the train split of `data`
     clip_grid: int = 20  # ptq: clip ratios searched are 1 - i / clip_grid, i = 0 .. clip_grid * clip_max_shrink (AWQ's grid)
     clip_max_shrink: float = 0.5  # ptq: the smallest clip ratio searched is 1 - clip_max_shrink
+
+
+@dataclass(kw_only=True, slots=True)
+class DistillConfig:
+    """`k3 distill`: on-policy distillation of a student from routed teachers (k3.train.distill)."""
+
+    loss: str = "reverse_kl"  # "reverse_kl" (full vocabulary) | "sampled_reverse_kl" (sampled-token log-ratio as advantage) | "forward_kl" | "jsd"
+    beta: float = 0.5  # jsd: the mixture weight of the teacher (0 = forward KL, 1 = reverse KL, GKD's beta)
+    lmbda: float = 0.0  # fraction of steps whose completions the teachers generate instead of the student
+    temperature: float = 1.0  # sampling temperature of the completions (0 = greedy)
+    top_p: float = 1.0  # nucleus mass of the completions' sampling
+    max_new_tokens: int = 64  # completion tokens generated per prompt at most (EOS ends one earlier)
+    routing: str = "named"  # prompts without `teacher`: "named" (to default_teacher) | "uniform" (a random teacher) | "all" (the teachers' mean log-probabilities)
+    default_teacher: str | None = None  # routing named: the teacher of prompts without one (None: the only teacher)
+    max_num_seqs: int = 64  # completions decoded together in the batched generation

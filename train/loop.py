@@ -121,7 +121,8 @@ class Trainer:
                  val_batches: Callable[[], list], *, bytes_per_token: float | None, device: torch.device,
                  autocast_dtype: torch.dtype | None, flops_per_token: float | None = None,
                  peak_flops: float | None = None, on_log: Callable[[dict], None] | None = None,
-                 extra_ckpt_info: Callable[[], dict] | None = None):
+                 extra_ckpt_info: Callable[[], dict] | None = None,
+                 batch_loss: Callable[[K3Model, object], tuple[dict, int, dict]] | None = None):
         self.model, self.opt = model, optimizer
         self.ocfg, self.tcfg, self.ccfg = optim_cfg, train_cfg, ckpt_cfg
         self.run_dir = Path(run_dir)
@@ -135,6 +136,9 @@ class Trainer:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._stop_signal: int | None = None
         self.extra_ckpt_info = extra_ckpt_info or (dict)
+        # another objective on the loader's own batches (k3 distill): batch_loss(model, batch) -> ({"ce": loss},
+        # training tokens, floats logged with the step); None: next-token CE on (tokens, mask) batches
+        self.batch_loss = batch_loss
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
@@ -245,17 +249,26 @@ class Trainer:
                 scores_per_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
                 max_logits = [torch.full((m.num_heads,), -float("inf")) for m in mlas]
                 sum_ce = sum_mtp = 0.0
+                stats: dict[str, list[float]] = {}
                 for _ in range(tcfg.grad_accum):
-                    tokens, mask = next(self.loader)
-                    tokens = tokens.to(self.device, non_blocking=True)
-                    mask = None if mask is None else mask.to(self.device, non_blocking=True)
-                    with self._autocast():
-                        losses = lm_losses(model, tokens, mask, with_mtp=lam > 0, chunk_tokens=tcfg.loss_chunk_tokens)
+                    if self.batch_loss is not None:
+                        with self._autocast():
+                            losses, n_tokens, extra = self.batch_loss(model, next(self.loader))
+                        for k, v in extra.items():
+                            stats.setdefault(k, []).append(v)
+                    else:
+                        tokens, mask = next(self.loader)
+                        tokens = tokens.to(self.device, non_blocking=True)
+                        mask = None if mask is None else mask.to(self.device, non_blocking=True)
+                        with self._autocast():
+                            losses = lm_losses(model, tokens, mask, with_mtp=lam > 0,
+                                               chunk_tokens=tcfg.loss_chunk_tokens)
+                        n_tokens = tokens[:, 1:].numel()
                     loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
                     (loss / tcfg.grad_accum).backward()
                     sum_ce += losses["ce"].item()
                     sum_mtp += losses["mtp_ce"].item() if "mtp_ce" in losses else 0.0
-                    self.state.tokens += tokens[:, 1:].numel()
+                    self.state.tokens += n_tokens
                     for i, m in enumerate(moes):
                         if m.record_router and getattr(m, "last_scores", None) is not None:
                             scores_per_layer.setdefault(i, []).append((m.last_scores, m.last_topk_idx))
@@ -291,7 +304,8 @@ class Trainer:
                            "mtp_lambda": lam, **bal,
                            "max_attn_logit": max((float(x.max()) for x in max_logits), default=0.0),
                            "qk_clipped_heads": int(clip_stats.get("qk_clipped_heads", 0)),
-                           "elapsed_s": self.state.wall_time + now - t_seg}
+                           "elapsed_s": self.state.wall_time + now - t_seg,
+                           **{k: sum(v) / len(v) for k, v in stats.items()}}
                     if self.flops_per_token and self.peak_flops:
                         rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / self.peak_flops
                     self._log(rec)

@@ -171,6 +171,59 @@ def _remove_dirs(made: list[Path]) -> None:
         d.rmdir()
 
 
+def fit_with_progress(trainer: Trainer, tcfg, console, *, resume: bool, header: str, command: str) -> Any:
+    """With `resume`, the run's latest checkpoint first; then the `header` line and trainer.fit under pretrain's
+    progress display: a redrawn bar on a terminal, one line per log step in logs and pipes. Returns the final
+    LoopState (TrainingError printed, then raised); a run stopped by a signal prints how to continue (`command`)."""
+    if resume:
+        latest = trainer.ckpt.latest()
+        if latest is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {trainer.run_dir / 'checkpoints'}")
+        trainer.resume_from(latest)
+        console.print(f"[bold]resumed[/] from {latest} at step {trainer.state.step}")
+    console.print(header)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
+        task = prog.add_task("train", total=tcfg.max_steps, completed=trainer.state.step, loss="-", tps="-")
+        t0, tok0, start_step = time.time(), trainer.state.tokens, trainer.state.step
+
+        plain = not console.is_terminal  # logs and pipes get one line per log step instead of a redrawn bar
+
+        def progress(step: int, loss: float) -> None:
+            elapsed = max(time.time() - t0, 1e-9)
+            tps = (trainer.state.tokens - tok0) / elapsed
+            prog.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
+            if plain and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
+                done = step - start_step
+                eta = elapsed / max(done, 1) * (tcfg.max_steps - step)
+                console.print(f"step {step}/{tcfg.max_steps} loss {loss:.4f} {tps:,.0f} tok/s "
+                              f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+
+        try:
+            state = trainer.fit(progress=progress)
+        except TrainingError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise
+    if trainer.stopped_by_signal:
+        console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "
+                      f"Continue with: {command} --resume --out {trainer.run_dir}")
+    return state
+
+
+def write_release(run_dir: Path, state_dict: dict, mcfg: ModelConfig, tok, run_info: dict, export_dtype: str,
+                  seq_len: int | None, quantization_config: dict | None = None) -> Path:
+    """RUN_DIR/final from trained weights: config.json, weights, tokenizer files, generation_config.json."""
+    gen_cfg = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+               "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256, "do_sample": True}
+    return save_release(run_dir / "final", state_dict, mcfg, quantization_config=quantization_config,
+                        tokenizer_dir=run_dir / "tokenizer", run_info=run_info, generation_config=gen_cfg,
+                        dtype=torch.float32 if export_dtype == "float32" else torch.bfloat16,
+                        max_position_embeddings=seq_len)
+
+
 def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
@@ -283,45 +336,11 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
                       bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast,
                       flops_per_token=training_flops_per_token(mcfg, counts, dcfg.seq_len),
                       peak_flops=peak_flops_for(device, tcfg.peak_tflops))
-    if resume:
-        latest = trainer.ckpt.latest()
-        if latest is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
-        trainer.resume_from(latest)
-        console.print(f"[bold]resumed[/] from {latest} at step {trainer.state.step}")
-
-    console.print(f"[bold]{' '.join(command.split()[:2])}[/] {mcfg.name}: {describe_parameters(counts)}, "
-                  f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
-        task = prog.add_task("train", total=tcfg.max_steps, completed=trainer.state.step, loss="-", tps="-")
-        t0, tok0, start_step = time.time(), trainer.state.tokens, trainer.state.step
-
-        plain = not console.is_terminal  # logs and pipes get one line per log step instead of a redrawn bar
-
-        def progress(step: int, loss: float) -> None:
-            elapsed = max(time.time() - t0, 1e-9)
-            tps = (trainer.state.tokens - tok0) / elapsed
-            prog.update(task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
-            if plain and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
-                done = step - start_step
-                eta = elapsed / max(done, 1) * (tcfg.max_steps - step)
-                console.print(f"step {step}/{tcfg.max_steps} loss {loss:.4f} {tps:,.0f} tok/s "
-                              f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
-
-        try:
-            state = trainer.fit(progress=progress)
-        except TrainingError as e:
-            console.print(f"[red]error:[/] {e}")
-            raise
+    header = (f"[bold]{' '.join(command.split()[:2])}[/] {mcfg.name}: {describe_parameters(counts)}, "
+              f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
+    state = fit_with_progress(trainer, tcfg, console, resume=resume, header=header, command=command)
 
     if trainer.stopped_by_signal:
-        console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "
-                      f"Continue with: {command} --resume --out {run_dir}")
         return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens,
                               stop_signal=trainer.stop_signal)
 
@@ -333,15 +352,9 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     rc["stats"]["final_val_bpb"] = ev.get("val_bpb")
     rc["stats"]["wall_time_s"] = state.wall_time
     _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
-    tok = data.tokenizer
-    gen_cfg = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-               "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 256, "do_sample": True}
     release_sd, qc = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, None) if release_state is None \
         else release_state(model)
-    final = save_release(run_dir / "final", release_sd, mcfg, quantization_config=qc,
-                         tokenizer_dir=run_dir / "tokenizer", run_info=rc, generation_config=gen_cfg,
-                         dtype=torch.float32 if ccfg.export_dtype == "float32" else torch.bfloat16,
-                         max_position_embeddings=dcfg.seq_len)
+    final = write_release(run_dir, release_sd, mcfg, data.tokenizer, rc, ccfg.export_dtype, dcfg.seq_len, qc)
     # the resumable checkpoint (weights + optimizer state, ~4x the release) after the release, so a run stopped while
     # writing it still has its final/ (on the H200, 2026-11-29, a k3-small run's time limit struck after the final
     # evaluation, most likely inside this write when it came first, and left no final/)
