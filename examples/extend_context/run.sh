@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# RoPE -> NoPE context extension on a CPU: from the README's default checkpoint (k3 pretrain --out runs/tiny,
-# trained at 256 tokens), extend to 1,024 tokens three ways at equal steps and data (NoPE, the K3 recipe; RoPE kept;
-# RoPE with a 4x base), then passkey accuracy at 256..4,096 tokens and loss by position for the parent and the
-# three children.
+# RoPE -> NoPE context extension on a CPU (23 min on 2 shared cores, 2026-12-02; results in README.md beside
+# this): from the README's default checkpoint (k3 pretrain --out runs/tiny, trained at 256 tokens), extend to
+# 1,024 tokens three ways at equal steps and data (NoPE, the K3 recipe; RoPE kept; RoPE with a 4x base), then
+# passkey accuracy at 256..4,096 tokens and loss by position for the parent and the three children.
 #
 #   bash examples/extend_context/run.sh                    # writes runs/extend-context/{nope,rope,rope4x,eval}
 #   PARENT=runs/tiny/final OUT=/tmp/ext STEPS=40 TRIALS=4 bash examples/extend_context/run.sh
@@ -17,16 +17,16 @@ PARENT="${PARENT:-runs/tiny/final}"
 OUT="${OUT:-runs/extend-context}"
 STEPS="${STEPS:-40}"            # optimizer steps per child, 4 x 1,024 tokens each
 FRACTION="${FRACTION:-0.5}"     # data.passkey_fraction (the presets' 0.1 is too few documents for 40 steps)
-TRIALS="${TRIALS:-4}"           # passkey prompts per length and depth (5 depths x 5 lengths)
+TRIALS="${TRIALS:-2}"           # passkey prompts per length and depth (5 depths x 5 lengths)
 THREADS="${THREADS:-2}"
 K3="${K3:-k3}"
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-python3}"  # a Python with matplotlib (the one k3 is installed in)
 UPDATE=0
 case "$#:${1:-}" in
   0:) ;;
   1:--update-example) UPDATE=1 ;;
-  *) echo "usage: bash $0 [--update-example]  (PARENT, OUT, STEPS, FRACTION, TRIALS, THREADS, K3 are environment" \
-          "variables)" >&2; exit 2 ;;
+  *) echo "usage: bash $0 [--update-example]  (PARENT, OUT, STEPS, FRACTION, TRIALS, THREADS, K3, PYTHON are" \
+          "environment variables)" >&2; exit 2 ;;
 esac
 if [ ! -f "$PARENT/config.json" ]; then
   echo "no parent checkpoint at $PARENT: train it first with \`k3 pretrain --out runs/tiny\` (about 9 minutes on 2" \

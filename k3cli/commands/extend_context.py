@@ -58,7 +58,8 @@ def extend_context(
                          config_files=files, overrides=overrides, sets=sets)
     rc = {"command": "extend-context", "preset": preset, "config": config_dict(cfg), "kernels": apply_kernels(cfg),
           "env": environment_info(), "init": str(ckpt)}
-    forced = any(s.replace(" ", "").startswith("model.mla_position=") for s in sets)
+    # a resumed run was checked when it started (a nope parent forced to stay nope needs no second --set)
+    forced = any(s.replace(" ", "").startswith("model.mla_position=") for s in sets) or (resume and saved.is_file())
     res = run(cfg, ckpt=ckpt, run_dir=out, resume=resume, position_forced=forced, run_config=rc)
     if res.stop_signal is not None:
         raise typer.Exit(code=128 + res.stop_signal)  # 130 / 143, as k3 pretrain
