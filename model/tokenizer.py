@@ -45,6 +45,20 @@ CHAT_TEMPLATE = (
 )
 
 
+def chatml(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The ChatML turns of `messages` without BOS: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
+    "<|im_start|>assistant\n" if add_generation_prompt (apply_chat_template prepends BOS; training data's
+    documents already follow an <|endoftext|>)."""
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+        parts.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
 class TokenizerError(ValueError):
     """A tokenizer file is missing, unreadable or unusable; the message names the file and the fix."""
 
@@ -260,14 +274,7 @@ class K3Tokenizer:
             if self._tok.token_to_id(name) is None:
                 raise TokenizerError(f"{self.source}: chat needs the special token {name!r}, which this tokenizer "
                                      f"lacks; use a tokenizer trained by k3")
-        parts = [self.bos_token]
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise TypeError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
-            parts.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
-        if add_generation_prompt:
-            parts.append(f"{IM_START}assistant\n")
-        return "".join(parts)
+        return self.bos_token + chatml(messages, add_generation_prompt)
 
     # ---- save
 

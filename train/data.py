@@ -4,7 +4,10 @@ Legend: B batch (sequences), T seq_len, N tokens in a shard.
 
 - Sources (`DataConfig.source`): "stdlib" (the running interpreter's standard-library .py files, not site-packages),
   a local .txt / .jsonl / .parquet file, directory or glob, or "hf:NAME" (optional `datasets`). A .txt file is one
-  document; a .jsonl line / .parquet row holds `text`, or `prompt` + `completion` (loss on the completion only).
+  document; a .jsonl line / .parquet row holds `text`, or `prompt` + `completion` (loss on the completion only);
+  a .jsonl line may hold `messages` instead (a chat ending in an assistant turn: the ChatML turns before it and
+  "<|im_start|>assistant\n" are the prompt, that turn's content and "<|im_end|>" the completion, special tokens
+  parsed).
 - Split by file (.py/.txt) or by document (.jsonl/.parquet/hf rows): a record is held out when a hash of its key
   (relative path, or path:line) is below `val_fraction`; at least one record lands on each side. `max_bytes` takes
   records in a fixed order (files in hash order: a capped corpus is spread out, not the alphabetically first files)
@@ -42,7 +45,7 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from k3.model.config import ConfigError
-from k3.model.tokenizer import K3Tokenizer, train_bpe
+from k3.model.tokenizer import IM_END, K3Tokenizer, chatml, train_bpe
 
 from .config import DataConfig
 from .console import make_console
@@ -61,6 +64,7 @@ class _Record(NamedTuple):
     key: str  # identity for the split and sampling hashes (relative path, or "path:line")
     text: str  # the document, or the prompt of a prompt/completion pair
     completion: str | None = None
+    chat: bool = False  # ChatML rendered from `messages`: encoded with the special tokens parsed
 
     def nbytes(self) -> int:
         return len(self.text.encode("utf-8")) + (len(self.completion.encode("utf-8")) if self.completion else 0)
@@ -180,7 +184,7 @@ def _local_files(source: str) -> list[Path]:
 
 def _record_from_obj(obj, where: str, key: str) -> _Record:
     """A jsonl object / parquet row -> record. `where` ("path:line") names the place in errors."""
-    hint = 'expected {"text": "..."} or {"prompt": "...", "completion": "..."}'
+    hint = 'expected {"text": "..."}, {"prompt": "...", "completion": "..."} or {"messages": [...]}'
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}; {hint}")
     text, prompt, completion = obj.get("text"), obj.get("prompt"), obj.get("completion")
@@ -192,7 +196,18 @@ def _record_from_obj(obj, where: str, key: str) -> _Record:
         if not completion.strip():
             raise DataError(f"{where}: empty 'completion' (it is the only part that is trained on); remove the line")
         return _Record(key, prompt, completion)
-    raise DataError(f"{where}: no string 'text' or 'prompt' + 'completion' (keys: {sorted(obj)}); {hint}")
+    msgs = obj.get("messages")
+    if isinstance(msgs, list) and msgs:
+        last = msgs[-1]
+        if not isinstance(last, dict) or last.get("role") != "assistant" or not str(last.get("content", "")).strip():
+            raise DataError(f"{where}: 'messages' must end with a non-empty assistant turn (it is the part trained "
+                            f"on); the last is {last!r}")
+        try:
+            return _Record(key, chatml(msgs[:-1]), f"{last['content']}{IM_END}", chat=True)
+        except TypeError as e:
+            raise DataError(f"{where}: {e}") from None
+    raise DataError(f"{where}: no string 'text', 'prompt' + 'completion' or 'messages' (keys: {sorted(obj)}); "
+                    f"{hint}")
 
 
 def _jsonl_records(path: Path, rel: str) -> Generator[_Record, None, int]:
@@ -374,10 +389,14 @@ def _write_split(tok: K3Tokenizer, records: Iterator[_Record], out: Path, split:
     with open(out / f"{split}.bin", "wb") as ft, open(mask_path, "wb") as fm:
 
         def write(batch: list[_Record], tail: list[int]):
-            texts = [t for r in batch for t in ((r.text, r.completion) if r.completion is not None else (r.text,))]
-            encoded = iter(tok.encode_batch(texts, parse_special=False))
+            def parts(chat: bool) -> list[str]:
+                return [t for r in batch if r.chat == chat
+                        for t in ((r.text, r.completion) if r.completion is not None else (r.text,))]
+            plain = iter(tok.encode_batch(parts(False), parse_special=False))
+            chats = iter(tok.encode_batch(parts(True), parse_special=True) if any(r.chat for r in batch) else [])
             ids, mask = [], []
             for r in batch:
+                encoded = chats if r.chat else plain
                 first = next(encoded)
                 ids += [eot, *first]
                 if r.completion is None:

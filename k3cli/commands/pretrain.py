@@ -15,7 +15,8 @@ from k3.cli.errors import friendly_errors
 def pretrain(
     preset: str = typer.Option("tiny", "--preset", "-p",
                                help="pretrain preset: debug (<60 s on 2 cores), tiny (default, <=10 min on 2 cores), "
-                                    "small (one GPU)"),
+                                    "small (one GPU), sft (fine-tune --init CKPT on prompt/completion or messages "
+                                    "JSONL: how to make k3 distill's teachers)"),
     config: list[Path] | None = typer.Option(None, "--config", "-c",
                                                 help="YAML file of sections (model:, data:, optim:, train:, ckpt:) "
                                                      "merged over the preset; repeatable"),
@@ -32,7 +33,8 @@ def pretrain(
     The run directory receives run_config.yaml, metrics.jsonl, checkpoints/step-N/ and the release checkpoint
     final/ that `k3 generate` and `k3 serve` load.
     """
-    from k3.train.pretrain import default_run_dir, run
+    from k3.cli.config import read_preset
+    from k3.train.pretrain import default_run_dir, read_init, run
 
     run_dir = out or default_run_dir()
     files = [str(p) for p in config or []]
@@ -46,11 +48,23 @@ def pretrain(
             tmp = run_dir / ".resume_config.yaml"
             tmp.write_text(yaml.safe_dump(prev.get("config", {})))
             files = [str(tmp)] + files
-    cfg = resolve_config("pretrain", preset=None if resume and saved.is_file() else preset, config_files=files,
+    from_saved = resume and saved.is_file()
+    overrides, weights = None, None
+    if not from_saved and "model" not in read_preset("pretrain", preset):
+        # a fine-tuning preset (sft) keeps the --init checkpoint's architecture and sequence length
+        if init is None:
+            raise typer.BadParameter(f"--preset {preset} fine-tunes a checkpoint: pass --init CKPT (e.g. "
+                                     f"runs/tiny/final)", param_hint="--init")
+        weights = read_init(init)
+        overrides = {"model": weights.cfg.to_dict()}
+        if weights.trained_seq_len:
+            overrides["data"] = {"seq_len": weights.trained_seq_len}
+    cfg = resolve_config("pretrain", preset=None if from_saved else preset, config_files=files, overrides=overrides,
                          sets=list(set_ or []))
     rc = {"command": "pretrain", "preset": preset, "config": config_dict(cfg), "kernels": apply_kernels(cfg),
           "env": environment_info(), "init": None if init is None else str(init)}
-    res = run(cfg, run_dir=run_dir, resume=resume, init=None if init is None else str(init), run_config=rc)
+    res = run(cfg, run_dir=run_dir, resume=resume, init=weights or (None if init is None else str(init)),
+              run_config=rc)
     if res.stop_signal is not None:
         # 128 + N, the status of a process killed by signal N, so that `k3 pretrain ... && next` stops after Ctrl-C
         # (130) or SIGTERM (143); the checkpoint and the resume command are written by then
