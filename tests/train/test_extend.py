@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import k3.train.loop as loop_mod
-from k3.cli.config import resolve_config
+from k3.cli.config import config_dict, resolve_config
 from k3.cli.main import app
 from k3.model.checkpoint import load_model, load_state_into, trained_seq_len
 from k3.model.tokenizer import K3Tokenizer
@@ -42,7 +42,7 @@ def parent(tmp_path_factory, cache_dir):
     """A debug release trained 6 steps at 64 tokens with RoPE."""
     out = tmp_path_factory.mktemp("parent") / "run"
     cfg = resolve_config("pretrain", preset="debug", sets=[f"data.cache_dir={cache_dir}", *FAST, "train.max_steps=6"])
-    return pretrain_run(cfg, run_dir=out).final_dir
+    return pretrain_run(cfg, run_dir=out, run_config={"config": config_dict(cfg)}).final_dir  # as k3 pretrain
 
 
 def _extend_cfg(parent, cache_dir, *sets, position="nope", rope_theta=None, seq_len=128):
@@ -231,11 +231,13 @@ def test_every_refusal_exits_2_and_writes_nothing(parent, cache_dir, tmp_path):
     assert (tmp_path / "qeval" / "loss.png").stat().st_size > 1000
 
 
-def test_rope_child_with_a_larger_base_and_the_eval_passkey_command(parent, cache_dir, tmp_path):
-    child = extend_run(_extend_cfg(parent, cache_dir, "train.max_steps=3", position="rope", rope_theta=40000.0),
-                       ckpt=parent, run_dir=tmp_path / "rope").final_dir
+def test_rope_child_of_a_training_checkpoint_and_the_eval_passkey_command(parent, cache_dir, tmp_path):
+    step_dir = max((parent.parent / "checkpoints").iterdir())  # RUN_DIR/checkpoints/step-N: also a parent
+    child = extend_run(_extend_cfg(step_dir, cache_dir, "train.max_steps=3", position="rope", rope_theta=40000.0),
+                       ckpt=step_dir, run_dir=tmp_path / "rope").final_dir
     cfg = json.loads((child / "config.json").read_text())
-    assert cfg["mla_position"] == "rope" and cfg["rope_theta"] == 40000.0
+    assert cfg["mla_position"] == "rope" and cfg["rope_theta"] == 40000.0 and cfg["max_position_embeddings"] == 128
+    assert f"parent_checkpoint: {step_dir}" in (child / "k3_run.yaml").read_text()
     r = _cli("eval", "passkey", child, "--lengths", "96,128", "--depths", "0,1", "--trials", 2, "--out",
              tmp_path / "ev", "--device", "cpu")
     assert r.exit_code == 0, r.output
