@@ -147,7 +147,7 @@ def step_layout(seqs, buf: StepBuffers, geom, max_seqs: int, token_slot) -> torc
     Gb pages. "step": every sequence brings exactly T tokens; "verify": 1..T (shorter rows repeat their last token),
     per-token slots token_slot(slot, t). (Host work on every step: the per-token fields are numpy array operations,
     the per-sequence checks plain Python; 32 x 64 tokens took ~1 ms as per-token Python lists.)"""
-    B, T, Gb, kind = len(seqs), buf.T, buf.Gb, buf.kind
+    T, Gb, kind = buf.T, buf.Gb, buf.kind
     if kind == "verify":
         return _verify_layout(seqs, buf, geom, max_seqs, token_slot)
     vocab, ps, num_pages = geom
