@@ -161,13 +161,15 @@ mode_kda() {
 # the head and CE in 8K-token chunks (a 128K x vocab fp32 logits tensor alone would not fit); the dense anchor beside
 # it where it fits
 train_long() {
-  local spec b t ac an log
-  for spec in "4 4096 none anchor" "4 4096 all -" "1 16384 none anchor" "1 32768 none anchor" "1 65536 all -" \
-      "1 131072 all -"; do
-    read -r b t ac an <<< "$spec"
+  local spec b t ac an rc log
+  # B T checkpointing anchor KDA-recompute (K3_KDA_RECOMPUTE: the KDA backward recomputes its chunk states)
+  for spec in "4 4096 none anchor 0" "4 4096 all - 0" "1 16384 none anchor 0" "1 32768 none anchor 0" \
+      "1 65536 all - 1" "1 131072 all - 1"; do
+    read -r b t ac an rc <<< "$spec"
     log=long_${t}_${ac}.log
     # shellcheck disable=SC2046  # --no-anchor or nothing
-    step "k3-small B=$b T=$t checkpointing $ac" 150 "$log" python3 benchmarks/model.py --model k3-small --device cuda \
+    step "k3-small B=$b T=$t checkpointing $ac" 150 "$log" env K3_KDA_RECOMPUTE="$rc" python3 benchmarks/model.py \
+      --model k3-small --device cuda \
       --batch "$b" --seq "$t" --steps 2 --warmup 1 --activation-checkpointing "$ac" --loss-chunk 8192 \
       $([ "$an" = anchor ] || echo --no-anchor)
     grep -E "^fwd\+bwd|^dense anchor|^k3-small|OutOfMemory|out of memory" "$OUT/$log" | tail -4
