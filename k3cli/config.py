@@ -24,7 +24,15 @@ import yaml
 from k3.kernels.config import KernelConfig
 from k3.model.config import ConfigError, ModelConfig, config_from_dict, config_to_dict
 from k3.serve.config import ServeConfig
-from k3.train.config import CheckpointConfig, DataConfig, DistillConfig, OptimConfig, QuantizeConfig, TrainConfig
+from k3.train.config import (
+    CheckpointConfig,
+    DataConfig,
+    DistillConfig,
+    OptimConfig,
+    ParallelConfig,
+    QuantizeConfig,
+    TrainConfig,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,11 +48,12 @@ class K3Config:
     serve: ServeConfig | None = None  # the serving engine and HTTP server (`k3 serve`)
     quantize: QuantizeConfig | None = None  # format, modules, mode and calibration of `k3 quantize`
     distill: DistillConfig | None = None  # loss, routing and sampling of `k3 distill`
+    parallel: ParallelConfig | None = None  # dp x ep x cp process layout and redundant experts (no command runs it yet)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
             "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig, "quantize": QuantizeConfig,
-            "distill": DistillConfig}
+            "distill": DistillConfig, "parallel": ParallelConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
 COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
                     "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels"),
@@ -180,6 +189,12 @@ def resolve_config(command: str, *, preset: str | None, config_files: list[str] 
             cfg.kernels.validate()
         except ValueError as e:
             raise ConfigError(f"kernels: {e}") from None
+    if cfg.parallel is not None:  # the world size is checked by the launcher, which knows it
+        try:
+            cfg.parallel.validate(num_experts=cfg.model.num_experts if cfg.model is not None else None,
+                                  seq_len=cfg.data.seq_len if cfg.data is not None else None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 

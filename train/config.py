@@ -141,3 +141,47 @@ class DistillConfig:
     routing: str = "named"  # prompts without `teacher`: "named" (to default_teacher) | "uniform" (a random teacher) | "all" (the teachers' mean log-probabilities)
     default_teacher: str | None = None  # routing named: the teacher of prompts without one (None: the only teacher)
     max_num_seqs: int = 64  # completions decoded together in the batched generation
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Process layout under torchrun / accelerate launch: dp x ep x cp ranks (docs/parallel.md)."""
+
+    dp: int = 1  # data-parallel ranks: each trains on its own batches, parameters and optimizer state sharded (FSDP2)
+    ep: int = 1  # expert-parallel ranks: each owns num_experts / ep routed experts, tokens reach them by all-to-all in the latent width
+    cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
+    redundant_experts: int = 0  # R: expert slots per EP rank filled each step with copies of other ranks' experts, planned from the last step's router counts (k3.train.parallel.planner); 0 = static placement
+
+    def validate(self, *, world_size: int | None = None, num_experts: int | None = None,
+                 seq_len: int | None = None) -> ParallelConfig:
+        """self, or ValueError naming the sizes and the fix. world_size (the launcher's WORLD_SIZE), num_experts
+        (model.num_experts) and seq_len (data.seq_len) are checked when given.
+        Example: ParallelConfig(dp=2, ep=2).validate(world_size=4, num_experts=8)."""
+        for name in ("dp", "ep", "cp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{name} must be an integer >= 1, got {v!r}")
+        r = self.redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"parallel.redundant_experts must be an integer >= 0, got {r!r}")
+        if r and self.ep == 1:
+            raise ValueError(f"parallel.redundant_experts={r} needs expert parallelism: set parallel.ep > 1 "
+                             f"(with one EP rank every expert is already local)")
+        size = self.dp * self.ep * self.cp
+        if world_size is not None and size != world_size:
+            raise ValueError(f"parallel.dp x parallel.ep x parallel.cp = {self.dp} x {self.ep} x {self.cp} = {size}, "
+                             f"but the world size is {world_size}; launch {size} processes (torchrun --nproc_per_node "
+                             f"{size}) or change the sizes so that their product is {world_size}")
+        if num_experts is not None:
+            if num_experts % self.ep:
+                raise ValueError(f"parallel.ep={self.ep} must divide model.num_experts={num_experts} (each EP rank "
+                                 f"owns num_experts / ep experts)")
+            per_rank = num_experts // self.ep
+            if per_rank + r > num_experts:
+                raise ValueError(f"parallel.redundant_experts={r} is more than the {num_experts - per_rank} experts "
+                                 f"each rank does not own (model.num_experts={num_experts}, parallel.ep={self.ep}); "
+                                 f"use at most {num_experts - per_rank}")
+        if seq_len is not None and seq_len % self.cp:
+            raise ValueError(f"parallel.cp={self.cp} must divide data.seq_len={seq_len} (each CP rank holds "
+                             f"seq_len / cp tokens of every sequence)")
+        return self
