@@ -39,6 +39,17 @@ def vectors(E, P):
             "one-expert": one_hot, "one-rank": one_rank, "uniform": np.full(E, N // E)}
 
 
+_PLANS: dict = {}
+
+
+def planned(E, P, R, name):
+    """(counts, plan) of one case, planned once for the tests that share it."""
+    if (E, P, R, name) not in _PLANS:
+        c = vectors(E, P)[name]
+        _PLANS[E, P, R, name] = c, plan_experts(c, P, R)
+    return _PLANS[E, P, R, name]
+
+
 CASES = [(E, P, R, name) for E, P in SHAPES for R in (0, 1, 2) for name in vectors(E, P)]
 
 
@@ -55,8 +66,7 @@ def hall_value(c, slots, P):
 
 @pytest.mark.parametrize(("E", "P", "R", "name"), CASES, ids=[f"E{e}-P{p}-R{r}-{n}" for e, p, r, n in CASES])
 def test_plan_is_valid_and_meets_the_bound(E, P, R, name):
-    c = vectors(E, P)[name]
-    plan = plan_experts(c, P, R)
+    c, plan = planned(E, P, R, name)
     G = E // P
     assert plan.slots_PS.shape == (P, G + R)
     assert (plan.slots_PS[:, :G] == static_slots(E, P)).all()  # owners never move
@@ -80,8 +90,8 @@ def test_plan_is_valid_and_meets_the_bound(E, P, R, name):
 
 @pytest.mark.parametrize(("E", "P"), SHAPES)
 def test_no_redundancy_is_the_static_placement(E, P):
-    for c in vectors(E, P).values():
-        plan = plan_experts(c, P, 0)
+    for name in vectors(E, P):
+        c, plan = planned(E, P, 0, name)
         assert (plan.slots_PS == static_slots(E, P)).all()
         assert (plan.split_EP == np.eye(P)[np.arange(E) // (E // P)]).all()
         assert (rank_loads(c, plan) == static_loads(c, P)).all()
@@ -91,8 +101,9 @@ def test_no_redundancy_is_the_static_placement(E, P):
 @pytest.mark.parametrize(("E", "P"), SHAPES)
 @pytest.mark.parametrize("R", [1, 2])
 def test_plan_improves_on_no_plan(E, P, R):
-    for name, c in vectors(E, P).items():
-        report = load_report(c, plan_experts(c, P, R))
+    for name in vectors(E, P):
+        c, plan = planned(E, P, R, name)
+        report = load_report(c, plan)
         assert report["ep_load_planned"] <= report["ep_load_static"] + 1e-9, name
         if name != "uniform" and name != "random":  # skewed: strictly better, and within the stated bound
             assert report["ep_load_planned"] < report["ep_load_static"] - 1e-3, name
@@ -101,8 +112,7 @@ def test_plan_improves_on_no_plan(E, P, R):
 
 @pytest.mark.parametrize(("E", "P"), SHAPES)
 def test_one_hot_expert_is_spread_perfectly(E, P):
-    c = vectors(E, P)["one-expert"]
-    plan = plan_experts(c, P, 1)
+    c, plan = planned(E, P, 1, "one-expert")
     assert plan.copies_E()[E - 1] == P  # the hot expert on every rank
     np.testing.assert_allclose(rank_loads(c, plan), N / P, rtol=1e-9)
     np.testing.assert_allclose(load_bound(c, plan), N / P, rtol=1e-12)

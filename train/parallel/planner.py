@@ -118,24 +118,37 @@ def _place_replicas(c_E: np.ndarray, ep: int, redundant: int, rule: str) -> np.n
     hosted_EP[np.arange(E), home_E] = True
     slots = [list(row) for row in static_slots(E, ep)]
     copies_E = np.ones(E)
+    free_P = np.full(ep, redundant)
+    shed = rule == "shed"
+    load_P = c_E.reshape(ep, G).sum(1)  # the modelled tokens per rank, kept up to date below
+
+    def held(e_I, k_I, on_home):  # modelled tokens of experts e_I with k_I copies on one of their copies
+        if not shed:
+            return c_E[e_I] / k_I
+        return np.where(k_I == 1, c_E[e_I], np.where(on_home, 0.0, c_E[e_I] / np.maximum(k_I - 1, 1)))
+
     for _ in range(ep * redundant):
         share_E = c_E / copies_E
-        held_EP = share_E[:, None] * hosted_EP  # [E, P] tokens of e on each rank, even split
-        if rule == "shed":
-            moved = copies_E > 1
-            held_EP[moved] = (c_E[moved] / (copies_E[moved] - 1))[:, None] * hosted_EP[moved]
-            held_EP[moved, home_E[moved]] = 0.0
-        load_P = held_EP.sum(0)
-        free_P = np.array([len(s) < G + redundant for s in slots])
-        open_EP = ~hosted_EP & free_P  # where a new copy of e may go
-        can_E = open_EP.any(1)
-        key_E = share_E if rule == "share" else held_EP[:, int(np.argmax(load_P))]
+        if rule == "share":
+            key_E = share_E
+        else:
+            d = int(np.argmax(load_P))
+            key_E = np.where(hosted_EP[:, d], held(np.arange(E), copies_E, home_E == d), -1.0)
         # largest key first, then largest share, ties to the lower index (np.lexsort sorts by the last key first)
-        e = next(i for i in np.lexsort((np.arange(E), -share_E, -key_E)) if can_E[i])
-        r = int(np.flatnonzero(open_EP[e])[np.argmin(load_P[open_EP[e]])])
+        for e in np.lexsort((np.arange(E), -share_E, -key_E)):
+            open_P = ~hosted_EP[e] & (free_P > 0)  # where a new copy of e may go
+            if open_P.any():
+                break
+        r = int(np.flatnonzero(open_P)[np.argmin(load_P[open_P])])
+        hosts = np.flatnonzero(hosted_EP[e])
+        k = copies_E[e]
+        load_P[hosts] += held(np.full(hosts.size, e), np.full(hosts.size, k + 1), hosts == home_E[e]) - held(
+            np.full(hosts.size, e), np.full(hosts.size, k), hosts == home_E[e])
+        load_P[r] += held(np.array([e]), np.array([k + 1]), np.array([False]))[0]
         hosted_EP[e, r] = True
         slots[r].append(int(e))
         copies_E[e] += 1
+        free_P[r] -= 1
     return np.array(slots, dtype=np.int64)
 
 
