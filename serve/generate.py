@@ -89,7 +89,8 @@ def generate_batch(model: K3Model, tok: K3Tokenizer, prompts: list[list[int]], *
     dev = next(model.parameters()).device
     cfg = ServeConfig(device=dev.type, max_num_seqs=min(max_num_seqs, len(prompts)), max_model_len=max_len,
                       max_num_batched_tokens=max_num_batched_tokens, max_queue=max(512, len(prompts)),
-                      enable_prefix_caching=False, warmup=False, cuda_graphs=dev.type == "cuda")
+                      enable_prefix_caching=False, warmup=False, cuda_graphs=dev.type == "cuda",
+                      request_timeout_s=0)  # offline: the last of many queued prompts may wait past a server's limit
     engine = Engine(model, tok, cfg)
     outs: list[list[int]] = [[] for _ in prompts]
     errors: list[str] = []

@@ -183,3 +183,15 @@ def test_errors_exit_2_before_any_work_with_nothing_written(ckpts, tmp_path):
                                  "--prompts", str(long), "--out", str(out)])
     assert r.exit_code == 2 and "NAME=CKPT" in r.output
     assert not out.exists()
+
+
+def test_batched_generation_has_no_request_time_limit(ckpts, monkeypatch):
+    # many queued prompts on a slow CPU may take longer than a server request may: nothing is aborted
+    import k3.serve.engine as engine_mod
+
+    clock = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: float(next(clock)))
+    model, _ = load_model(ckpts / "student" / "final")
+    tok = K3Tokenizer.from_file(ckpts / "student" / "final")
+    outs = generate_batch(model, tok, [tok.encode("def f(", add_bos=True)] * 3, max_tokens=4, max_num_seqs=1)
+    assert all(len(o) >= 1 for o in outs)
