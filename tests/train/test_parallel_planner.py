@@ -84,6 +84,14 @@ def test_plan_is_valid_and_meets_the_bound(E, P, R, name):
     static, bound, lb = static_loads(c, P).max(), load_bound(c, plan), lower_bound(c, P, R)
     assert lb * (1 - 1e-9) <= loads.max() <= bound * (1 + 1e-9) + 1e-6
     assert bound <= static
+    # the bound's witnesses built directly from the placement: even over all copies, and none to a copied owner
+    k = hosted.sum(1)
+    even = (c / k) @ hosted
+    owner_free = hosted & ~((k > 1)[:, None] & (np.arange(P) == (np.arange(E) // G)[:, None]))
+    shed = (c / owner_free.sum(1)) @ owner_free
+    tol = 1e-9 * c.sum() + 1e-6
+    assert loads.max() <= min(even.max(), shed.max()) + tol
+    assert min(static, even.max(), shed.max()) <= bound + tol
     if P <= 8:  # the split is the optimum of its placement: the min-cut value, enumerated independently
         np.testing.assert_allclose(loads.max(), hall_value(c.astype(float), plan.slots_PS, P), rtol=1e-7)
 

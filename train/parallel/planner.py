@@ -22,12 +22,16 @@ Algorithm (pure, numpy; each split is one linear program through scipy's HiGHS):
    exactly: min T s.t. sum_{e on r} c_e x_er <= T for every r (the optimum equals the max over rank sets Q of
    c(experts hosted only inside Q) / |Q|, max-flow min-cut; the tests check this for small P).
 
-Bound. Let s_e = c_e / k_e with the plan's final copy counts, p_r = sum_{e owned by r} s_e and top_R(r) the sum of the
-R largest s_e over experts not owned by r. Two splits live on the plan's placement: the static one (every token to its
-owner, replicas idle; max load max_r A_r) and the even one (s_e to each copy; rank r holds its G owned experts and R
-distinct foreign ones, so its load is at most p_r + top_R(r)). The exact split is no worse than either:
+Bound. Let s_e = c_e / k_e with the plan's final copy counts, p_r = sum_{e owned by r} s_e, top_R(r) the sum of the
+R largest s_e over experts not owned by r; for copied experts (k_e >= 2) let a_e = c_e / (k_e - 1), U_r the tokens of
+r's owned experts without a copy, and top'_R(r) the sum of the R largest a_e over copied experts not owned by r.
+Three splits live on the plan's placement: the static one (every token to its owner, replicas idle; max load
+max_r A_r), the even one (s_e to each copy; rank r holds its G owned experts and R distinct foreign ones, so its load
+is at most p_r + top_R(r)) and the owner-free one (a copied expert's tokens split evenly over its foreign copies,
+none to its owner; rank r's load is at most U_r + top'_R(r)). The exact split is no worse than any of them:
 
-    L_plan <= B = min( max_r A_r , max_r [ p_r + top_R(r) ] ),   so   L_plan / (N / P) <= B / (N / P).
+    L_plan <= B = min( max_r A_r , max_r [ p_r + top_R(r) ] , max_r [ U_r + top'_R(r) ] ),
+    L_plan / (N / P) <= B / (N / P).
 
 R = 0 gives B = max_r A_r (the static plan, the only split). All N tokens on one expert with R >= 1: the share rule
 gives it P copies, s = N / P there and 0 elsewhere, so B = N / P for that placement and L_plan = N / P: perfect
@@ -211,12 +215,16 @@ def load_bound(counts, plan: ExpertPlan) -> float:
     static = static_loads(c_E, P).max()
     if R == 0:
         return float(static)
-    share_E = c_E / plan.copies_E()
-    even = 0.0
+    k_E = plan.copies_E()
+    share_E = c_E / k_E  # the even split's tokens per copy
+    away_E = np.where(k_E > 1, c_E / np.maximum(k_E - 1, 1), 0.0)  # the owner-free split's, per foreign copy
+    stuck_P = np.where(k_E == 1, c_E, 0.0).reshape(P, G).sum(1)  # owned experts without a copy elsewhere
+    even = shed = 0.0
     for r in range(P):
-        foreign = np.delete(share_E, np.s_[r * G:(r + 1) * G])
-        even = max(even, share_E[r * G:(r + 1) * G].sum() + np.sort(foreign)[::-1][:R].sum())
-    return float(min(static, even))
+        own = np.s_[r * G:(r + 1) * G]
+        even = max(even, share_E[own].sum() + np.sort(np.delete(share_E, own))[::-1][:R].sum())
+        shed = max(shed, stuck_P[r] + np.sort(np.delete(away_E, own))[::-1][:R].sum())
+    return float(min(static, even, shed))
 
 
 def lower_bound(counts, ep: int, redundant: int) -> float:
