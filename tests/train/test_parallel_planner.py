@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from k3.train.parallel.planner import (
     assign_tokens,
@@ -141,6 +142,10 @@ def test_example_and_report_keys():
     np.testing.assert_allclose(rank_loads([8, 0, 0, 0], plan), [4.0, 4.0])
     assert load_report([8, 0, 0, 0], plan) == pytest.approx(
         {"ep_load_static": 2.0, "ep_load_planned": 1.0, "ep_load_bound": 1.0})
+    assert load_report(torch.tensor([8, 0, 0, 0]), plan)["ep_load_planned"] == pytest.approx(1.0)  # router counts
+    assert (assign_tokens(torch.tensor([8, 0, 0, 0]), plan) == [[4, 4], [0, 0], [0, 0], [0, 0]]).all()
+    # a stale plan (last step's) on new counts: the report shows what the step met
+    assert load_report([0, 0, 8, 0], plan)["ep_load_planned"] == pytest.approx(2.0)
     assert load_report([0, 0, 0, 0], plan) == {"ep_load_static": 1.0, "ep_load_planned": 1.0, "ep_load_bound": 1.0}
 
 

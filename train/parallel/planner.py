@@ -252,7 +252,9 @@ def assign_tokens(counts, plan: ExpertPlan) -> np.ndarray:
 
 
 def load_report(counts, plan: ExpertPlan) -> dict[str, float]:
-    """Max / mean tokens per rank without and with the plan (1.0 = perfect balance), to log every step.
+    """Max / mean tokens per rank without and with the plan (1.0 = perfect balance), to log every step. With this
+    step's counts and the plan made from the previous step's, `ep_load_planned` is what the step met; the bound
+    `ep_load_bound` holds for a plan made from `counts` themselves. Counts: a CPU tensor, array or list [E].
     Example: load_report([8, 0, 0, 0], plan_experts([8, 0, 0, 0], 2, 1)) -> {"ep_load_static": 2.0,
     "ep_load_planned": 1.0, "ep_load_bound": 1.0}."""
     c_E = np.asarray(counts, dtype=np.float64)
