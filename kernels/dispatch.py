@@ -6,15 +6,17 @@ call). When configure is never called, the first kernel call applies `KernelConf
 the variables alone select as they always did. The backend (`KernelConfig.backend`, overridden by `K3_KERNELS`):
 
     torch    always the PyTorch implementations
-    triton   the Triton kernels; an error if they are not available (no silent fallback)
+    triton   the Triton kernels for CUDA tensors; an error if they are not available (no silent fallback)
     auto     (K3_KERNELS unset or empty) triton when a CUDA GPU is present and `triton` imports, torch otherwise
 
 "triton" without a GPU is allowed only under Triton's CPU interpreter (`TRITON_INTERPRET=1`, slow; used by the CPU
 tests); otherwise asking for it raises KernelBackendError naming the fix.
 
-Public ops (`chunk_kda`, `fused_recurrent_kda`, ...) call `resolve(op_name, torch_impl)` to get the callable for the
-chosen backend. A Triton implementation is made available by adding `op_name -> "module:function"` to `TRITON_OPS`;
-ops without an entry use their PyTorch implementation on either backend.
+Public ops (`chunk_kda`, `fused_recurrent_kda`, ...) call `resolve(op_name, torch_impl, like=x)` to get the callable
+for the chosen backend and the device of their input `x`: a Triton kernel gets CUDA tensors only (CPU tensors under
+the interpreter), so a CPU tensor in a process with a GPU (a CPU model or reference next to the GPU one) runs the
+PyTorch twin on either backend. A Triton implementation is made available by adding `op_name -> "module:function"` to
+`TRITON_OPS`; ops without an entry use their PyTorch implementation on either backend.
 """
 
 from __future__ import annotations
@@ -130,9 +132,13 @@ def kernel_backend() -> str:
     return backend
 
 
-def resolve(op: str, torch_impl: Callable) -> Callable:
-    """The implementation of `op` for the chosen backend; ops without a Triton version use `torch_impl`."""
+def resolve(op: str, torch_impl: Callable, like: torch.Tensor | None = None) -> Callable:
+    """The implementation of `op` for the chosen backend; ops without a Triton version use `torch_impl`, and so do
+    inputs `like` that are not on a CUDA device (outside the interpreter): the Triton kernels run on CUDA tensors only.
+    """
     if kernel_backend() == "torch" or op not in TRITON_OPS:
+        return torch_impl
+    if like is not None and not like.is_cuda and not triton_interpreter():
         return torch_impl
     module, name = TRITON_OPS[op].split(":")
     return getattr(importlib.import_module(module), name)

@@ -94,7 +94,7 @@ def chunk_kda(
     if safe_gate and use_gate_in_kernel and lower_bound is None:
         raise ValueError("chunk_kda: safe_gate=True with the in-kernel softplus gate is unbounded (g can be < -5); "
                          "pass lower_bound in [-5, 0) for the lower-bound gate, or safe_gate=False")
-    impl = resolve("chunk_kda", chunk_kda_torch)
+    impl = resolve("chunk_kda", chunk_kda_torch, like=q)
     return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                 dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,

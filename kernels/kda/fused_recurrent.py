@@ -169,7 +169,7 @@ def fused_recurrent_kda(
                          "pool as initial_state")
     if pooled and initial_state is not None and initial_state.dtype not in (torch.float32, compute_dtype(q)):
         raise ValueError(f"fused_recurrent_kda: the state pool must be float32, got {initial_state.dtype}")
-    impl = resolve("fused_recurrent_kda", fused_recurrent_kda_torch)
+    impl = resolve("fused_recurrent_kda", fused_recurrent_kda_torch, like=q)
     return impl(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -210,7 +210,7 @@ def fused_recurrent_kda_pool_trusted(
     kw = {"A_log": A_log, "dt_bias": dt_bias, "scale": scale, "lower_bound": lower_bound,
           "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_gate_in_kernel": use_gate_in_kernel,
           "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel}
-    impl = resolve("fused_recurrent_kda", _pool_trusted_torch)
+    impl = resolve("fused_recurrent_kda", _pool_trusted_torch, like=q)
     if impl is _pool_trusted_torch:
         return _pool_trusted_torch(q, k, v, g, beta, pool=pool, idx=ssm_state_indices, **kw)
     # per-token slots [B, T] are the public API's speculative form with num_accepted_tokens = 1 (start from slot 0)

@@ -38,7 +38,7 @@ def quant_grouped_mm(x_MI: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; use one of {FORMATS}")
-    return resolve("quant_grouped_mm", quant_grouped_mm_torch)(x_MI, qweight, scales, counts_E, fmt, impl)
+    return resolve("quant_grouped_mm", quant_grouped_mm_torch, like=x_MI)(x_MI, qweight, scales, counts_E, fmt, impl)
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -48,7 +48,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, f
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; use one of {FORMATS}")
-    return resolve("quant_linear", quant_linear_torch)(x, qweight, scales, fmt)
+    return resolve("quant_linear", quant_linear_torch, like=x)(x, qweight, scales, fmt)
 
 
 __all__ = ["FORMATS", "INT4_FORMATS", "FakeQuant", "dequantize_int4_grouped", "dequantize_int8_channel",

@@ -125,6 +125,45 @@ def test_configure_changes_what_the_dispatch_resolves(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the Triton kernel modules need the `triton` package")
+def test_triton_backend_gives_the_kernels_cuda_tensors_only(monkeypatch):
+    """On the triton backend of a GPU host every op's input on the CPU (a CPU model beside the GPU one) resolves to
+    its PyTorch twin; under the interpreter the kernels take CPU tensors (how the CPU tests run them)."""
+    def torch_impl(*a, **kw):
+        return "torch"
+
+    cpu = torch.zeros(1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the backend choice of a GPU host
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    configure(KernelConfig(backend="triton"))
+    assert dispatch.kernel_backend() == "triton"
+    for op in dispatch.TRITON_OPS:
+        assert dispatch.resolve(op, torch_impl, like=cpu) is torch_impl, op
+        assert dispatch.resolve(op, torch_impl) is not torch_impl, op  # no input named: the backend decides
+    # the public ops name their input: on CPU tensors they compute what the torch backend computes
+    from k3.kernels.glu import c2_glu
+    from k3.kernels.kda import chunk_kda, fused_recurrent_kda
+    from k3.kernels.mla import paged_mla_decode
+
+    q, k, v = torch.randn(3, 1, 5, 2, 8)
+    g, beta = -torch.rand(1, 5, 2, 8), torch.rand(1, 5, 2)
+    q_lat, q_rope, pool = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 2), torch.randn(2, 64, 6)  # 64-token pages
+    block_table, qpos = torch.tensor([[1, 0]]), torch.tensor([[70]])
+
+    def ops():
+        return (chunk_kda(q, k, v, g, beta)[0], fused_recurrent_kda(q, k, v, g, beta)[0], c2_glu(q, k),
+                paged_mla_decode(q_lat, q_rope, pool, block_table, qpos, scale=0.5))
+
+    on_triton = ops()
+    configure(KernelConfig(backend="torch"))
+    for name, a, b in zip(("chunk_kda", "fused_recurrent_kda", "c2_glu", "paged_mla_decode"), on_triton, ops()):
+        assert torch.equal(a, b), name
+    configure(KernelConfig(backend="triton"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for op in dispatch.TRITON_OPS:
+        assert dispatch.resolve(op, torch_impl, like=cpu) is not torch_impl, op
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the Triton kernel modules need the `triton` package")
 def test_kda_settings_reach_the_kernels():
     """backward_impl (which backward the chunk Function runs), keep_states (whether its forward keeps the states)
     and the fp32 dot precision of every chunk kernel, forward and backward, read the applied config."""

@@ -1,5 +1,8 @@
 """k3.kernels.quant against float64 references written here: int4 packing, group / channel RTN quantization,
-per-token FP8 activation fake-quant, and quant_grouped_mm against a per-expert float64 loop."""
+per-token FP8 activation fake-quant, quant_grouped_mm against a per-expert float64 loop, and the entry points on
+CPU tensors under the triton backend of a GPU host (the twins)."""
+
+import importlib.util
 
 import pytest
 import torch
@@ -10,8 +13,12 @@ from k3.kernels.quant import (
     fake_quant_fp8_per_token,
     pack_int4,
     quant_grouped_mm,
+    quant_grouped_mm_torch,
+    quant_linear,
+    quant_linear_torch,
     quantize_int4_grouped,
     quantize_int8_channel,
+    quantize_weight,
     unpack_int4,
 )
 from k3.kernels.testing import assert_close
@@ -153,3 +160,26 @@ def test_quant_grouped_mm_matches_float64_loop(fmt, impl):
     assert 0 < rel < (0.15 if fmt == "w4a8" else 0.01)
     with pytest.raises(ValueError, match="unknown quantization format"):
         quant_grouped_mm(x, qw, s, counts, "nf4")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the triton backend needs the `triton` package")
+@pytest.mark.parametrize("fmt", ["w4a8", "w4a16", "w8a16"])
+def test_triton_backend_of_a_gpu_host_runs_the_twins_on_cpu_tensors(monkeypatch, kernel_env, fmt):
+    """K3_KERNELS=triton (or auto) where a GPU is present, without the interpreter: a CPU model (a reference, an
+    export) calls the entry points with CPU tensors, which a Triton kernel cannot read; they run the twins instead,
+    bit for bit, in fp32 and bf16."""
+    from k3.kernels import dispatch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the backend choice of a GPU host
+    kernel_env(K3_KERNELS="triton", TRITON_INTERPRET=None)
+    assert dispatch.kernel_backend() == "triton"
+    E, O, I = 3, 40, 64
+    counts = torch.tensor([4, 0, 5])
+    qw, s = quantize_weight(torch.randn(E, O, I) / 8, fmt, 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(int(counts.sum()), I, dtype=dtype)
+        y = quant_grouped_mm(x, qw, s, counts, fmt)
+        assert y.dtype == dtype and torch.equal(y, quant_grouped_mm_torch(x, qw, s, counts, fmt))
+        x_BTK = x.reshape(1, -1, I)
+        y = quant_linear(x_BTK, qw[0], s[0], fmt)
+        assert y.shape == (1, 9, O) and torch.equal(y, quant_linear_torch(x_BTK, qw[0], s[0], fmt))
