@@ -16,7 +16,6 @@ checkpoints/step-N/ (the prompt sampler's position is the data state), final/ (t
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from .loop import Trainer
 from .optim import build_optimizer
 from .pretrain import (
     PretrainResult,
+    _atomic_write_text,
     _missing_dirs,
     _remove_dirs,
     fit_with_progress,
@@ -201,12 +201,6 @@ def batch_loss_fn(kind: str, beta: float, names: list[str]) -> Callable:
     return batch_loss
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def run(cfg: Any, *, student: str | Path, teachers: dict[str, str | Path], prompts: str | Path, run_dir: Path,
         generate: Generate, resume: bool = False, run_config: dict | None = None, console=None,
         command: str = "k3 distill") -> PretrainResult:
@@ -270,7 +264,7 @@ def run(cfg: Any, *, student: str | Path, teachers: dict[str, str | Path], promp
               "stats": {"n_params_total": counts["total"], "n_params_active": counts["active"],
                         "n_prompts": len(plist), "prompts_per_teacher": {
                             n: sum(p.teacher == n for p in plist) for n in names}}}
-        _write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+        _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
     except BaseException:
         _remove_dirs(made)
         raise
@@ -285,7 +279,7 @@ def run(cfg: Any, *, student: str | Path, teachers: dict[str, str | Path], promp
         return PretrainResult(run_dir, None, state.step, None, None, state.wall_time, state.tokens,
                               stop_signal=trainer.stop_signal)
     rc["stats"].update(tokens=state.tokens, steps=state.step, wall_time_s=state.wall_time)
-    _write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+    _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
     final = write_release(run_dir, {k: v.detach().cpu() for k, v in model.state_dict().items()}, mcfg, tok, rc,
                           ccfg.export_dtype, init.trained_seq_len)
     trainer.save_checkpoint()

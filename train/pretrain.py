@@ -99,7 +99,7 @@ def peak_flops_for(device: torch.device, peak_tflops: float | None) -> float | N
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
