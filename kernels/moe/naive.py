@@ -5,8 +5,14 @@ Legend: N tokens, K experts per token, M = N*K routed rows, E experts, I in-feat
 Each token is copied once per selected expert and the M copies are sorted by expert (stable, so each expert's rows
 stay in token order). Every expert then owns one contiguous slice of rows, and a grouped matmul runs each expert
 on its slice with no Python loop over tokens. The unpermute gathers the rows back through the inverse permutation
-and takes the routing-weighted sum over the K slots; this is the weighted scatter-add written as a gather, so every
-floating-point scatter (forward or backward) writes each target once and the result is deterministic on every device.
+and takes the routing-weighted sum over the K slots; this is the weighted scatter-add written as a gather.
+
+Both row moves are gathers in the forward AND the backward (`_GatherRows`: the gradient of a gather through a
+permutation is the gather through its inverse), so no float scatter, index_put or atomic add runs anywhere, the
+result is deterministic on every device, and nothing waits on the host (no .tolist(), .item(), nonzero or boolean
+mask; the routing stays on the device). The combine is an elementwise product and a sum over K, whose backward is
+elementwise too: a batched [1, K] x [K, O] matmul per token (the earlier torch.bmm form) ran a slow small-tile GEMM
+in its backward on the H200 (485 us a call at k3-small's N = 16384, K = 4, O = 384).
 
 Weights use the nn.Linear layout per expert: w_EOI[e] is [out, in], so y = x @ w[e].T.
 
@@ -34,15 +40,15 @@ def moe_permute(x_ND: torch.Tensor, topk_idx_NK: torch.Tensor, num_experts: int)
     if x_ND.dim() != 2 or topk_idx_NK.dim() != 2 or x_ND.shape[0] != topk_idx_NK.shape[0]:
         raise ValueError(f"moe_permute expects x [N, D] and topk_idx [N, K] with the same N; got "
                          f"{tuple(x_ND.shape)} and {tuple(topk_idx_NK.shape)}")
-    N, K = topk_idx_NK.shape
+    K = topk_idx_NK.shape[1]
     flat_M = topk_idx_NK.reshape(-1)
     # stable: equal expert ids keep token order, so the layout is a pure function of the routing
     order_M = torch.argsort(flat_M, stable=True)
-    # scatter_add, not bincount: bincount's output size depends on the data, which costs a host sync on GPUs
+    # scatter_add of integers, not bincount: bincount's output size depends on the data (a host sync on GPUs)
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_M.device).scatter_add_(
         0, flat_M, torch.ones_like(flat_M))
-    # expand + copy, then gather: the backward is a permutation scatter plus a sum over K (deterministic)
-    x_MD = x_ND.unsqueeze(1).expand(N, K, x_ND.shape[1]).reshape(N * K, -1)[order_M]
+    # row r holds token order_M[r] // K; the backward gathers each token's K rows back and sums them
+    x_MD = _GatherRows.apply(x_ND, order_M // K, _inverse_permutation(order_M), K)
     return x_MD, order_M, counts_E
 
 
@@ -51,7 +57,8 @@ def moe_unpermute(y_MO: torch.Tensor, order_M: torch.Tensor, topk_weight_NK: tor
 
     Args: y_MO [M, O] rows in expert order (as produced from `moe_permute`'s x_MD); order_M [M] from `moe_permute`;
     topk_weight_NK [N, K] routing weights (any float dtype; gradients flow into it).
-    Returns out_NO [N, O] in y's dtype (the weights are cast to it).
+    Returns out_NO [N, O] in y's dtype (the weights are cast to it; in bf16 each product w * y is rounded to bf16
+    and the K-term sum accumulates in fp32, as torch's reductions do).
 
     Example: out = moe_unpermute(y_MO, order_M, w_NK)   # [N, O]
     """
@@ -59,10 +66,37 @@ def moe_unpermute(y_MO: torch.Tensor, order_M: torch.Tensor, topk_weight_NK: tor
     M = order_M.numel()
     if y_MO.shape[0] != M or M != N * K:
         raise ValueError(f"moe_unpermute: y has {y_MO.shape[0]} rows, order has {M}, weights give N*K = {N * K}")
-    inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(M, device=order_M.device))
-    y_NKO = y_MO[inv_M].view(N, K, -1)
-    out_N1O = torch.bmm(topk_weight_NK.to(y_MO.dtype).unsqueeze(1), y_NKO)
-    return out_N1O.squeeze(1)
+    y_NKO = _GatherRows.apply(y_MO, _inverse_permutation(order_M), order_M, 1).view(N, K, -1)
+    # a weighted sum over the K slots: elementwise forward and backward (grad_y = w g, grad_w = sum_O g y)
+    return (y_NKO * topk_weight_NK.to(y_MO.dtype).unsqueeze(-1)).sum(1)
+
+
+def _inverse_permutation(order_M: torch.Tensor) -> torch.Tensor:
+    """inv_M with inv_M[order_M[r]] = r: an integer scatter that writes every slot once (no host sync)."""
+    return torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel(), device=order_M.device))
+
+
+class _GatherRows(torch.autograd.Function):
+    """out_M = x[idx_M] where every row n of x is read exactly `rep` times, by the rows inv[n*rep : (n+1)*rep].
+
+    The backward is a gather too: grad_x[n] = sum_j grad_out[inv[n*rep + j]]. autograd's own gradient of an index
+    would scatter with index_put (accumulate), which sorts the indices on CUDA; here the permutation is known.
+    Used with (idx = order // K, inv = inverse of order, rep = K) to dispatch and (inv, order, 1) to combine.
+    """
+
+    @staticmethod
+    def forward(ctx, x, idx_M, inv_M, rep):
+        ctx.save_for_backward(inv_M)
+        ctx.rep, ctx.rows = rep, x.shape[0]
+        return x.index_select(0, idx_M)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv_M,) = ctx.saved_tensors
+        gx = g.index_select(0, inv_M)
+        if ctx.rep > 1:
+            gx = gx.view(ctx.rows, ctx.rep, *g.shape[1:]).sum(1)
+        return gx, None, None, None
 
 
 def _grouped_mm_loop(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -156,10 +190,16 @@ def moe_grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     if x_MI.dim() != 2 or w_EOI.dim() != 3 or x_MI.shape[1] != w_EOI.shape[2] or counts_E.numel() != w_EOI.shape[0]:
         raise ValueError(f"moe_grouped_mm expects x [M, I], w [E, O, I], counts [E]; got {tuple(x_MI.shape)}, "
                          f"{tuple(w_EOI.shape)}, {tuple(counts_E.shape)}")
+    if torch.is_autocast_enabled(x_MI.device.type):
+        # torch._grouped_mm has no autocast rule, so fp32 inputs (an fp32 activation, fp32 expert parameters) would
+        # reach its fp32 CUDA path, which loops over the groups with the offsets copied to the host (torch 2.11
+        # GroupedBlas.cpp: only bf16 on sm90+ runs the sync-free CUTLASS kernel). Cast fp32 operands the way autocast
+        # casts a linear's (differentiable: the gradient reaches the fp32 parameters in fp32); float64 stays.
+        amp = torch.get_autocast_dtype(x_MI.device.type)
+        x_MI, w_EOI = (t.to(amp) if t.dtype == torch.float32 else t for t in (x_MI, w_EOI))
     if x_MI.dtype != w_EOI.dtype and x_MI.dtype.itemsize < w_EOI.dtype.itemsize:
-        # autocast: x comes from an autocast linear in bf16/fp16 while the expert weights stay fp32 parameters; cast
-        # them the way autocast casts a linear's weight (differentiable, the gradient reaches the fp32 params), so
-        # the grouped kernel runs instead of a per-expert loop with a host sync
+        # x in bf16/fp16 (an autocast linear's output) with fp32 expert weights outside autocast: cast the weights
+        # likewise, so the grouped kernel runs instead of a per-expert loop with a host sync
         w_EOI = w_EOI.to(x_MI.dtype)
     if x_MI.is_cuda and torch.cuda.is_current_stream_capturing() and (impl == "loop" or x_MI.dtype != torch.bfloat16):
         # inside CUDA-graph capture only bf16 torch._grouped_mm is known to be sync-free (its CUTLASS kernel; seen

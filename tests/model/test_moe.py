@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from k3.kernels.moe import grouped_mm_available, moe_grouped_mm, moe_permute, moe_unpermute
 from k3.model.config import ModelConfig
@@ -262,6 +263,118 @@ def test_permute_grouped_mm_unpermute_match_loop(impl):
     torch.testing.assert_close(out.double(), ref, **tol)
     for a, b in zip(torch.autograd.grad(out, (x_, w_, W_), g.to(out.dtype)), torch.autograd.grad(ref, (xr, wr, Wr), g)):
         torch.testing.assert_close(a.double(), b, **tol)
+
+
+def earlier_permute(x_ND, idx_NK):
+    """The dispatch as first written: expand each token K times, then index by the expert-sorted order."""
+    N, K = idx_NK.shape
+    order_M = torch.argsort(idx_NK.reshape(-1), stable=True)
+    return x_ND.unsqueeze(1).expand(N, K, x_ND.shape[1]).reshape(N * K, -1)[order_M], order_M
+
+
+def earlier_unpermute(y_MO, order_M, w_NK):
+    """The combine as first written: index through the inverse order, then one [1, K] x [K, O] bmm per token."""
+    N, K = w_NK.shape
+    inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(order_M.numel()))
+    return torch.bmm(w_NK.unsqueeze(1), y_MO[inv_M].view(N, K, -1)).squeeze(1)
+
+
+def test_gather_dispatch_and_weighted_sum_equal_the_earlier_formulas_float64():
+    """moe_permute / moe_unpermute (gathers both ways, elementwise combine) against the index + bmm formulas:
+    values and the gradients of x, y and the routing weights, ties of expert ids and an unused expert included."""
+    N, K, E, D, O = 11, 3, 7, 10, 6
+    x = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, E - 1, (N, K))  # repeats within a token allowed, expert E-1 never chosen
+    w = torch.rand(N, K, dtype=torch.float64, requires_grad=True)
+    proj = torch.randn(N * K, D, O, dtype=torch.float64)  # row-dependent map so every slot's gradient differs
+    x_MD, order_M, counts_E = moe_permute(x, idx, E)
+    x_ref, order_ref = earlier_permute(x, idx)
+    assert torch.equal(order_M, order_ref) and torch.equal(x_MD, x_ref) and counts_E[E - 1] == 0
+    y = torch.einsum("md,mdo->mo", x_MD, proj)
+    y_ref = torch.einsum("md,mdo->mo", x_ref, proj)
+    out, ref = moe_unpermute(y, order_M, w), earlier_unpermute(y_ref, order_ref, w)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-13)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (x, w), g), torch.autograd.grad(ref, (x, w), g)):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    y_leaf = y.detach().requires_grad_()
+    (gy,) = torch.autograd.grad(moe_unpermute(y_leaf, order_M, w), y_leaf, g)
+    (gy_ref,) = torch.autograd.grad(earlier_unpermute(y_leaf, order_M, w), y_leaf, g)
+    torch.testing.assert_close(gy, gy_ref, rtol=1e-13, atol=1e-13)
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the aten ops that run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# scatters (index_put sorts its indices on CUDA; float scatter-adds are atomics), the small-tile bmm, host syncs
+FORBIDDEN = {"index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_", "scatter_add", "bmm",
+             "nonzero", "_local_scalar_dense", "masked_select"}
+
+
+def test_dispatch_runs_no_scatter_bmm_or_host_sync_forward_or_backward():
+    N, K, E, D = 24, 3, 6, 16
+    x = torch.randn(N, D, requires_grad=True)
+    w = torch.rand(N, K, requires_grad=True)
+    W = torch.randn(E, 8, D, requires_grad=True)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    moe_grouped_mm(torch.randn(4, D), W.detach(), torch.tensor([1, 1, 1, 1, 0, 0]))  # the one-time probe, outside
+    with OpLog() as fwd:
+        x_MD, order_M, counts_E = moe_permute(x, idx, E)
+        out = moe_unpermute(moe_grouped_mm(x_MD, W, counts_E), order_M, w)
+    with OpLog() as bwd:
+        out.square().sum().backward()
+    assert not (fwd.ops | bwd.ops) & FORBIDDEN, (fwd.ops | bwd.ops) & FORBIDDEN
+    if grouped_mm_available(x_MD, W):
+        assert "_grouped_mm" in fwd.ops and "_grouped_mm" in bwd.ops  # the grouped kernel in the backward too
+
+
+def test_grouped_mm_under_autocast_runs_in_the_autocast_dtype():
+    """torch._grouped_mm has no autocast rule: fp32 activations and weights are cast like an autocast linear's, so
+    the bf16 kernel runs (its fp32 CUDA path loops over groups with host syncs); gradients reach fp32 in fp32."""
+    counts = torch.tensor([2, 3, 0, 3])
+    x = torch.randn(8, 16, requires_grad=True)
+    W = torch.randn(4, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe_grouped_mm(x, W, counts)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, moe_grouped_mm(x.detach().bfloat16(), W.detach().bfloat16(), counts, impl="loop"))
+    gx, gW = torch.autograd.grad(y.float().sum(), (x, W))
+    assert gx.dtype == gW.dtype == torch.float32 and gW[2].abs().sum() == 0 and gW[3].abs().sum() > 0
+    x64 = torch.randn(8, 16, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 references are left alone, as autocast does
+        assert moe_grouped_mm(x64, W.detach().double(), counts).dtype == torch.float64
+
+
+@pytest.mark.cuda
+def test_latent_moe_bf16_step_has_no_host_sync_on_cuda():
+    """fwd + bwd of the layer under bf16 autocast with CUDA's sync debug mode set to error (after a warm-up that
+    runs the one-time grouped-matmul probe)."""
+    cfg = cfg_with(moe_latent_size=64, moe_intermediate_size=64, d_model=128)
+    moe = LatentMoE(cfg).cuda()
+    x = torch.randn(2, 64, cfg.d_model, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = moe(x)
+        y.float().square().mean().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 def test_dispatch_rejects_bad_shapes():
