@@ -15,13 +15,18 @@ Limits (read before scaling up):
 - Muon needs the FULL gradient matrix of every parameter it updates. Orthogonalizing a shard is wrong (DeepSpeed
   issue #7807); sharded (DTensor) parameters are refused with an error. A ZeRO-1 style Muon (gather, NS5, keep the
   local slice; Moonlight section 2.3) is not implemented here.
-- NS5 runs in bf16 on CUDA (as Keller Jordan's reference) and in fp32 on CPU (bf16 matmuls on CPU are far slower
-  than fp32); float64 input on CPU stays float64 so the tests can compare against exact references.
+- NS5 runs in bf16 on CUDA, as Keller Jordan's reference does (github.com/KellerJordan/Muon, muon.py:
+  `X = G.bfloat16()` before the iterations), and in fp32 on CPU (bf16 matmuls on CPU are far slower than fp32);
+  float64 input on CPU stays float64 so the tests can compare against exact references. The Frobenius normalization
+  accumulates in fp32, each iteration's products accumulate in fp32 inside the GEMMs (three per iteration: X Xᵀ and
+  two baddbmm that fold the a, b, c terms into the epilogue), and the bf16 result is added into fp32 parameters in
+  fp32 without an fp32 copy of the update.
 - Packed [gate | up] weights (`*gate_up_proj*`, 2-D [2F, D] or 3-D experts [E, 2F, D]) are orthogonalized as two
   blocks, which is exactly Muon on the unpacked W_gate and W_up (what Moonlight trained); packing is a runtime layout
   and must not change the math.
 - NS5 is batched across the whole step: every [a, b] block (heads, experts, gate/up halves, whole matrices) of
-  equal shape is orthogonalized in one stacked call.
+  equal shape is orthogonalized in one stacked call [n, a, b], the stack written straight from G + μM in NS5's
+  working dtype and the result added straight into each parameter's block view (no fp32 stack, no unblocking copy).
 
 Legend: A, B matrix rows and columns; H heads; E experts; leading dims of a batched matrix stack are written `...`.
 """
@@ -42,33 +47,41 @@ NS5_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c): KellerJordan/Muon; tuned so
 MOONLIGHT_SCALE = 0.2  # arXiv 2502.16982 eq. 4: matches AdamW's update RMS
 
 
-def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def ns_work_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """NS5's working dtype: bf16 on CUDA (KellerJordan/Muon), fp32 elsewhere; float64 stays float64 (references)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximate U Vᵀ (the nearest semi-orthogonal matrix) of every matrix in G [..., A, B] -> [..., A, B].
 
     Quintic Newton–Schulz: X ← G/(‖G‖_F + 1e-7) per matrix, then `steps` times A = X Xᵀ, X ← aX + (bA + cA²)X with
     (a, b, c) = (3.4445, −4.7750, 2.0315) (KellerJordan/Muon; Moonlight arXiv 2502.16982 Algorithm 1). The
     coefficients trade exactness for speed: singular values land in roughly [0.7, 1.2], not at 1. Iterates on the wide
-    orientation (rows ≤ cols) so X Xᵀ is the smaller Gram matrix. Computes in bf16 on CUDA, fp32 on CPU (float64 stays
-    float64); returns G's dtype. Example: O = zeropower_via_newtonschulz5(torch.randn(256, 1024)).
+    orientation (rows ≤ cols) so X Xᵀ is the smaller Gram matrix; all matrices of G in one bmm chain. Computes in
+    `dtype` (default `ns_work_dtype`: bf16 on CUDA, fp32 on CPU, float64 stays float64) with the norm accumulated in
+    fp32 at least; returns G's dtype. Example: O = zeropower_via_newtonschulz5(torch.randn(256, 1024)).
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower_via_newtonschulz5 needs a matrix [..., A, B], got shape {tuple(G.shape)}")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     a, b, c = NS5_COEFFS
-    if G.is_cuda:
-        work_dtype = torch.bfloat16
-    else:
-        work_dtype = torch.float64 if G.dtype == torch.float64 else torch.float32
-    X = G.to(work_dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT
-    X = X / (torch.linalg.matrix_norm(X, ord="fro", keepdim=True) + 1e-7)  # spectral norm <= 1 before iterating
+    work = dtype or ns_work_dtype(G.device, G.dtype)
+    X = G.mT if G.size(-2) > G.size(-1) else G  # a view: the division below writes the wide layout
+    *lead, rows, cols = X.shape
+    X = X.reshape(-1, rows, cols)  # [n, A, B], A <= B
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(work, torch.float32))
+    # spectral norm <= 1 before iterating; divided at the norm's precision, rounded once into the working dtype
+    X = torch.div(X, norm + 1e-7, out=torch.empty((X.shape[0], rows, cols), dtype=work, device=G.device))
     for _ in range(steps):
-        gram = X @ X.mT  # [..., A, A] with A <= B
-        X = a * X + (b * gram + c * (gram @ gram)) @ X
-    if tall:
+        gram = torch.bmm(X, X.mT)  # [n, A, A]
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # bA + cA²
+        X = torch.baddbmm(X, poly, X, beta=a)  # aX + (bA + cA²)X
+    X = X.view(*lead, rows, cols)
+    if G.size(-2) > G.size(-1):
         X = X.mT
     return X.to(G.dtype)
 
@@ -79,22 +92,15 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 
 def _block_view(x: torch.Tensor, num_heads: int | None, head_axis: int) -> torch.Tensor:
-    """[..., A, B] -> [..., H, A/H, B] (head_axis 0, row blocks) or [..., H, A, B/H] (head_axis 1, column blocks)."""
+    """[..., A, B] -> [..., H, A/H, B] (head_axis 0, row blocks) or [..., H, A, B/H] (head_axis 1, column blocks).
+
+    Always a view of x (x must be contiguous), so updates written into it land in x."""
     if num_heads is None:
         return x
     *lead, rows, cols = x.shape
     if head_axis == 0:
-        return x.reshape(*lead, num_heads, rows // num_heads, cols)
-    return x.reshape(*lead, rows, num_heads, cols // num_heads).movedim(-2, -3)
-
-
-def _unblock(x: torch.Tensor, shape: torch.Size, num_heads: int | None, head_axis: int) -> torch.Tensor:
-    """Inverse of _block_view back to `shape` [..., A, B]."""
-    if num_heads is None:
-        return x
-    if head_axis == 0:
-        return x.reshape(shape)
-    return x.movedim(-3, -2).reshape(shape)
+        return x.view(*lead, num_heads, rows // num_heads, cols)
+    return x.view(*lead, rows, num_heads, cols // num_heads).movedim(-2, -3)
 
 
 def muon_update(grad: torch.Tensor, num_heads: int | None = None, head_axis: int = 0,
@@ -105,7 +111,10 @@ def muon_update(grad: torch.Tensor, num_heads: int | None = None, head_axis: int
     and with num_heads = H each head's row block [A/H, B] (head_axis 0) or column block [A, B/H] (head_axis 1).
     Returns a tensor shaped like grad. Example: muon_update(torch.randn(64, 32), num_heads=4).shape == (64, 32).
     """
-    return _batched_muon_updates([(grad, num_heads, head_axis, ns_steps)])[0]
+    out = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+    rule = {"num_heads": num_heads, "head_axis": head_axis, "ns_steps": ns_steps, "lr": -1.0}
+    _apply_muon_updates([(out, rule, grad.contiguous())])  # 0 + 1 · scale · NS5(grad), the step's own code
+    return out
 
 
 class Muon(torch.optim.Optimizer):
@@ -151,17 +160,17 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Muon update of every parameter that has a gradient; returns closure() if given.
 
-        Batched across parameters: momentum, decay and the update use foreach ops, and every [a, b] block of every
-        parameter of the step with the same (a, b, dtype, ns_steps) is orthogonalized in ONE stacked NS5 call (each
-        block is normalized and iterated on its own, so this equals the per-parameter loop). On a GPU the per-
-        parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small training step;
-        on the 2-core CPU, k3-tiny pretraining ran ~8% faster stacked (measured 2026-11-29).
+        Batched across parameters: momentum and decay use foreach ops, and every [a, b] block of every parameter of
+        the step with the same (a, b, NS5 working dtype, ns_steps) is orthogonalized in ONE stacked NS5 call (each
+        block is normalized and iterated on its own, so this equals the per-parameter loop; `_apply_muon_updates`).
+        On a GPU the per-parameter loop was host-bound: ~30 small kernels per parameter, 450 ms of a 968 ms k3-small
+        training step; on the 2-core CPU, k3-tiny pretraining ran ~8% faster stacked (measured 2026-11-29).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = []  # (param, group, direction)
+        todo = []  # (param, group, direction source)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -174,38 +183,47 @@ class Muon(torch.optim.Optimizer):
             grads = [p.grad for p in params]
             torch._foreach_mul_(bufs, group["momentum"])
             torch._foreach_add_(bufs, grads)  # M <- mu M + G
-            # G^ = G + mu M (Nesterov), else M
-            dirs = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
-            todo += [(p, group, d) for p, d in zip(params, dirs, strict=True)]
-        updates = _batched_muon_updates([(d, g["num_heads"], g["head_axis"], g["ns_steps"]) for _, g, d in todo])
-        for group in self.param_groups:  # decoupled decay with the unscaled lr (Moonlight), then the step
-            mine = [(p, u) for (p, g, _), u in zip(todo, updates, strict=True) if g is group]
-            if mine:
-                ps = [p for p, _ in mine]
-                torch._foreach_mul_(ps, 1.0 - group["lr"] * group["weight_decay"])
-                torch._foreach_add_(ps, [u.to(p.dtype) for p, u in mine], alpha=-group["lr"])
+            # decoupled decay with the unscaled lr (Moonlight); the update reads only G and M, so it may come first
+            torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+            # the direction G^ = G + mu M (Nesterov) or M is formed while the NS5 stack is written
+            todo += [(p, group, (p.grad, b) if group["nesterov"] else b) for p, b in zip(params, bufs, strict=True)]
+        _apply_muon_updates(todo)
         return loss
 
 
-def _batched_muon_updates(items: list[tuple[torch.Tensor, int | None, int, int]]) -> list[torch.Tensor]:
-    """muon_update(d, num_heads, head_axis, ns_steps) for every item, with all [a, b] blocks of equal shape, dtype,
-    device and step count stacked into one NS5 call [n, a, b]. Returns the updates in order, shaped like each d."""
+def _apply_muon_updates(todo: list[tuple[torch.Tensor, dict, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]):
+    """W ← W − lr · 0.2·√max(a, b) · NS5(D) for every (W, rule, D) in todo, blockwise per the rule's num_heads /
+    head_axis, with D a tensor or a pair (G, M) standing for G + rule["momentum"] · M.
+
+    All [a, b] blocks of the step with equal shape, NS5 working dtype, device and step count form one stack [n, a, b]:
+    each D is written into it by one cast-on-write op (the Nesterov sum included), NS5 runs once on the stack, and
+    each parameter's block view takes its slice in place (a bf16 result accumulates into fp32 W in fp32)."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
-    views = []
-    for i, (d, heads, axis, steps) in enumerate(items):
-        blocks = _block_view(d, heads, axis)  # [..., a, b]
-        views.append(blocks)
-        buckets[(tuple(blocks.shape[-2:]), d.dtype, d.device, steps)].append(i)
-    out: list[torch.Tensor | None] = [None] * len(items)
-    for (ab, _, _, steps), idx in buckets.items():
-        # [n, a, b]; a lone parameter's blocks are only reshaped (a view when contiguous: no copy)
-        flat = [views[i].reshape(-1, *ab) for i in idx]
-        stacked = flat[0] if len(flat) == 1 else torch.cat(flat)
-        ortho = zeropower_via_newtonschulz5(stacked, steps) * (MOONLIGHT_SCALE * math.sqrt(max(ab)))
-        for i, part in zip(idx, ortho.split([views[i].numel() // (ab[0] * ab[1]) for i in idx]), strict=True):
-            d, heads, axis, _ = items[i]
-            out[i] = _unblock(part.reshape(views[i].shape), d.shape, heads, axis)
-    return out
+    for i, (p, rule, d) in enumerate(todo):
+        if not p.is_contiguous():
+            raise ValueError(f"Muon writes updates into block views of each parameter; a parameter of shape "
+                             f"{tuple(p.shape)} is not contiguous: make it contiguous before building the optimizer")
+        ab = tuple(_block_view(p, rule["num_heads"], rule["head_axis"]).shape[-2:])
+        src = d[1] if isinstance(d, tuple) else d
+        buckets[(ab, ns_work_dtype(src.device, src.dtype), src.device, rule["ns_steps"])].append(i)
+    for (ab, work, device, steps), idx in buckets.items():
+        counts = [todo[i][0].numel() // (ab[0] * ab[1]) for i in idx]
+        stack = torch.empty((sum(counts), *ab), dtype=work, device=device)  # [n, a, b]
+        for i, part in zip(idx, stack.split(counts), strict=True):
+            p, rule, d = todo[i]
+            blocks = _block_view(p, rule["num_heads"], rule["head_axis"])
+            dst = part.view(blocks.shape)
+            if isinstance(d, tuple):  # G^ = G + mu M, summed at the parameter's precision, rounded once into dst
+                g, m = (_block_view(t.contiguous(), rule["num_heads"], rule["head_axis"]) for t in d)
+                torch.add(g, m, alpha=rule["momentum"], out=dst)
+            else:
+                dst.copy_(_block_view(d, rule["num_heads"], rule["head_axis"]))
+        ortho = zeropower_via_newtonschulz5(stack, steps)
+        scale = MOONLIGHT_SCALE * math.sqrt(max(ab))
+        for i, part in zip(idx, ortho.split(counts), strict=True):
+            p, rule, _ = todo[i]
+            blocks = _block_view(p, rule["num_heads"], rule["head_axis"])
+            blocks.add_(part.view(blocks.shape), alpha=-rule["lr"] * scale)
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -184,6 +184,64 @@ def test_step_batches_blocks_across_parameters_exactly(monkeypatch):
     assert calls == [5, 1] * 3, calls
 
 
+# bf16 NS5 against fp32: bf16 keeps 8 significant bits (unit roundoff 2^-9); five iterations leave ~1-2% relative
+# Frobenius error per matrix (measured 1.1-1.9% over these shapes; the bf16-elementwise form of KellerJordan/Muon:
+# 2.6-3.9%), so each matrix must agree to 3%.
+BF16_NS_TOL = 0.03
+
+
+def rel_fro(a, b):
+    """Relative Frobenius error per matrix of a stack [n, A, B]."""
+    return ((a.double() - b.double()).flatten(1).norm(dim=1) / b.double().flatten(1).norm(dim=1))
+
+
+@pytest.mark.parametrize("shape", [(7, 24, 40), (5, 40, 24), (3, 48, 48)], ids=["wide", "tall", "square"])
+def test_batched_bf16_ns5_equals_per_matrix_fp32(shape):
+    """One stacked bf16 NS5 call (the CUDA path, forced here on the CPU) against NS5 of each matrix alone in fp32;
+    the matrices differ in scale by 10^5, so each one's own normalization matters."""
+    G = torch.randn(*shape) * torch.logspace(-3, 2, shape[0])[:, None, None]
+    out = zeropower_via_newtonschulz5(G, 5, dtype=torch.bfloat16)
+    assert out.dtype == torch.float32 and out.shape == G.shape
+    ref = torch.stack([zeropower_via_newtonschulz5(g) for g in G])
+    err = rel_fro(out, ref)
+    assert err.max() <= BF16_NS_TOL, err
+    assert err.min() > 0  # it really ran in bf16
+    torch.testing.assert_close(ref.double(), torch.stack([ns5_via_svd(g) for g in G]), rtol=0, atol=2e-5)
+
+
+def test_step_with_bf16_ns5_accumulates_into_fp32_params(monkeypatch):
+    """The step's CUDA arithmetic on the CPU (NS5 working dtype forced to bf16): parameters stay fp32, the bf16 NS5
+    result is added in fp32 (an update ~170 fp32 ulps of 1.0 but below bf16's resolution there still lands exactly),
+    per-head blocks included, and the result matches the fp32 step to bf16 accuracy."""
+    from k3.train import optim
+
+    shapes, groups = [(32, 48), (2, 32, 48), (48, 32)], [{}, {}, {"num_heads": 4, "head_axis": 1}]
+    W0 = [torch.ones(s) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    lr = 1e-4
+
+    def run():
+        params = [nn.Parameter(w.clone()) for w in W0]
+        opt = Muon([{"params": [p], **g} for p, g in zip(params, groups)], lr=lr, weight_decay=0.0)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        return [p.detach() for p in params]
+
+    fp32 = run()
+    monkeypatch.setattr(optim, "ns_work_dtype", lambda device, dtype: torch.bfloat16)
+    bf16 = run()
+    for w, ref, g, grp in zip(bf16, fp32, grads, groups):
+        assert w.dtype == torch.float32
+        delta = w - 1.0
+        # expected: -lr * scale * NS5_bf16(G + mu M) with M = G after one step, from the public one-matrix update
+        nesterov = torch.add(g, g, alpha=0.95)
+        expect = -lr * muon_update(nesterov, num_heads=grp.get("num_heads"), head_axis=grp.get("head_axis", 0))
+        assert float((delta - expect).abs().max()) <= 1.2e-7  # one fp32 ulp at 1.0: accumulated in fp32
+        assert bool((delta != 0).any()) and bool((delta.abs() < 2**-8).all())  # bf16 accumulation would drop it
+        assert float((delta - (ref - 1.0)).norm() / (ref - 1.0).norm()) <= BF16_NS_TOL
+
+
 def test_muon_rejects_bad_params():
     with pytest.raises(ValueError, match="AdamW"):
         Muon([nn.Parameter(torch.zeros(8))])
