@@ -45,6 +45,7 @@ TRITON_OPS: dict[str, str] = {
     "paged_mla_decode": "k3.kernels.mla.triton_decode:paged_mla_decode_triton",
     "quant_grouped_mm": "k3.kernels.quant.triton:quant_grouped_mm_triton",
     "quant_linear": "k3.kernels.quant.triton:quant_linear_triton",
+    "attn_res_mix": "k3.kernels.attnres.triton:attn_res_mix_dispatch",
 }
 
 log = logging.getLogger("k3.kernels")
