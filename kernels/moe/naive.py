@@ -9,8 +9,10 @@ and takes the routing-weighted sum over the K slots; this is the weighted scatte
 
 Both row moves are gathers in the forward AND the backward (`_GatherRows`: the gradient of a gather through a
 permutation is the gather through its inverse), so no float scatter, index_put or atomic add runs anywhere, the
-result is deterministic on every device, and nothing waits on the host (no .tolist(), .item(), nonzero or boolean
-mask; the routing stays on the device). The combine is an elementwise product and a sum over K, whose backward is
+result is deterministic on every device, and nothing in the permute or combine waits on the host (no .tolist(),
+.item(), nonzero or boolean mask). The grouped matmul is sync-free where torch._grouped_mm takes its bf16 CUTLASS
+path (sm90+; under autocast its operands are cast to bf16 for that); torch's fp32 CUDA path and the per-expert loop
+read the group sizes on the host. The combine is an elementwise product and a sum over K, whose backward is
 elementwise too: a batched [1, K] x [K, O] matmul per token (the earlier torch.bmm form) ran a slow small-tile GEMM
 in its backward on the H200 (485 us a call at k3-small's N = 16384, K = 4, O = 384).
 
