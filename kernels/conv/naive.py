@@ -102,3 +102,28 @@ def causal_conv1d(
     if activation == "silu":
         y = F.silu(y)
     return y.to(x.dtype), (final.to(x.dtype) if final is not None else None)
+
+
+def check_group(xs, weights, activation, cu_seqlens, max_inputs: int | None = None) -> None:
+    """Validate the arguments of causal_conv1d_multi: 1+ inputs of one shape and dtype, as many weights of one
+    shape [C, W], then each pair as causal_conv1d would (cu_seqlens once)."""
+    if not xs or len(xs) != len(weights) or (max_inputs is not None and len(xs) > max_inputs):
+        most = f"1 to {max_inputs}" if max_inputs else "1 or more"
+        raise ValueError(f"causal_conv1d_multi: give {most} inputs and one weight each, got {len(xs)} inputs and "
+                         f"{len(weights)} weights")
+    for x, w in zip(xs, weights):
+        if x.shape != xs[0].shape or x.dtype != xs[0].dtype or w.shape != weights[0].shape:
+            raise ValueError(f"causal_conv1d_multi: the inputs must share one shape and dtype and the weights one "
+                             f"shape, got {[(tuple(a.shape), a.dtype) for a in xs]} and "
+                             f"{[tuple(b.shape) for b in weights]}")
+    _check(xs[0], weights[0], activation, None, cu_seqlens)
+
+
+def causal_conv1d_multi(xs, weights, *, activation: str | None = "silu", cu_seqlens: torch.Tensor | None = None):
+    """causal_conv1d of several same-shape inputs, each with its own weight, without carried tails (training).
+
+    xs: sequence of x [B, T, C]; weights: as many [C, W]; cu_seqlens [N+1] with B == 1. Returns the tuple of
+    y [B, T, C] in x's dtype. Example: q, k, v = causal_conv1d_multi([q_pre, k_pre, v_pre], [wq, wk, wv]).
+    """
+    check_group(xs, weights, activation, cu_seqlens)
+    return tuple(causal_conv1d(x, w, activation=activation, cu_seqlens=cu_seqlens)[0] for x, w in zip(xs, weights))

@@ -512,7 +512,8 @@ def test_recurrent_decode_continues_chunk_prefill():
 def test_backend_selection(monkeypatch):
     assert dispatch.parse_backend("triton") == "triton"
     assert set(dispatch.TRITON_OPS) == {"chunk_kda", "fused_recurrent_kda", "c2_glu", "paged_mla_decode",
-                                        "quant_grouped_mm", "quant_linear", "attn_res_mix"}
+                                        "quant_grouped_mm", "quant_linear", "attn_res_mix", "causal_conv1d",
+                                        "causal_conv1d_multi", "gated_rms_norm"}
     if not CUDA:
         assert dispatch.parse_backend(None) == "torch"  # default: torch without a GPU, even when triton imports
         monkeypatch.delenv("TRITON_INTERPRET")
