@@ -21,13 +21,13 @@ import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from k3.kernels.conv import causal_conv1d
+from k3.kernels.conv import causal_conv1d, causal_conv1d_multi
 from k3.kernels.dispatch import trusted_inputs
 from k3.kernels.kda import chunk_kda, fused_recurrent_kda, naive_kda_gate, naive_kda_lowerbound_gate
 from k3.kernels.kda.fused_recurrent import fused_recurrent_kda_pool_trusted
+from k3.kernels.norm import gated_rms_norm
 
 from .cache import KDAStateView
 from .config import ModelConfig
@@ -36,7 +36,8 @@ RECURRENT_MAX_TOKENS = 64  # eval-mode calls with a cache and at most this many 
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head output norm: RMSNorm(o) * weight * sigmoid(gate), in fp32 (float64 stays), returned in o's dtype.
+    """Per-head output norm: RMSNorm(o) * weight * sigmoid(gate), in fp32 (float64 stays), returned in o's dtype
+    (the op `k3.kernels.norm.gated_rms_norm`).
 
     o, gate: [..., V]; weight: [V] (shared by all heads, the `o_norm` of fla's KDA layer).
     """
@@ -47,9 +48,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dt = torch.promote_types(o.dtype, torch.float32)  # fp32, or float64 for float64 models
-        y = F.rms_norm(o.to(dt), (o.shape[-1],), self.weight.to(dt), self.eps)  # fused on CUDA (see RMSNorm)
-        return (y * torch.sigmoid(gate.to(dt))).to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps)  # one fused pass each way on the triton backend
 
 
 def _depthwise_conv(channels: int, width: int) -> nn.Conv1d:
@@ -133,16 +132,19 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_k_dim
         with_cache = cache is not None
         pre = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]  # [B, T, C] pre-conv inputs
-        tails0 = cache.conv_tails() if with_cache else (None, None, None)
-        qkv, tails1 = [], []
-        for p, conv, tail in zip(pre, (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails0):
-            y, t = causal_conv1d(p, conv.weight[:, 0], activation="silu", initial_tail=tail,
-                                 output_final_tail=with_cache, cu_seqlens=cu_seqlens)
-            qkv.append(y.unflatten(-1, (H, K)))  # [B, T, H, K]
-            tails1.append(t)
-        if with_cache:
+        weights = [conv.weight[:, 0] for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]  # [C, W]
+        if with_cache:  # the tails carried in and out (inference)
+            tails0 = cache.conv_tails()
+            qkv, tails1 = [], []
+            for p, w, tail in zip(pre, weights, tails0):
+                y, t = causal_conv1d(p, w, activation="silu", initial_tail=tail, output_final_tail=True,
+                                     cu_seqlens=cu_seqlens)
+                qkv.append(y)
+                tails1.append(t)
             cache.conv_done(tails0, tuple(tails1), pre)
-        q, k, v = qkv
+        else:  # training: q, k and v in one launch on the triton backend
+            qkv = causal_conv1d_multi(pre, weights, activation="silu", cu_seqlens=cu_seqlens)
+        q, k, v = (y.unflatten(-1, (H, K)) for y in qkv)  # [B, T, H, K]
         o = self.recurrence(q, k, v, self.gate_input(x), self.b_proj(x), cache, cu_seqlens)
         o = self.o_norm(o, self.g_proj(x).unflatten(-1, (H, K)))  # [B, T, H, V]
         return self.o_proj(o.flatten(-2))
