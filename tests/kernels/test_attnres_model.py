@@ -5,7 +5,7 @@ gradient, with pseudo-queries far from their zero init so every mixture is non-u
 Two runs: the triton backend with only the mixture's kernel registered (everything else on its PyTorch twin), which
 isolates the mixture: fp32 rounding, amplified through four layers to ~1e-5 in the smallest gradients (A_log), passes
 1e-4 (the rms' gradient left out gives 0.7); and the whole triton backend (the KDA chunk kernels' tf32x3 dots, the
-fused C2-GLU, ...), within 1e-3 (measured 1.3e-4).
+fused C2-GLU, ...) on one 12-token sequence, within 1e-3 (measured 7e-5).
 """
 
 import importlib
@@ -77,6 +77,7 @@ def test_model_with_the_fused_mixture_equals_the_torch_backend(model_and_tokens,
 
 def test_model_on_the_whole_triton_backend(model_and_tokens, kernel_env):
     model, tokens = model_and_tokens
+    tokens = tokens[:1, :12]  # every kernel under the interpreter: one short sequence
     kernel_env(K3_KERNELS="torch")
     ref = step(model, tokens)
     kernel_env(K3_KERNELS="triton")
