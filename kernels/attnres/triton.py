@@ -6,16 +6,17 @@ Per token, with q = g * w [D] and r_i = 1 / sqrt(mean_d(v_i^2) + eps):
     logit_i = (v_i . q) r_i,   alpha = softmax_i(logit),   x = sum_i alpha_i v_i
     forward: an online softmax over the sources (running max m, denominator l, fp32 accumulator), one read of each
              v_i; stores x only
-    backward, from dx: a first pass over the sources recomputes m, l and dx . x = sum_i alpha_i (dx . v_i) in fp32
-             (the same online softmax), a second one
-             alpha_i = exp(logit_i - m) / l,   dlogit_i = alpha_i (dx . v_i - dx . x)
+    backward, from dx: a first pass over the sources recomputes m, l and x in fp32 (the same online softmax), a
+             second one
+             alpha_i = exp(logit_i - m) / l,   dlogit_i = alpha_i dx . (v_i - x)   (= alpha_i (dx . v_i - dx . x))
              dv_i = alpha_i dx + dlogit_i r_i q - dlogit_i (v_i . q) r_i^3 / D v_i     (the rms' own gradient last)
              dq = sum_tokens sum_i dlogit_i r_i v_i,   dg = dq * w,   dw = dq * g
 
 The autograd graph keeps the inputs only: nothing of size [S, B, T, D], not even x. Two choices keep the gradients
-as accurate as the twin's fp32 autograd: dx . x is summed from the sources rather than taken from the stored x as
-FlashAttention's delta is (with bf16 x the difference dx . v_i - dx . x cancels, and the rounding of x put errors of
-several percent into dg and dw), and the weights come from the recomputed m and l rather than a stored log-sum-exp
+as accurate as the twin's fp32 autograd: x is recomputed in fp32 from the sources rather than read back in bf16 as
+FlashAttention's delta is, and dlogit takes the dot of dx with the difference v_i - x (near a one-hot softmax the
+difference of the two dots dx . v_i - dx . x cancels: bf16 x, or two fp32 dots rounded differently, as a GPU
+contracts them, put errors of percents into dg and dw), and the weights come from the recomputed m and l rather than a stored log-sum-exp
 (whose fp32 rounding at logits ~100 is a common factor on every weight, and cancels the same way). A program's second
 read of its S tiles (S * BT rows, ~55 KB at k3-small's shapes) is meant to come from L2.
 
@@ -119,19 +120,21 @@ def _attnres_bwd_kernel(vs, dvs, nw_ptr, pw_ptr, dx_ptr, dq_ptr, N, D, eps, S: t
         mask = (rows[:, None] < N) & (cols[None, :] < D)  # [BT, BD]
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         g = tl.load(dx_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # dx
-        # first pass: the softmax's max and denominator again, and dx . x = sum_i alpha_i dx . v_i in fp32
+        # first pass: the softmax's max and denominator again, and x in fp32
         m = tl.full([BT], float("-inf"), tl.float32)
         den = tl.zeros([BT], tl.float32)
-        num = tl.zeros([BT], tl.float32)  # running sum of exp(logit - m) dx . v
+        acc = tl.zeros([BT, BD], tl.float32)  # running sum of exp(logit - m) v
         for i in tl.static_range(S):
             v, _, _, logit = _source_tile(vs[i], offs, mask, q, inv_d, eps)
             m, scale, p, den = _softmax_step(m, den, logit)
-            num = num * scale + p * tl.sum(g * v, 1)
-        gx = num / den
+            acc = acc * scale[:, None] + p[:, None] * v
+        x = acc / den[:, None]
         for i in tl.static_range(S):  # second pass: the gradients (the program's S tiles again)
             v, dot, r, logit = _source_tile(vs[i], offs, mask, q, inv_d, eps)
             alpha = tl.exp(logit - m) / den
-            a = alpha * (tl.sum(g * v, 1) - gx) * r  # dlogit * r: q's coefficient in dv, v's in dq
+            # dlogit = alpha (dx . v - dx . x) as alpha dx . (v - x): near a one-hot softmax the difference of two
+            # separately rounded dots cancels to noise (a GPU contracts them differently), v - x does not
+            a = alpha * tl.sum(g * (v - x), 1) * r  # dlogit * r: q's coefficient in dv, v's in dq
             c = a * dot * r * r * inv_d  # dlogit (v . q) r^3 / D: v's coefficient from the rms
             dv = alpha[:, None] * g + a[:, None] * q[None, :] - c[:, None] * v
             tl.store(dvs[i] + offs, dv.to(dvs[i].dtype.element_ty), mask=mask)
@@ -181,16 +184,22 @@ class _AttnResMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm_weight, proj_weight, eps, *vs):
+        ctx.save_for_backward(norm_weight, proj_weight, *vs)
+        ctx.eps = float(eps)
+        if len(vs) == 1:  # weight exactly 1: x is the source (a GPU's contracted dx . v - dx . x is not exactly 0)
+            return vs[0].clone()
         x = torch.empty(vs[0].shape, dtype=vs[0].dtype, device=vs[0].device)
         v2 = [_rows(v) for v in vs]
         _fwd(v2, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), float(eps), x.view(v2[0].shape))
-        ctx.save_for_backward(norm_weight, proj_weight, *vs)
-        ctx.eps = float(eps)
         return x
 
     @staticmethod
     def backward(ctx, dx):
         norm_weight, proj_weight, *vs = ctx.saved_tensors
+        if len(vs) == 1:
+            dnw = torch.zeros_like(norm_weight) if ctx.needs_input_grad[0] else None
+            dpw = torch.zeros_like(proj_weight) if ctx.needs_input_grad[1] else None
+            return dnw, dpw, None, dx.to(vs[0].dtype)
         nw, pw = norm_weight.contiguous(), proj_weight.reshape(-1).contiguous()
         dvs, dq = _bwd([_rows(v) for v in vs], nw, pw, ctx.eps, _rows(dx))
         dnw = (dq * pw.float()).to(norm_weight.dtype) if ctx.needs_input_grad[0] else None

@@ -34,11 +34,12 @@ pytestmark = pytest.mark.usefixtures("triton_cpu")  # tests/kernels/conftest.py
 
 @pytest.fixture(scope="module")
 def model_and_tokens():
-    model = build_model(load_model_config("k3-debug"), seed=0).to(DEV)
-    with torch.no_grad():
+    model = build_model(load_model_config("k3-debug"), seed=0)
+    with torch.no_grad():  # on the CPU: a CPU generator, the same values on either device
         for name, p in model.named_parameters():
             if name.endswith("_res_proj.weight"):
                 p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    model = model.to(DEV)
     tokens = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
     return model, tokens.to(DEV)
 

@@ -69,7 +69,23 @@ def sources(n, shape, dtypes, seed=0):
     return vs, nw, pw, dx
 
 
-def check(vs, nw, pw, dx, ratio):
+def rel_rms(ref, out) -> float:
+    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
+    return ((ref - out).pow(2).mean().sqrt() / (ref.pow(2).mean().sqrt() + 1e-8)).item()
+
+
+def twin_param_error(vs, nw, pw, dx) -> float:
+    """The fp32 twin's own rel_rms in d norm_weight and d proj_weight against float64 (the larger), on DEV."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (*vs, nw, pw)]
+    x = attn_res_mix_naive([AttnResSource(v, EPS) for v in leaves[:-2]], leaves[-2], leaves[-1])
+    x.backward(dx)
+    _, _, dg_ref, dw_ref = reference(vs, nw, pw, dx)
+    return max(rel_rms(dg_ref, leaves[-2].grad), rel_rms(dw_ref, leaves[-1].grad))
+
+
+def check(vs, nw, pw, dx, ratio, param_ratio=None):
+    """param_ratio: the tolerance of the gain's and query's gradients (default `ratio`)."""
+    param_ratio = ratio if param_ratio is None else param_ratio
     x = ar_triton.attn_res_mix_triton(vs, nw, pw, EPS)
     assert x.dtype == vs[0].dtype and x.shape == vs[0].shape
     x.backward(dx)
@@ -78,8 +94,8 @@ def check(vs, nw, pw, dx, ratio):
     for i, (v, dv_ref) in enumerate(zip(vs, dvs_ref)):
         assert v.grad.dtype == v.dtype
         assert_close(f"dv_{i}", dv_ref, v.grad, ratio)
-    assert_close("d norm_weight", dg_ref, nw.grad, ratio)
-    assert_close("d proj_weight", dw_ref, pw.grad, ratio)
+    assert_close("d norm_weight", dg_ref, nw.grad, param_ratio)
+    assert_close("d proj_weight", dw_ref, pw.grad, param_ratio)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
@@ -101,19 +117,22 @@ def test_one_source_is_the_identity():
     x = ar_triton.attn_res_mix_triton(vs, nw, pw, EPS)
     x.backward(dx)
     assert torch.equal(x, vs[0]) and torch.equal(vs[0].grad, dx)
-    assert not nw.grad.any() and not pw.grad.any()
+    assert torch.equal(nw.grad, torch.zeros_like(nw)) and torch.equal(pw.grad, torch.zeros_like(pw))
 
 
 def test_non_contiguous_source_and_peaked_softmax():
     """A transposed source (copied to rows inside; its gradient arrives in its own layout) and logits of ~+-100 (an
     almost one-hot depth softmax: the online max keeps it finite)."""
     vs, nw, pw, dx = sources(3, (2, 5, 48), [torch.float32])
-    base = torch.randn(48, 5, 2, device=DEV).requires_grad_(True)
+    base = torch.randn(48, 5, 2, generator=torch.Generator().manual_seed(7)).to(DEV).requires_grad_(True)
     vs[1] = base.permute(2, 1, 0)  # [2, 5, 48], not contiguous
     vs[1].retain_grad()
     with torch.no_grad():
         pw.mul_(30.0)
-    check(vs, nw, pw, dx, 1e-5)
+    # the gain's and query's gradients are ill-conditioned here (alpha ~ one-hot: x - v_i ~ 0 for the top source):
+    # held to 4x the fp32 twin's own error against float64 (the twin ~2e-4 on a CPU; the kernel, before it took
+    # dx . (v_i - x), 1.9e-2 on an H200)
+    check(vs, nw, pw, dx, 1e-5, max(1e-5, 4 * twin_param_error(vs, nw, pw, dx)))
     _, dvs_ref, _, _ = reference(vs, nw, pw, dx)
     assert_close("dv_1 in the base's layout", dvs_ref[1].permute(2, 1, 0), base.grad, 1e-5)
 

@@ -89,5 +89,7 @@ def test_conv_and_norm_under_torch_compile_match_eager(monkeypatch):
         leaves = [t.detach().clone().requires_grad_() for t in (*xs, *ws, gate, nw)]
         loss = fn(*leaves)
         grads.append([loss.detach(), *torch.autograd.grad(loss, leaves)])
+    # inductor fuses q * k + v and the squares without eager's bf16 rounding of each op: bf16 gradients then
+    # differ by a bf16 rounding (4e-3 measured on an H200), the loss by much less
     for i, (a, b) in enumerate(zip(*grads, strict=True)):
-        assert_close(f"output {i} (compiled vs eager)", a.double(), b.double(), 1e-3)
+        assert_close(f"output {i} (compiled vs eager)", a.double(), b.double(), 1e-3 if i == 0 else 1e-2)
