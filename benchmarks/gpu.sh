@@ -15,7 +15,8 @@
 #   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096, then
 #            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category);
 #            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
-#            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits
+#            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits;
+#            TRAIN_PARTS=fused: the fused training kernels' GPU tests, then attnres.py, kda_glue.py and moe_step.py
 #   serve    benchmarks/serve.py: the compiled k3-small server (random weights) at concurrency 1 and 32 through
 #            HTTP, the Hugging Face anchors in the same run; then the trained k3-tiny (carry runs/tiny): the
 #            2,048-token prefix hit and MTP speculative decoding at k = 2
@@ -122,10 +123,14 @@ existing() { for f in "$@"; do [ -e "$f" ] && echo "$f"; done; }
 # a benchmark script by name, in benchmarks/ or benchmarks/repro/
 bench() { for d in benchmarks benchmarks/repro; do [ -f "$d/$1" ] && { echo "$d/$1"; return; }; done; echo "benchmarks/$1"; }
 
+# the training step's fused kernels (short conv, gated norm, AttnRes mixture) and the MoE / Muon CUDA checks
+FUSED_TESTS=(tests/kernels/test_conv_triton.py tests/kernels/test_gated_norm_triton.py
+  tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py)
 KERNEL_TESTS=(tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py
   tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py
   tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_segments.py tests/kernels/test_mla_decode.py
-  tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py tests/kernels/test_triton_end_to_end.py)
+  tests/kernels/test_glu_triton.py tests/kernels/test_router_triton.py tests/kernels/test_triton_end_to_end.py
+  "${FUSED_TESTS[@]}")
 
 mode_kernels() {
   # the CUDA tests outside tests/kernels (the serving ones need the serving wheels, test_server.py the openai
@@ -177,7 +182,8 @@ train_long() {
 }
 
 # TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096), "breakdown" (the profiled step by
-# kernel category), "long" (train_long). Default "step breakdown".
+# kernel category), "long" (train_long), "fused" (the fused kernels' tests and micro-benchmarks). Default "step
+# breakdown".
 mode_train() {
   local parts=${TRAIN_PARTS:-step breakdown}
   if has_part "$parts" step; then
@@ -189,6 +195,18 @@ mode_train() {
     step "training step by kernel category" 200 breakdown.log python3 benchmarks/model_breakdown.py --model k3-small \
       --device cuda --batch 4 --seq 4096 --profile-step
     clean_tail "$OUT/breakdown.log" 45
+  fi
+  if has_part "$parts" fused; then
+    # shellcheck disable=SC2046  # one word per test file
+    step "fused training kernels' tests" 150 fused_tests.log env K3_KERNELS=triton python3 -m pytest \
+      $(existing "${FUSED_TESTS[@]}" tests/model/test_moe.py tests/train/test_optim.py) -p no:cacheprovider -rfs -n 4
+    tests_summary "$OUT/fused_tests.log"
+    step "AttnRes mixture (attnres.py)" 90 attnres.log python3 benchmarks/attnres.py
+    tables "$OUT/attnres.log"
+    step "KDA glue (kda_glue.py)" 60 kda_glue.log python3 benchmarks/kda_glue.py --device cuda
+    tables "$OUT/kda_glue.log"
+    step "LatentMoE and Muon (moe_step.py)" 90 moe_step.log python3 benchmarks/moe_step.py --device cuda
+    tables "$OUT/moe_step.log"
   fi
   has_part "$parts" long && train_long
   return 0
