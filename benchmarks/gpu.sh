@@ -40,7 +40,7 @@
 # A refactor's serving figures beside an older commit's, in one call: K3_BASELINE=DIR (or `serve --baseline DIR`)
 # runs the same serve benchmark from the checkout DIR first, with DIR installed as k3 (pip install -e DIR), then
 # from this tree, and prints both tables. Make DIR here and carry it, e.g.
-#   mkdir -p runs/base && git archive OLD_COMMIT | tar -x -C runs/base
+#   mkdir -p runs/base && git archive OLD_COMMIT | tar -x -C runs/base && echo OLD_COMMIT > runs/base/COMMIT
 #   K3_BASELINE=runs/base bash benchmarks/gpu.sh serve          (carry runs: it holds runs/tiny too)
 # K3_BASELINE may also name a commit when the tree has its .git. SERVE_PARTS picks the parts: "small" (the k3-small
 # rows), "anchors" (the HF anchors, added to this tree's k3-small run only: they run no k3 code), "tiny" (the k3-tiny
@@ -94,8 +94,14 @@ fi
 # install_tree DIR: k3 from the checkout DIR (editable; the serving benchmark's `k3 serve` subprocess imports it too)
 install_tree() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e "$1" >/dev/null 2>&1; }
 k3_from() { python3 -c "import os, k3.model as m; print(os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))))"; }
-commit_of() {
-  local c; c=$(git -C "$1" rev-parse --short HEAD 2>/dev/null) || { echo "no .git"; return; }
+commit_of() {  # DIR's commit: its own checkout's HEAD, or the COMMIT file of an unpacked `git archive`
+  local c top
+  top=$(git -C "$1" rev-parse --show-toplevel 2>/dev/null)
+  if [ "$top" != "$(cd "$1" && pwd -P)" ]; then
+    if [ -f "$1/COMMIT" ]; then cat "$1/COMMIT"; else echo "not a checkout (no COMMIT file)"; fi
+    return
+  fi
+  c=$(git -C "$1" rev-parse --short HEAD)
   git -C "$1" status --porcelain 2>/dev/null | grep -q . && c="$c + uncommitted changes"
   echo "$c"
 }
@@ -245,7 +251,8 @@ baseline_tree() {
   if [ -d "$b" ]; then
     (cd "$b" && pwd)
   elif git -C "$ROOT" rev-parse -q --verify "$b^{commit}" >/dev/null 2>&1; then
-    rm -rf "$dir" && mkdir -p "$dir" && git -C "$ROOT" archive "$b" | tar -x -C "$dir" && echo "$dir"
+    rm -rf "$dir" && mkdir -p "$dir" && git -C "$ROOT" archive "$b" | tar -x -C "$dir" \
+      && git -C "$ROOT" rev-parse --short "$b" > "$dir/COMMIT" && echo "$dir"
   else
     echo "K3_BASELINE=$b: neither a directory nor a commit of this checkout" >&2
     return 1
