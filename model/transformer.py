@@ -36,9 +36,11 @@ from .mtp import MTPModule
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None from forward(head=False)
     hidden: torch.Tensor  # [B, T, D] final hidden before the final norm (the MTP input)
     mtp_logits: torch.Tensor | None = None  # [B, T, V] predictions of t_{i+2}, when mtp_tokens were given
+    head_input: torch.Tensor | None = None  # [B, T, D] the normed hidden the LM head reads, from forward(head=False)
+    mtp_head_input: torch.Tensor | None = None  # [B, T, D] the same for the MTP logits (head=False, mtp_tokens)
 
 
 class K3DecoderLayer(nn.Module):
@@ -173,20 +175,28 @@ class K3Model(nn.Module):
         return InferenceState(layers=layers, mtp=MLACache() if self.mtp is not None else None)
 
     def forward(self, tokens_BT: torch.Tensor, state: InferenceState | None = None,
-                mtp_tokens_BT: torch.Tensor | None = None) -> K3Output:
+                mtp_tokens_BT: torch.Tensor | None = None, head: bool = True) -> K3Output:
         """tokens [B, T] -> K3Output. With `state`, consume the tokens after state.seq_len and advance it.
 
         mtp_tokens_BT: the tokens following each input position (t_{i+1}, i.e. the main targets); when given and
         the model has an MTP module, also return `mtp_logits` predicting t_{i+2}.
+        head=False: stop before the LM head and return what it would read (`head_input`, `mtp_head_input`: the
+        final norms' outputs) in place of the logits, for a loss that applies the head itself in pieces (the
+        fused head + cross-entropy of training; `plain_head_weight`).
         """
         hidden = self.hidden_states(tokens_BT, state)
-        logits = self.logits(hidden)
-        mtp_logits = None
-        if mtp_tokens_BT is not None and self.mtp is not None:
-            mtp_logits = self.mtp_logits(hidden, mtp_tokens_BT, None if state is None else state.mtp)
+        mtp = mtp_tokens_BT is not None and self.mtp is not None
+        mtp_cache = None if state is None else state.mtp
+        if head:
+            out = K3Output(logits=self.logits(hidden), hidden=hidden,
+                           mtp_logits=self.mtp_logits(hidden, mtp_tokens_BT, mtp_cache) if mtp else None)
+        else:
+            out = K3Output(logits=None, hidden=hidden, head_input=self.head_input(hidden),
+                           mtp_head_input=self.mtp_head_input(self.mtp_hidden(hidden, mtp_tokens_BT, mtp_cache))
+                           if mtp else None)
         if state is not None:
             state.seq_len += tokens_BT.shape[1]
-        return K3Output(logits=logits, hidden=hidden, mtp_logits=mtp_logits)
+        return out
 
     def hidden_states(self, tokens_BT: torch.Tensor, state: InferenceState | None = None) -> torch.Tensor:
         """tokens [B, T] -> final hidden [B, T, D] before the final norm, through the mixers' cache views when a
@@ -196,18 +206,33 @@ class K3Model(nn.Module):
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens_BT.shape)}")
         return self.model(self.model.embed_tokens(tokens_BT), state)
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm: hidden [..., D] (before the norm) -> what the LM head reads [..., D]."""
+        return self.model.norm(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over the final norm: hidden [..., D] (before the norm) -> logits [..., V] in the model's dtype."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head(self.head_input(hidden))
+
+    def plain_head_weight(self) -> torch.Tensor | None:
+        """The LM head's weight [V, D] when the head is a plain bias-free nn.Linear, so that logits = head_input
+        @ weight.T and a loss may apply it in pieces; None for any other head (QAT's FakeQuantLinear, a quantized
+        QuantLinear), which must run its own forward."""
+        head = self.lm_head
+        return head.weight if type(head) is nn.Linear and head.bias is None else None
 
     def mtp_hidden(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
                    cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
         """The MTP block's output [B, T, D] (before its norm) from the main hidden h_i and the next token t_{i+1}."""
         return self.mtp(hidden_BTD, self.model.embed_tokens(next_tokens_BT), cache=cache)
 
+    def mtp_head_input(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP block's final norm: its outputs [..., D] -> what the shared LM head reads [..., D]."""
+        return self.mtp.norm(mtp_hidden)
+
     def mtp_head(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of t_{i+2} from MTP outputs [..., D] (its norm, then the shared LM head)."""
-        return self.lm_head(self.mtp.norm(mtp_hidden))
+        return self.lm_head(self.mtp_head_input(mtp_hidden))
 
     def mtp_logits(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
                    cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
