@@ -74,7 +74,7 @@ class TrainConfig:
     track_max_logit: bool = True  # compute MLA per-head max logits each step (needed for QK-Clip and logging)
     peak_tflops: float | None = None  # device peak for the logged `mfu`; None: 989 (bf16 datasheet) on H100/H200, else no mfu
     activation_checkpointing: str = "none"  # "none" | "mla" (the MLA layers' mixer and MLP recomputed in the backward) | "all" (every layer's); memory for long sequences
-    loss_chunk_tokens: int = 0  # LM head + cross-entropy over chunks of this many tokens, recomputed in the backward, so the [B, T, V] logits never exist at once (0 = one piece)
+    loss_chunk_tokens: int = 0  # tokens per chunk of the LM head + cross-entropy, so the [B, T, V] logits never exist at once: the fused loss (its gradients formed per chunk) for a plain head, the head recomputed in the backward for another (a QAT head); 0 = the fused loss's default chunk (k3.kernels.loss.default_chunk_tokens), the whole logits for another head
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from k3.kernels.loss import linear_cross_entropy
 from k3.model.checkpoint import load_state_into
 from k3.model.transformer import K3Model
 
@@ -79,26 +80,35 @@ def lm_losses(model: K3Model, tokens_BT1: torch.Tensor, mask_BT: torch.Tensor | 
     """Next-token CE and MTP CE (t_{i+2}) for a packed batch tokens [B, T+1]; mask marks counted targets [B, T].
 
     with_mtp=False skips the MTP branch (evaluation, or lambda = 0: then MTP parameters get no gradient at all, so
-    the step is bit-identical to a model without MTP, grad-norm reduction included). chunk_tokens > 0: both
-    losses through `chunked_cross_entropy` (train.loss_chunk_tokens).
+    the step is bit-identical to a model without MTP, grad-norm reduction included). With a plain LM head
+    (K3Model.plain_head_weight) both losses run the fused head + CE (k3.kernels.loss.linear_cross_entropy) over
+    chunks of `chunk_tokens` tokens (0: its default), so the [B, T, V] logits never exist; another head (QAT's
+    fake-quantized one) runs its own forward: over the whole logits, or chunk_tokens > 0 through
+    `chunked_cross_entropy` (train.loss_chunk_tokens).
     """
     inputs, targets = tokens_BT1[:, :-1], _targets(tokens_BT1, mask_BT)
     use_mtp = with_mtp and model.mtp is not None
+    # position i predicts t_{i+2} = targets[:, i+1]; the last position has no target
+    mtp_t = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1) if use_mtp else None
+    w_VD = model.plain_head_weight()
+    if w_VD is not None:
+        out = model(inputs, mtp_tokens_BT=tokens_BT1[:, 1:] if use_mtp else None, head=False)
+        chunk = chunk_tokens or None
+        res = {"ce": linear_cross_entropy(out.head_input.flatten(0, 1), w_VD, targets.flatten(), chunk)}
+        if use_mtp:
+            res["mtp_ce"] = linear_cross_entropy(out.mtp_head_input.flatten(0, 1), w_VD, mtp_t.flatten(), chunk)
+        return res
     if chunk_tokens > 0:
         hidden = model.hidden_states(inputs)
         res = {"ce": chunked_cross_entropy(model.logits, hidden, targets, chunk_tokens)}
         if use_mtp:
-            mtp_t = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1)
             res["mtp_ce"] = chunked_cross_entropy(model.mtp_head, model.mtp_hidden(hidden, tokens_BT1[:, 1:]),
                                                   mtp_t, chunk_tokens)
         return res
     out = model(inputs, mtp_tokens_BT=tokens_BT1[:, 1:] if use_mtp else None)
     V = out.logits.shape[-1]
-    ce = F.cross_entropy(out.logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=-100)
-    res = {"ce": ce}
-    if out.mtp_logits is not None:
-        # position i predicts t_{i+2} = targets[:, i+1]; the last position has no target
-        mtp_t = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1)
+    res = {"ce": F.cross_entropy(out.logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=-100)}
+    if use_mtp:
         res["mtp_ce"] = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_t.reshape(-1), ignore_index=-100)
     return res
 
