@@ -137,3 +137,17 @@ def test_default_chunk_and_input_checks():
         linear_cross_entropy(h, w, t.float())
     with pytest.raises(ValueError, match="chunk_tokens must be a positive"):
         linear_cross_entropy(h, w, t, 0)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_autocast_against_float64():
+    h, w, t = inputs(300, 64, 1000, torch.float32)
+    h, w, t = (h.detach().cuda().requires_grad_(), w.detach().cuda().requires_grad_(), t.cuda())
+    ref64 = loss_and_grads(reference, h, w, t)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=128), h, w, t)
+        twin = loss_and_grads(linear_cross_entropy_torch, h, w, t)
+    assert got[0].dtype == got[1].dtype == got[2].dtype == torch.float32
+    for name, a, b, c in zip(("loss", "dh", "dW"), got, ref64, twin):
+        assert_close(name, c, a, 1e-2)
+        assert_close(name, b, a, 2e-2)
