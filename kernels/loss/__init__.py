@@ -11,17 +11,21 @@ import torch
 from .chunked import chunked_linear_cross_entropy
 from .naive import linear_cross_entropy as linear_cross_entropy_torch
 
-# bytes of one chunk's fp32 [C, V] block: on a CPU it stays in a core's L2 (2 MiB here) with the GEMM still
-# efficient (benchmarks/linear_ce.py); on a GPU big enough to keep the GEMMs at rate, small against the whole
-# logits (k3-small: C = 2048 of N = 16,384 tokens, 256 MiB instead of 2 GiB)
-CHUNK_BYTES = {"cpu": 2 << 20, "other": 256 << 20}
+# bytes of one chunk's fp32 [C, V] block: on a CPU a few MiB, in cache (2 cores of a Xeon, 2026-12-02, N = 4096,
+# D = 128, V = 4096: 256 to 1024 tokens the fastest, 64 ~25% and 4096 ~45% slower; benchmarks/linear_ce.py --chunks);
+# on a GPU big enough to keep the GEMMs at rate and small against the whole logits (k3-small: C = 2048 of N = 16,384
+# tokens, 256 MiB in place of 2 GiB)
+CHUNK_BYTES = {"cpu": 4 << 20, "other": 256 << 20}
+# each chunk also reads and writes dW [V, D] once (dW += G^T h): below ~64 tokens that traffic dominates (the same
+# CPU at D = 768, V = 32,768: 16 tokens 3x, 32 tokens 1.4x the time of 64 to 256)
+MIN_CHUNK = 64
 
 
 def default_chunk_tokens(vocab_size: int, device: torch.device | str) -> int:
     """Tokens per chunk when none is given: the largest power of two whose fp32 [C, V] block fits CHUNK_BYTES for
-    the device type, at least 16. Example: default_chunk_tokens(4096, "cpu") == 128."""
+    the device type, at least MIN_CHUNK. Example: default_chunk_tokens(4096, "cpu") == 256."""
     kind = "cpu" if torch.device(device).type == "cpu" else "other"
-    c = max(CHUNK_BYTES[kind] // (4 * max(vocab_size, 1)), 16)
+    c = max(CHUNK_BYTES[kind] // (4 * max(vocab_size, 1)), MIN_CHUNK)
     return 1 << (c.bit_length() - 1)
 
 
@@ -58,5 +62,5 @@ def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
     return chunked_linear_cross_entropy(h_ND, weight_VD, targets_N.long(), chunk, compute_dtype(h_ND, weight_VD))
 
 
-__all__ = ["CHUNK_BYTES", "compute_dtype", "default_chunk_tokens", "linear_cross_entropy",
+__all__ = ["CHUNK_BYTES", "MIN_CHUNK", "compute_dtype", "default_chunk_tokens", "linear_cross_entropy",
            "linear_cross_entropy_torch"]

@@ -127,9 +127,9 @@ def test_no_tensor_as_large_as_the_logits():
 
 
 def test_default_chunk_and_input_checks():
-    assert default_chunk_tokens(4096, "cpu") == 128
+    assert default_chunk_tokens(4096, "cpu") == 256
     assert default_chunk_tokens(32768, "cuda") == 2048
-    assert default_chunk_tokens(10**7, "cpu") == 16
+    assert default_chunk_tokens(32768, "cpu") == default_chunk_tokens(10**7, "cpu") == 64
     h, w, t = inputs(6, 4, 10, torch.float32)
     with pytest.raises(ValueError, match=r"h \[N, D\] and weight \[V, D\]"):
         linear_cross_entropy(h[None], w, t)
