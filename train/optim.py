@@ -13,8 +13,8 @@ arXiv 2507.20534 section 2.1) rescales the query/key rows of MLA heads whose max
 
 Limits (read before scaling up):
 - Muon needs the FULL gradient matrix of every parameter it updates. Orthogonalizing a shard is wrong (DeepSpeed
-  issue #7807); sharded (DTensor) parameters are refused with an error. A ZeRO-1 style Muon (gather, NS5, keep the
-  local slice; Moonlight section 2.3) is not implemented here.
+  issue #7807); sharded (DTensor) parameters are refused unless the optimizer gets a `sharded_update`, the gather /
+  NS5 / scatter of k3.train.parallel.muon that FSDP2 training attaches (docs/parallel.md).
 - NS5 runs in bf16 on CUDA, as Keller Jordan's reference does (github.com/KellerJordan/Muon, muon.py:
   `X = G.bfloat16()` before the iterations), and in fp32 on CPU (bf16 matmuls on CPU are far slower than fp32);
   float64 input on CPU stays float64 so the tests can compare against exact references. The Frobenius normalization
@@ -130,7 +130,8 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, weight_decay: float = 0.0,
-                 nesterov: bool = True, ns_steps: int = 5, num_heads: int | None = None, head_axis: int = 0):
+                 nesterov: bool = True, ns_steps: int = 5, num_heads: int | None = None, head_axis: int = 0,
+                 sharded_update: Callable[[list], None] | None = None):
         if lr < 0.0:
             raise ValueError(f"Muon lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -139,6 +140,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon weight_decay must be >= 0, got {weight_decay}")
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov,
                     "ns_steps": ns_steps, "num_heads": num_heads, "head_axis": head_axis}
+        # sharded_update(todo) replaces _apply_muon_updates for DTensor parameters (k3.train.parallel.muon)
+        self.sharded_update = sharded_update
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -148,9 +151,10 @@ class Muon(torch.optim.Optimizer):
         if axis not in (0, 1):
             raise ValueError(f"Muon head_axis must be 0 (row blocks) or 1 (column blocks), got {axis}")
         for p in param_group["params"]:
-            if _is_sharded(p):
-                raise ValueError("Muon got a sharded (DTensor) parameter; orthogonalizing a shard is wrong. Give Muon "
-                                 "full matrices (replicate them or use DDP) or put the parameter in the AdamW group")
+            if _is_sharded(p) and self.sharded_update is None:
+                raise ValueError("Muon got a sharded (DTensor) parameter; orthogonalizing a shard is wrong. Pass "
+                                 "sharded_update (k3.train.parallel.muon.ShardedMuonUpdate), give Muon full matrices "
+                                 "or put the parameter in the AdamW group")
             if p.ndim not in (2, 3):
                 raise ValueError(f"Muon takes matrices [A, B] or expert stacks [E, A, B], got shape {tuple(p.shape)}; "
                                  "put this parameter in the AdamW group")
@@ -189,7 +193,7 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
             # the direction G^ = G + mu M (Nesterov) or M is formed while the NS5 stack is written
             todo += [(p, group, (p.grad, b) if group["nesterov"] else b) for p, b in zip(params, bufs, strict=True)]
-        _apply_muon_updates(todo)
+        (self.sharded_update or _apply_muon_updates)(todo)
         return loss
 
 
@@ -200,6 +204,15 @@ def _apply_muon_updates(todo: list[tuple[torch.Tensor, dict, torch.Tensor | tupl
     All [a, b] blocks of the step with equal shape, NS5 working dtype, device and step count form one stack [n, a, b]:
     each D is written into it by one cast-on-write op (the Nesterov sum included), NS5 runs once on the stack, and
     each parameter's block view takes its slice in place (a bf16 result accumulates into fp32 W in fp32)."""
+    for i, ortho, scale in orthogonalized_blocks(todo):
+        p, rule, _ = todo[i]
+        _block_view(p, rule["num_heads"], rule["head_axis"]).add_(ortho, alpha=-rule["lr"] * scale)
+
+
+def orthogonalized_blocks(todo: list[tuple[torch.Tensor, dict, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]):
+    """Yield (i, NS5(D_i) shaped like W_i's block view, the Moonlight scale 0.2·√max(a, b)) for every (W, rule, D) of
+    todo (see _apply_muon_updates), bucket by bucket; W gives only the shape and block layout. A bucket's results are
+    consumed before the next bucket is computed, so an update written into W between yields is safe."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, rule, d) in enumerate(todo):
         if not p.is_contiguous():
@@ -224,8 +237,7 @@ def _apply_muon_updates(todo: list[tuple[torch.Tensor, dict, torch.Tensor | tupl
         scale = MOONLIGHT_SCALE * math.sqrt(max(ab))
         for i, part in zip(idx, ortho.split(counts), strict=True):
             p, rule, _ = todo[i]
-            blocks = _block_view(p, rule["num_heads"], rule["head_axis"])
-            blocks.add_(part.view(blocks.shape), alpha=-rule["lr"] * scale)
+            yield i, part.view(_block_view(p, rule["num_heads"], rule["head_axis"]).shape), scale
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -396,8 +408,10 @@ def group_summary(groups: dict[str, dict]) -> dict[str, dict]:
     return {k: {"tensors": len(g["params"]), "numel": sum(p.numel() for p in g["params"])} for k, g in groups.items()}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    sharded_update: Callable[[list], None] | None = None) -> torch.optim.Optimizer:
     """The training optimizer for `model`: MuonAdamW (cfg.optimizer "muon") or torch AdamW ("adamw").
+    sharded_update: Muon's update of FSDP2-sharded matrices (k3.train.parallel.muon), None on one process.
 
     Every torch param group starts at lr = cfg.lr and carries its `group` name; schedules set `group["lr"]` on all of
     `optimizer.param_groups`. If one side would be empty (a model with no matrices, say) the other is returned alone.
@@ -419,7 +433,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
                                   weight_decay=cfg.weight_decay)
     if muon_groups:
         muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                    ns_steps=cfg.ns_steps)
+                    ns_steps=cfg.ns_steps, sharded_update=sharded_update)
     if muon is None or adamw is None:
         return muon or adamw
     return MuonAdamW(muon, adamw)
@@ -477,9 +491,20 @@ def qk_clip_(mla: nn.Module, tau: float) -> int:
     root_H = gamma_H.sqrt()
     q_scale = torch.cat([root_H[:, None].expand(H, N), gamma_H[:, None].expand(H, R)], dim=1)  # [H, N+R]
     kv_scale = torch.cat([root_H[:, None].expand(H, N), torch.ones(H, V, device=smax_H.device)], dim=1)  # [H, N+V]
-    q_w.mul_(q_scale.reshape(-1, 1).to(q_w.device, q_w.dtype))
-    kv_w.mul_(kv_scale.reshape(-1, 1).to(kv_w.device, kv_w.dtype))
+    _scale_rows_(q_w, q_scale.reshape(-1))
+    _scale_rows_(kv_w, kv_scale.reshape(-1))
     return n_clipped
+
+
+def _scale_rows_(w: torch.Tensor, scale_A: torch.Tensor) -> None:
+    """w [A, B] *= scale [A] per row; a DTensor w (FSDP2 shards rows) takes the rows of scale its shard holds,
+    sliced on each rank without communication (every rank computed the same scale from reduced max logits)."""
+    s = scale_A.reshape(-1, 1).to(w.device, w.dtype)
+    if _is_sharded(w):
+        from torch.distributed.tensor import distribute_tensor
+
+        s = distribute_tensor(s, w.device_mesh, w.placements, src_data_rank=None)
+    w.mul_(s)
 
 
 def qk_clip_model_(model: nn.Module, tau: float | None) -> dict:
