@@ -15,7 +15,10 @@ new complete checkpoint or none, and the previous ones untouched. Old checkpoint
 `.tmp-` name before deletion, so a kill mid-delete never leaves a half-deleted directory that looks complete.
 One process (rank 0) owns a run directory's checkpoints: a new Checkpointer deletes stale `.tmp-*` directories.
 
-Single-process format (safetensors + torch.save); a sharded DCP variant for multi-GPU runs is a later step.
+Multi-process runs (k3.train.parallel.checkpoint) write the same directory with `dcp/` (torch.distributed.checkpoint:
+`.metadata` and one `__R_0.distcp` per rank, holding {"model": state dict, "optim": optimizer state keyed by
+parameter name}) in place of model.safetensors and optim.pt; COMPLETE then says "format": "dcp". `load_checkpoint`
+reads either format into whole tensors on one process, and a multi-process run reshards either onto its ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from .config import CheckpointConfig
 CHECKPOINT_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
 FILES = ("model.safetensors", "optim.pt", "train_state.json", "data.json", "rng.pt")
+DCP_FILES = ("dcp/.metadata", "train_state.json", "data.json", "rng.pt")  # the rank files are listed in COMPLETE
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -99,11 +104,31 @@ def _torch_load(path: Path, map_location: Any) -> Any:
                               "load an older checkpoint") from None
 
 
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
-    """Load one training checkpoint directory, checking it is complete and every file intact.
+def read_dcp(path: str | Path) -> dict:
+    """The whole state dict of a torch.distributed.checkpoint directory, read by this one process (no process group
+    needed): nested as it was saved, sharded tensors reassembled."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict = {}
+    try:  # as torch.distributed.checkpoint.format_utils.dcp_to_torch_save reads a checkpoint whole
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            _load_state_dict(sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
+    except (RuntimeError, OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"{path}: unreadable torch.distributed.checkpoint ({type(e).__name__}: "
+                              f"{str(e)[:200]}); load an older checkpoint") from None
+    return sd
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu", tensors: bool = True) -> dict:
+    """Load one training checkpoint directory (either format), checking it is complete and every file intact.
 
     Returns {"model_state": {name: Tensor}, "optim_state": dict, "data_state": dict, "train_state": dict,
-    "rng": dict (for restore_rng), "path": Path}.
+    "rng": dict (for restore_rng), "path": Path, "format": "single" | "dcp"}; tensors=False leaves out
+    model_state and optim_state (a multi-process run reads those into its shards itself).
     Example: ck = load_checkpoint("runs/x/checkpoints/step-0000500"); model.load_state_dict(ck["model_state"])
     """
     path = Path(path)
@@ -114,27 +139,29 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     if not marker.is_file():
         raise CheckpointError(f"{marker}: missing, so the checkpoint is incomplete (its writer was killed); "
                               "load an older checkpoint or use Checkpointer.latest()")
-    sizes = _read_json(marker).get("files", {})
-    for fname in FILES:
+    complete = _read_json(marker)
+    sizes, fmt = complete.get("files", {}), complete.get("format", "single")
+    for fname in sorted(set(DCP_FILES if fmt == "dcp" else FILES) | set(sizes)):
         f = path / fname
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint; load an older checkpoint")
         if fname in sizes and f.stat().st_size != sizes[fname]:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes but {sizes[fname]} were written (truncated or "
                                   "corrupt); load an older checkpoint")
+    out = {"data_state": _read_json(path / "data.json"), "train_state": _read_json(path / "train_state.json"),
+           "rng": _torch_load(path / "rng.pt", "cpu"), "path": path, "format": fmt}
+    if not tensors:
+        return out
+    if fmt == "dcp":
+        sd = read_dcp(path / "dcp")
+        return {"model_state": {k: v.to(map_location) for k, v in sd["model"].items()}, "optim_state": sd["optim"],
+                **out}
     try:
         model_state = safetensors.torch.load_file(path / "model.safetensors", device=str(map_location))
     except (safetensors.SafetensorError, OSError) as e:
         raise CheckpointError(f"{path / 'model.safetensors'}: corrupt safetensors file ({e}); load an older "
                               "checkpoint") from None
-    return {
-        "model_state": model_state,
-        "optim_state": _torch_load(path / "optim.pt", map_location),
-        "data_state": _read_json(path / "data.json"),
-        "train_state": _read_json(path / "train_state.json"),
-        "rng": _torch_load(path / "rng.pt", "cpu"),
-        "path": path,
-    }
+    return {"model_state": model_state, "optim_state": _torch_load(path / "optim.pt", map_location), **out}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -165,15 +192,18 @@ class Checkpointer:
         state = ck.load()          # the newest complete checkpoint; CheckpointError when there is none
     """
 
+    writer = True  # this process writes the directory's files; a multi-process run's rank 0 alone
+
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path):
         if cfg.keep_last < 1:
             raise CheckpointError(f"ckpt.keep_last must be >= 1, got {cfg.keep_last}; set ckpt.keep_last=1 or more")
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / CHECKPOINT_DIR
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".tmp-*"):  # left by a killed writer or deleter
-            shutil.rmtree(stale, ignore_errors=True)
+        if self.writer:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".tmp-*"):  # left by a killed writer or deleter
+                shutil.rmtree(stale, ignore_errors=True)
 
     def completed(self) -> list[Path]:
         """Complete checkpoint directories (COMPLETE marker present), oldest step first."""
@@ -210,17 +240,15 @@ class Checkpointer:
         train_state.update(extra or {})
         train_json = _json_or_error(train_state, "train_state (extra)")
         data_json = _json_or_error(data_state, "data_state (the loader's state_dict)")
-        model_sd = prepare_state_dict(model_state)
         rng = capture_rng()
 
         final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp = self._make_tmp(final)
         try:
-            safetensors.torch.save_file(model_sd, tmp / "model.safetensors", metadata={"format": "pt"})
-            fsync_file(tmp / "model.safetensors")
-            _torch_save(optim_state, tmp / "optim.pt")
+            files, fmt = self._write_tensors(tmp, model_state, optim_state)
+            if not self.writer:
+                self._finish(final)
+                return final
             write_text(tmp / "train_state.json", train_json)
             write_text(tmp / "data.json", data_json)
             _torch_save(rng, tmp / "rng.pt")
@@ -228,14 +256,36 @@ class Checkpointer:
             if run_config.is_file():
                 shutil.copyfile(run_config, tmp / "run_config.yaml")
                 fsync_file(tmp / "run_config.yaml")
-            sizes = {f: (tmp / f).stat().st_size for f in FILES}
-            write_text(tmp / COMPLETE, json.dumps({"step": step, "files": sizes}, indent=2) + "\n")
+            sizes = {f: (tmp / f).stat().st_size for f in (*files, "train_state.json", "data.json", "rng.pt")}
+            complete = {"step": step, "files": sizes, **({"format": fmt} if fmt != "single" else {})}
+            write_text(tmp / COMPLETE, json.dumps(complete, indent=2) + "\n")
             replace_dir(tmp, final)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.writer:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._prune()
+        self._finish(final)
         return final
+
+    # the steps a multi-process writer (k3.train.parallel.checkpoint) replaces
+    def _make_tmp(self, final: Path) -> Path:
+        """A fresh temporary directory beside `final`, renamed to it once complete."""
+        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+
+    def _write_tensors(self, tmp: Path, model_state: dict, optim_state: dict) -> tuple[list[str], str]:
+        """Write the model and optimizer state into `tmp`; returns (the files written, the format name)."""
+        safetensors.torch.save_file(prepare_state_dict(model_state), tmp / "model.safetensors",
+                                    metadata={"format": "pt"})
+        fsync_file(tmp / "model.safetensors")
+        _torch_save(optim_state, tmp / "optim.pt")
+        return ["model.safetensors", "optim.pt"], "single"
+
+    def _finish(self, final: Path) -> None:
+        """Called once `final` is complete (or, on a process that does not write, once its part is written)."""
 
     def _prune(self) -> None:
         for old in self.completed()[: -self.cfg.keep_last]:
