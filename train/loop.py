@@ -199,12 +199,18 @@ class Trainer:
             n = int(mask.sum()) if mask is not None else tokens[:, 1:].numel()
             total += losses["ce"].item() * n
             count += n
+        total, count = self._over_ranks(torch.tensor([total, count], dtype=torch.float64), "sum").tolist()
         self.model.train()
         val_loss = total / max(count, 1)
         rec = {"val_loss": val_loss}
         if self.bytes_per_token:
             rec["val_bpb"] = val_loss / math.log(2) / self.bytes_per_token
         return rec
+
+    def _over_ranks(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """x summed, averaged or maxed ("sum" | "mean" | "max") over the data-parallel ranks (k3.train.parallel's
+        trainer); x itself on one process."""
+        return x
 
     def _balance_routers(self, scores_per_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
         """Router-bias update from this step's routing (applied from the next step) and routing statistics."""
@@ -259,6 +265,7 @@ class Trainer:
                 scores_per_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
                 max_logits = [torch.full((m.num_heads,), -float("inf")) for m in mlas]
                 sum_ce = sum_mtp = 0.0
+                step_tokens = 0
                 stats: dict[str, list[float]] = {}
                 for _ in range(tcfg.grad_accum):
                     if self.batch_loss is not None:
@@ -278,13 +285,17 @@ class Trainer:
                     (loss / tcfg.grad_accum).backward()
                     sum_ce += losses["ce"].item()
                     sum_mtp += losses["mtp_ce"].item() if "mtp_ce" in losses else 0.0
-                    self.state.tokens += n_tokens
+                    step_tokens += n_tokens
                     for i, m in enumerate(moes):
                         if m.record_router and getattr(m, "last_scores", None) is not None:
                             scores_per_layer.setdefault(i, []).append((m.last_scores, m.last_topk_idx))
                     for j, m in enumerate(mlas):
                         if m.track_max_logit:
                             max_logits[j] = torch.maximum(max_logits[j], m.max_logit_per_head.detach().float().cpu())
+                sum_ce, sum_mtp = self._over_ranks(torch.tensor([sum_ce, sum_mtp], dtype=torch.float64), "mean").tolist()
+                self.state.tokens += int(self._over_ranks(torch.tensor(step_tokens), "sum"))
+                if max_logits:  # QK-Clip acts on the max over every rank's batch
+                    max_logits = list(self._over_ranks(torch.cat(max_logits), "max").split([len(x) for x in max_logits]))
                 ce = sum_ce / tcfg.grad_accum
                 if not math.isfinite(ce) or not math.isfinite(sum_mtp):
                     where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
@@ -327,6 +338,7 @@ class Trainer:
                     self.state.wall_time += time.time() - t_seg
                     t_seg = time.time()
                     last_ckpt = self.save_checkpoint()
+                self._stop_signal = int(self._over_ranks(torch.tensor(self._stop_signal or 0), "max")) or None
                 if self._stop_signal is not None:
                     self.state.wall_time += time.time() - t_seg
                     t_seg = time.time()
