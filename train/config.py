@@ -151,6 +151,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel ranks: each owns num_experts / ep routed experts, tokens reach them by all-to-all in the latent width
     cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
     redundant_experts: int = 0  # R: expert slots per EP rank filled each step with copies of other ranks' experts, planned from the last step's router counts (k3.train.parallel.planner); 0 = static placement
+    timeout_s: float = 600.0  # seconds a rank waits in a collective for its peers before every rank stops with an error (torchtitan's and NCCL's 10 min)
 
     def validate(self, *, world_size: int | None = None, num_experts: int | None = None,
                  seq_len: int | None = None) -> ParallelConfig:
@@ -164,6 +165,9 @@ class ParallelConfig:
         r = self.redundant_experts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"parallel.redundant_experts must be an integer >= 0, got {r!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"parallel.timeout_s must be a number of seconds > 0, got {t!r}")
         if r and self.ep == 1:
             raise ValueError(f"parallel.redundant_experts={r} needs expert parallelism: set parallel.ep > 1 "
                              f"(with one EP rank every expert is already local)")
