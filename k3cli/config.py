@@ -48,14 +48,15 @@ class K3Config:
     serve: ServeConfig | None = None  # the serving engine and HTTP server (`k3 serve`)
     quantize: QuantizeConfig | None = None  # format, modules, mode and calibration of `k3 quantize`
     distill: DistillConfig | None = None  # loss, routing and sampling of `k3 distill`
-    parallel: ParallelConfig | None = None  # dp x ep x cp process layout and redundant experts (no command runs it yet)
+    parallel: ParallelConfig | None = None  # dp x ep x cp process layout under torchrun (k3 pretrain: data parallelism)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
             "ckpt": CheckpointConfig, "kernels": KernelConfig, "serve": ServeConfig, "quantize": QuantizeConfig,
             "distill": DistillConfig, "parallel": ParallelConfig}
 # the sections each command resolves (the others stay None); its presets live in presets/<command>/
-COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels"), "serve": ("serve", "kernels"),
+COMMAND_SECTIONS = {"pretrain": ("model", "data", "optim", "train", "ckpt", "kernels", "parallel"),
+                    "serve": ("serve", "kernels"),
                     "generate": ("kernels",), "extend-context": ("model", "data", "optim", "train", "ckpt", "kernels"),
                     "quantize": ("quantize", "data", "optim", "train", "ckpt", "kernels"),
                     "distill": ("distill", "optim", "train", "ckpt", "kernels")}

@@ -11,6 +11,7 @@ RUN_DIR layout (a contract: other commands and tools read these names):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import yaml
+from rich.console import Console
 
 from k3.model.checkpoint import (
     CheckpointError,
@@ -39,6 +41,19 @@ from .console import make_console
 from .data import BatchLoader, PasskeyMixLoader, prepare_data
 from .loop import Trainer, TrainingError
 from .optim import build_optimizer
+from .parallel.checkpoint import full_model_state
+from .parallel.data import RankBatchLoader
+from .parallel.fsdp import check_data_parallel, shard_model
+from .parallel.muon import ShardedMuonUpdate
+from .parallel.runtime import (
+    Distributed,
+    PeerError,
+    is_collective_failure,
+    lost_peer_message,
+    start_distributed,
+    stop_distributed,
+)
+from .parallel.trainer import DistributedTrainer
 
 
 @dataclass
@@ -232,7 +247,8 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
         run_config: dict | None = None, console=None, init_may_differ: tuple[str, ...] = (),
         command: str = "k3 pretrain", prepare_model: Callable[[torch.nn.Module], None] | None = None,
         release_state: Callable[[torch.nn.Module], tuple[dict, dict | None]] | None = None) -> PretrainResult:
-    """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config).
+    """Pretrain a K3 model. `cfg` carries the sections model, data, optim, train, ckpt (a K3Config), and
+    `parallel` when the command runs on several processes (torchrun / accelerate launch: docs/parallel.md).
 
     init: weights to start from (a release or training checkpoint path, or read_init's result); init_may_differ:
     the ModelConfig fields in which they may differ from cfg.model (extend-context's position mode and RoPE base);
@@ -241,7 +257,28 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     place after its initial weights, before the optimizer (fake quantization); release_state(model) returns the
     (state dict, quantization_config or None) final/ is written from instead of the model's own weights.
     """
+    d = start_distributed(getattr(cfg, "parallel", None), cfg.train.device, command,
+                          num_experts=cfg.model.num_experts, seq_len=cfg.data.seq_len)
+    try:
+        return _run(cfg, d, run_dir=run_dir, resume=resume, init=init, run_config=run_config, console=console,
+                    init_may_differ=init_may_differ, command=command, prepare_model=prepare_model,
+                    release_state=release_state)
+    except RuntimeError as e:  # a collective inside FSDP's forward or backward failed: a peer is gone
+        if d is None or isinstance(e, PeerError) or not is_collective_failure(e):
+            raise
+        raise PeerError(lost_peer_message(d.rank, d.world_size, "a collective of the step", e, d.timeout_s)) from e
+    finally:
+        stop_distributed(d)
+
+
+def _run(cfg: Any, d: Distributed | None, *, run_dir: Path, resume: bool, init: str | InitWeights | None,
+         run_config: dict | None, console, init_may_differ: tuple[str, ...], command: str,
+         prepare_model: Callable[[torch.nn.Module], None] | None,
+         release_state: Callable[[torch.nn.Module], tuple[dict, dict | None]] | None) -> PretrainResult:
+    main = d is None or d.is_main  # the process that prints and writes the run directory's own files
     console = console or make_console()
+    if not main:
+        console = Console(quiet=True)
     mcfg, dcfg, ocfg, tcfg, ccfg = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.ckpt
     run_dir = Path(run_dir)
     ckpt_root = run_dir / "checkpoints"
@@ -257,9 +294,11 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
                           f"layers recomputed in the backward) or all (every layer)")
     if tcfg.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens={tcfg.loss_chunk_tokens} must be >= 0 (0 = the loss in one piece)")
+    if d is not None:
+        check_data_parallel(tcfg, dcfg, release_state is not None or prepare_model is not None)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    device = resolve_device(tcfg.device)
+    device = resolve_device(tcfg.device) if d is None else d.device
     autocast = resolve_autocast(tcfg.dtype, device)
     torch.manual_seed(tcfg.seed)
 
@@ -285,16 +324,19 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     if tok_src != dcfg.tokenizer:
         import dataclasses
         dcfg = dataclasses.replace(dcfg, tokenizer=tok_src)
-    data = prepare_data(dcfg, mcfg.vocab_size, console=console)
+    data = (prepare_data(dcfg, mcfg.vocab_size, console=console) if d is None
+            else d.main_first(lambda: prepare_data(dcfg, mcfg.vocab_size, console=console, show_progress=main)))
     if data.tokenizer.vocab_size > mcfg.vocab_size:
         raise ConfigError(f"tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{mcfg.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
     # nothing is written into the run directory before this point; a start that fails from here until
     # run_config.yaml is written removes what it made, so no empty or half-started run directory is left behind
-    made = _missing_dirs(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    made = _missing_dirs(run_dir) if main else []
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        data.tokenizer.save(run_dir / "tokenizer")
+        if main:
+            data.tokenizer.save(run_dir / "tokenizer")
 
         # ---- model, optimizer, loaders
         model = build_model(mcfg, seed=tcfg.seed, device="cpu")
@@ -303,17 +345,22 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
         if prepare_model is not None:
             prepare_model(model)
         model.to(device)
+        counts = count_parameters(model)  # before sharding: whole shapes
+        if d is not None:
+            shard_model(model, d.mesh, device)
         if tcfg.compile:
             model = torch.compile(model)  # type: ignore[assignment]
-        counts = count_parameters(model)
-        optimizer = build_optimizer(model, ocfg)
-        train_loader = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
+        optimizer = build_optimizer(model, ocfg, sharded_update=None if d is None else ShardedMuonUpdate(d))
+        ranks = {} if d is None else {"rank": d.rank, "world": d.world_size}
+        Loader = BatchLoader if d is None else RankBatchLoader
+        train_loader = Loader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed, **ranks)
         if dcfg.passkey_fraction > 0:
             train_loader = PasskeyMixLoader(train_loader, data.tokenizer, dcfg.passkey_fraction, seed=dcfg.seed)
 
         # built now, though first used at the first evaluation, so that a validation split shorter than one window
         # fails here and not after the training (val mode is stateless: each take() starts from the first window)
-        val_loader = BatchLoader(data.val, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed, mode="val")
+        val_loader = Loader(data.val, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed, mode="val",
+                            **ranks)
 
         def val_batches():
             return val_loader.take(tcfg.eval_batches)
@@ -323,21 +370,24 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
                        "n_params_active_nonembed": counts["active_nonembed"],
                        "n_params_total_nonembed": counts["total_nonembed"], "n_params_mtp": counts["mtp"],
                        "train_tokens_available": int(data.train.n_tokens), "val_tokens": int(data.val.n_tokens),
-                       "tokens_per_step": tcfg.batch_size * tcfg.grad_accum * dcfg.seq_len}
-        _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+                       "tokens_per_step": tcfg.batch_size * tcfg.grad_accum * dcfg.seq_len * (d.world_size if d else 1)}
+        if main:
+            _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
     except BaseException:
         _remove_dirs(made)
         raise
     # the lines of an earlier attempt in this directory that stopped before its first checkpoint
-    if not resume:
+    if not resume and main:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
-    trainer = Trainer(model, optimizer, ocfg, tcfg, ccfg, run_dir, train_loader, val_batches,
-                      bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast,
-                      flops_per_token=training_flops_per_token(mcfg, counts, dcfg.seq_len),
-                      peak_flops=peak_flops_for(device, tcfg.peak_tflops))
+    trainer = (Trainer if d is None else functools.partial(DistributedTrainer, dist=d))(
+        model, optimizer, ocfg, tcfg, ccfg, run_dir, train_loader, val_batches,
+        bytes_per_token=data.meta.get("val_bytes_per_token"), device=device, autocast_dtype=autocast,
+        flops_per_token=training_flops_per_token(mcfg, counts, dcfg.seq_len),
+        peak_flops=peak_flops_for(device, tcfg.peak_tflops))
     header = (f"[bold]{' '.join(command.split()[:2])}[/] {mcfg.name}: {describe_parameters(counts)}, "
-              f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}")
+              f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}"
+              + (f", {d.world_size} data-parallel ranks (FSDP2)" if d is not None else ""))
     state = fit_with_progress(trainer, tcfg, console, resume=resume, header=header, command=command)
 
     if trainer.stopped_by_signal:
@@ -351,10 +401,15 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     rc["stats"]["final_val_loss"] = ev["val_loss"]
     rc["stats"]["final_val_bpb"] = ev.get("val_bpb")
     rc["stats"]["wall_time_s"] = state.wall_time
-    _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
-    release_sd, qc = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, None) if release_state is None \
-        else release_state(model)
-    final = write_release(run_dir, release_sd, mcfg, data.tokenizer, rc, ccfg.export_dtype, dcfg.seq_len, qc)
+    if main:
+        _atomic_write_text(run_dir / "run_config.yaml", yaml.safe_dump(rc, sort_keys=False))
+    if d is not None:  # the whole weights gathered on rank 0: final/ is the one-file release of every run
+        release_sd, qc = full_model_state(model), None
+    else:
+        release_sd, qc = ({k: v.detach().cpu() for k, v in model.state_dict().items()}, None) \
+            if release_state is None else release_state(model)
+    final = (write_release(run_dir, release_sd, mcfg, data.tokenizer, rc, ccfg.export_dtype, dcfg.seq_len, qc)
+             if main else run_dir / "final")
     # the resumable checkpoint (weights + optimizer state, ~4x the release) after the release, so a run stopped while
     # writing it still has its final/ (on the H200, 2026-11-29, a k3-small run's time limit struck after the final
     # evaluation, most likely inside this write when it came first, and left no final/)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -46,7 +47,9 @@ def pretrain(
             # the saved resolved config wins over the preset so the resumed run trains the same thing
             prev = yaml.safe_load(saved.read_text()) or {}
             tmp = run_dir / ".resume_config.yaml"
-            tmp.write_text(yaml.safe_dump(prev.get("config", {})))
+            part = tmp.with_name(f"{tmp.name}.{os.getpid()}")  # every rank of a multi-process run writes it
+            part.write_text(yaml.safe_dump(prev.get("config", {})))
+            os.replace(part, tmp)
             files = [str(tmp)] + files
     from_saved = resume and saved.is_file()
     overrides, weights = None, None

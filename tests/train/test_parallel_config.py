@@ -45,9 +45,12 @@ def test_root_config_section():
         resolve_config("pretrain", preset="debug", sections=sections, sets=["parallel.ep=3"])
     with pytest.raises(ConfigError, match="unknown field|did you mean"):
         resolve_config("pretrain", preset="debug", sections=sections, sets=["parallel.epp=2"])
-    # no command runs a multi-process layout yet, so none accepts the section silently
-    with pytest.raises(ConfigError, match="section 'parallel' is not used by `k3 pretrain`"):
-        resolve_config("pretrain", preset="debug", sets=["parallel.ep=2"])
+    # k3 pretrain reads the section (data parallelism runs: test_distributed_*.py); the other commands refuse it
+    assert resolve_config("pretrain", preset="debug", sets=["parallel.dp=2"]).parallel.dp == 2
+    with pytest.raises(ConfigError, match="section 'parallel' is not used by `k3 extend-context`"):
+        resolve_config("extend-context", preset=None, sets=["parallel.dp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.timeout_s must be a number of seconds > 0, got 0"):
+        resolve_config("pretrain", preset="debug", sets=["parallel.timeout_s=0"])
 
 
 def _counted_bytes(width, top_k, ep, dtype):
