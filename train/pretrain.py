@@ -293,7 +293,7 @@ def _run(cfg: Any, d: Distributed | None, *, run_dir: Path, resume: bool, init: 
         raise ConfigError(f"train.activation_checkpointing={tcfg.activation_checkpointing!r}: use none, mla (the MLA "
                           f"layers recomputed in the backward) or all (every layer)")
     if tcfg.loss_chunk_tokens < 0:
-        raise ConfigError(f"train.loss_chunk_tokens={tcfg.loss_chunk_tokens} must be >= 0 (0 = the loss in one piece)")
+        raise ConfigError(f"train.loss_chunk_tokens={tcfg.loss_chunk_tokens} must be >= 0 (0 = the default chunk)")
     if d is not None:
         check_data_parallel(tcfg, dcfg, release_state is not None or prepare_model is not None)
     if tcfg.threads:
