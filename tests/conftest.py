@@ -1,4 +1,5 @@
-"""Shared test setup: seed 42, NaN-poisoned torch.empty (reads of unwritten memory fail), device markers."""
+"""Shared test setup: seed 42, NaN-poisoned torch.empty (reads of unwritten memory fail), device markers, threads a
+pytest-xdist worker."""
 
 import os
 
@@ -6,9 +7,17 @@ import os
 # (measured here); passive waiting costs nothing measurable when the machine is idle. Set before torch loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("K3_KERNELS", "torch")
+# under pytest-xdist (-n N) the N workers share the cores: each worker (and the processes its tests start) takes its
+# share of threads, so that two workers on 2 cores do not each run 2 threads and wait on each other's core
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest
 import torch
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 _real_empty = torch.empty
 

@@ -256,16 +256,24 @@ def masks_are_bool(monkeypatch):
     assert offences == [], f"interpreted loads / stores with a mask that is not bool (kind, dtype): {offences[:3]}"
 
 
+def compile_shards() -> int:
+    """Compile processes for one sm90_compile call: a core each, at most 8. Under pytest-xdist (-n N) the other
+    workers run tests meanwhile, so each call gets its share of the cores (2 cores, -n 2: one process), not all."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(8, len(os.sched_getaffinity(0)) // max(1, workers)))
+
+
 @pytest.fixture
 def sm90_compile(tmp_path):
     """run(script, mode, timeout): compile for sm_90 the kernel variants that `script` declares (sm90_compile.py: mode
     "cover", a subset that still gives every value of every kernel's variants, or "every"), in one process a core
-    (at most 8) without the interpreter, all within `timeout` seconds; fails with a failed process's output or
-    where the processes together compiled none (or, in mode "every", not all), else returns how many they compiled."""
+    (at most 8; under pytest-xdist the cores are split between its workers) without the interpreter, all within
+    `timeout` seconds; fails with a failed process's output or where the processes together compiled none (or, in
+    mode "every", not all), else returns how many they compiled."""
     def run(script: str, mode: str, timeout: float) -> int:
         (tmp_path / "variants.py").write_text(script)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        shards = max(1, min(8, len(os.sched_getaffinity(0))))
+        shards = compile_shards()
         logs = [tmp_path / f"shard{i}.log" for i in range(shards)]
         procs = []
         for i, log in enumerate(logs):
