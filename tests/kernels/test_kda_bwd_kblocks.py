@@ -94,16 +94,30 @@ def test_inter_k_block_floor_for_tf32x3(monkeypatch):
     assert [launch_mod.inter_k_block(bk, "tf32x3") for bk in (32, 128)] == [32, 64]
 
 
+@pytest.fixture(scope="module")
+def late_loads():
+    """late_loads(monkeypatch, D, bk): _grads at T = 70 with EARLY_LOADS 0, run once a module for each D and bk (the
+    reference of both EARLY_LOADS values; deterministic, so the same gradients each time)."""
+    refs = {}
+
+    def get(monkeypatch, D, bk):
+        if (D, bk) not in refs:
+            monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "EARLY_LOADS", 0)
+            refs[D, bk] = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
+        return refs[D, bk]
+
+    return get
+
+
 @pytest.mark.parametrize("early", [1, 2])
 @pytest.mark.parametrize("D,bk", [(32, 64), (60, 16)], ids=["one-block", "K-blocks"])
-def test_bwd_inter_early_loads(monkeypatch, D, bk, early, kernel_env):
+def test_bwd_inter_early_loads(monkeypatch, D, bk, early, kernel_env, late_loads):
     """LAUNCH["bwd_inter"]["EARLY_LOADS"] 1 and 2 (as shipped) against 0: the inter kernel issues loads sooner (1:
     each K block's Gamma, k and q before its V loop instead of after it; 2: also v and Akk). The same loads and
     arithmetic in another order, so the same gradients (bitwise under the interpreter, which runs the kernel as
     written; on a GPU within fp32 reordering)."""
     kernel_env(K3_KDA_FP32_DOTS="ieee")
-    monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "EARLY_LOADS", 0)
-    late = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
+    late = late_loads(monkeypatch, D, bk)
     monkeypatch.setitem(launch_mod.LAUNCH["bwd_inter"], "EARLY_LOADS", early)
     early = _grads(monkeypatch, bk, T=70, HV=2, D=D, BT=64, safe=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), late, early, strict=True):

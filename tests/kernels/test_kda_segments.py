@@ -59,6 +59,22 @@ def _run(monkeypatch, launch_spy, xs, per, *, BT, h0, mode):
     return o.detach(), s.detach(), grads, len(scans), len(wus)
 
 
+@pytest.fixture(scope="module")
+def one_scan():
+    """one_scan(monkeypatch, launch_spy, B, T, H, HV, K, V, BT, h0, mode): _run of _inputs(B, T, H, HV, K, V) with one
+    scan (SEGMENT_CHUNKS 0), run once a module for each case and mode: the reference of every segment count and
+    priority setting (deterministic: the same inputs and launches give the same outputs each time)."""
+    refs = {}
+
+    def get(monkeypatch, launch_spy, B, T, H, HV, K, V, BT, h0, mode):
+        key = (B, T, H, HV, K, V, BT, h0, mode)
+        if key not in refs:
+            refs[key] = _run(monkeypatch, launch_spy, _inputs(B, T, H, HV, K, V), 0, BT=BT, h0=h0, mode=mode)
+        return refs[key]
+
+    return get
+
+
 def _same(name, a, b):
     assert torch.isfinite(b).all(), f"{name}: not finite (a chunk no segment covered?)"
     if DEV == "cpu":
@@ -71,13 +87,12 @@ def _same(name, a, b):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("per", [1, 2, 3])
 @pytest.mark.parametrize("B,T,H,HV,K,V,BT,h0", CASES, ids=["partial-chunk", "gva-masked"])
-def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypatch, launch_spy):
+def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypatch, launch_spy, one_scan):
     """per chunks a segment: 7 / 3 / 2 segments of the 7 chunks of the first case, 9 / 4 / 3 of the 9 of the
     second."""
-    xs = _inputs(B, T, H, HV, K, V)
     segments = -(-T // BT) // per
-    ref = _run(monkeypatch, launch_spy, xs, 0, BT=BT, h0=h0, mode=mode)
-    out = _run(monkeypatch, launch_spy, xs, per, BT=BT, h0=h0, mode=mode)
+    ref = one_scan(monkeypatch, launch_spy, B, T, H, HV, K, V, BT, h0, mode)
+    out = _run(monkeypatch, launch_spy, _inputs(B, T, H, HV, K, V), per, BT=BT, h0=h0, mode=mode)
     assert ref[3:] == (1, 1) and out[3:] == (segments, segments), "segment launches"
     _same("o", ref[0], out[0])
     _same("final state", ref[1], out[1])
@@ -87,13 +102,12 @@ def test_segments_match_one_scan(B, T, H, HV, K, V, BT, h0, per, mode, monkeypat
 
 @pytest.mark.parametrize("priority", [True, False])
 @pytest.mark.parametrize("mode", ["inference", "training"])
-def test_segments_with_and_without_a_high_priority_stream(mode, priority, monkeypatch, launch_spy):
+def test_segments_with_and_without_a_high_priority_stream(mode, priority, monkeypatch, launch_spy, one_scan):
     """LAUNCH["scan"]["SEGMENT_PRIORITY"] (on as shipped): the segments' scans on a high-priority side stream, or on
     the current stream (a GPU's scheduling only; the interpreter runs the same order): the same results as one scan."""
-    xs = _inputs(2, 200, 1, 2, 32, 32)
-    ref = _run(monkeypatch, launch_spy, xs, 0, BT=32, h0=True, mode=mode)
+    ref = one_scan(monkeypatch, launch_spy, *CASES[0], mode)
     monkeypatch.setitem(launch_mod.LAUNCH["scan"], "SEGMENT_PRIORITY", priority)
-    out = _run(monkeypatch, launch_spy, xs, 2, BT=32, h0=True, mode=mode)
+    out = _run(monkeypatch, launch_spy, _inputs(*CASES[0][:6]), 2, BT=32, h0=True, mode=mode)
     assert out[3:] == (3, 3), "segment launches"
     _same("o", ref[0], out[0])
     _same("final state", ref[1], out[1])
