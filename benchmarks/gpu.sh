@@ -187,16 +187,26 @@ train_long() {
   done
 }
 
-# TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096), "breakdown" (the profiled step by
-# kernel category), "long" (train_long), "fused" (the fused kernels' tests and micro-benchmarks). Default "step
-# breakdown".
+# TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096 and 1 x 32768), "graph" (the same two
+# with each model's whole step in one CUDA graph: the device's time without the host's launches), "compile" (the
+# 4K step with both models under torch.compile), "breakdown" (the profiled step by kernel category), "long"
+# (train_long), "fused" (the fused kernels' tests and micro-benchmarks). Default "step breakdown".
 mode_train() {
   local parts=${TRAIN_PARTS:-step breakdown}
-  if has_part "$parts" step; then
-    step "training step: dense anchor vs k3-small" 300 model.log python3 benchmarks/model.py --model k3-small \
-      --device cuda --batch 4 --seq 4096 --steps 4 --warmup 2
-    clean_tail "$OUT/model.log" 12
-  fi
+  local flags tag
+  for tag in step graph compile; do
+    has_part "$parts" $tag || continue
+    flags=$( [ $tag = graph ] && echo --cuda-graph; [ $tag = compile ] && echo --compile )
+    # shellcheck disable=SC2086  # flags: zero or one word
+    step "training step ($tag): dense anchor vs k3-small, 4K" 300 model_$tag.log python3 benchmarks/model.py \
+      --model k3-small --device cuda --batch 4 --seq 4096 --steps 4 --warmup 2 $flags
+    clean_tail "$OUT/model_$tag.log" 6
+    [ $tag = compile ] && continue
+    # shellcheck disable=SC2086
+    step "training step ($tag): dense anchor vs k3-small, 32K" 200 model_${tag}_32k.log python3 benchmarks/model.py \
+      --model k3-small --device cuda --batch 1 --seq 32768 --steps 2 --warmup 1 --loss-chunk 8192 $flags
+    clean_tail "$OUT/model_${tag}_32k.log" 6
+  done
   if has_part "$parts" breakdown; then
     step "training step by kernel category" 200 breakdown.log python3 benchmarks/model_breakdown.py --model k3-small \
       --device cuda --batch 4 --seq 4096 --profile-step

@@ -113,11 +113,19 @@ def main() -> None:
                     help="recompute the MLA layers' or every layer's mixer and MLP in the backward")
     ap.add_argument("--loss-chunk", type=int, default=0, help="head + CE over chunks of this many tokens (0 = whole)")
     ap.add_argument("--no-anchor", action="store_true", help="time the K3 model only")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture each model's whole step (forward, loss, backward) in one CUDA graph and time its "
+                         "replays: the host's kernel launches leave the step, the device's work stays")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each model (default mode) before timing")
     args = ap.parse_args()
+    if args.cuda_graph and not torch.cuda.is_available():
+        ap.error("--cuda-graph needs a CUDA device (run on the GPU, or drop the flag)")
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    # autocast's cast cache would hand a captured graph tensors freed after capture: off under --cuda-graph
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not args.cuda_graph) if cuda
+           else torch.autocast("cpu", enabled=False))
     cfg = load_model_config(args.model)
     torch.manual_seed(0)
     k3 = build_model(cfg, seed=0).to(dev)
@@ -130,34 +138,55 @@ def main() -> None:
     tokens = torch.randint(0, V, (B, T + 1), device=dev)
 
     k3.model.activation_checkpointing = args.activation_checkpointing
+    k3_fwd, dense_fwd = (torch.compile(k3), torch.compile(dense)) if args.compile else (k3, dense)
 
     def k3_step():
         with amp:  # the train loop's losses: CE + 0.3 x MTP CE, chunked with --loss-chunk
-            losses = lm_losses(k3, tokens, None, with_mtp=not args.no_mtp, chunk_tokens=args.loss_chunk)
+            losses = lm_losses(k3_fwd, tokens, None, with_mtp=not args.no_mtp, chunk_tokens=args.loss_chunk)
             loss = losses["ce"] + 0.3 * losses.get("mtp_ce", 0.0)
         loss.backward()
-        k3.zero_grad(set_to_none=True)
 
     def dense_step():
         with amp:
-            logits = dense(tokens[:, :-1])
+            logits = dense_fwd(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, V), tokens[:, 1:].reshape(-1))
         loss.backward()
-        dense.zero_grad(set_to_none=True)
+
+    def eager(step, module):
+        def run():
+            step()
+            module.zero_grad(set_to_none=True)
+        return run
+
+    def graphed(step, module):
+        """The step captured once (after warm-up on a side stream, so Triton's autotuning and the lazy inits
+        are done) and replayed: each replay writes the same .grad tensors."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(max(1, args.warmup)):
+                eager(step, module)()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+
+    wrap = graphed if args.cuda_graph else eager
 
     peak = args.peak_tflops or measured_matmul_tflops(dev)
     n_mla = cfg.layer_types.count("mla")
     rows = []
-    runs = [("dense anchor", dense_step, dense_active, cfg.n_layers, cfg.d_model),
-            (f"{args.model}", k3_step, k3_active + (0 if args.no_mtp else counts["mtp"]), n_mla,
+    runs = [("dense anchor", (dense_step, dense), dense_active, cfg.n_layers, cfg.d_model),
+            (f"{args.model}", (k3_step, k3), k3_active + (0 if args.no_mtp else counts["mtp"]), n_mla,
              cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / 2)]
     if args.no_anchor:
         del dense
         runs = runs[1:]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for name, step, active, attn_layers, hd in runs:
-        t = time_steps(step, args.steps, args.warmup, cuda)
+    for name, (step, module), active, attn_layers, hd in runs:
+        t = time_steps(wrap(step, module), args.steps, args.warmup, cuda)
         flops = 6 * active * B * T + 6 * attn_layers * B * T * T * hd  # causal attention ~ half of 12*T*d
         rows.append((name, active, t, B * T / t, flops / t / 1e12 / peak))
         if cuda:
@@ -166,7 +195,9 @@ def main() -> None:
     print(f"\nfwd+bwd, B={B} T={T}, device={dev} ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, MFU against {peak:.3f} TFLOP/s matmul; "
           f"activation checkpointing {args.activation_checkpointing}, loss chunk {args.loss_chunk or 'off'}, "
-          f"KDA recompute {active_config().kda_recompute}")
+          f"KDA recompute {active_config().kda_recompute}, "
+          f"{'one CUDA graph per step' if args.cuda_graph else 'eager launches'}"
+          f"{', torch.compile' if args.compile else ''}")
     print(f"{'model':<14} {'FLOP params':>14} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'vs anchor':>10}"
           + (f" {'peak GiB':>9}" if cuda else ""))
     base = None if args.no_anchor else rows[0][3]
