@@ -242,14 +242,17 @@ serve_small() {
 }
 
 # serve_tiny TREE TAG LIMIT: the trained k3-tiny (prefix hit at 2,048 tokens, speculative k = 2); server logs kept
+# A baseline tree may hold its own runs/tiny/final (the same weights, config.json in that commit's format: an older
+# k3 refuses keys added since); the tree serves that copy, else this tree's.
 serve_tiny() {
-  local tree=$1 tag=$2 limit=$3 i=0 f
-  if [ ! -f "$ROOT/runs/tiny/final/config.json" ]; then
+  local tree=$1 tag=$2 limit=$3 i=0 f ckpt=$ROOT/runs/tiny/final
+  [ -f "$tree/runs/tiny/final/config.json" ] && ckpt=$(cd "$tree/runs/tiny/final" && pwd)
+  if [ ! -f "$ckpt/config.json" ]; then
     echo "no runs/tiny/final here: carry runs/tiny for the k3-tiny rows"; return 1
   fi
   rm -f /tmp/*.k3serve.log
   (cd "$tree" && step "serve trained k3-tiny ($tag)" "$limit" "serve_tiny_$tag.log" python3 benchmarks/serve.py \
-    --ckpt "$ROOT/runs/tiny/final" --subprocess --device cuda --concurrency 1 --input-len 128 --output-len 128 \
+    --ckpt "$ckpt" --subprocess --device cuda --concurrency 1 --input-len 128 --output-len 128 \
     --prefix-len 2048 --speculative-tokens 2)
   echo "-- trained k3-tiny, $tag:"; clean_tail "$OUT/serve_tiny_$tag.log" 16
   for f in /tmp/*.k3serve.log; do [ -f "$f" ] && cp "$f" "$OUT/server_tiny_${tag}_$i.log"; i=$((i + 1)); done

@@ -70,6 +70,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "float32" | "bfloat16"
     compile: bool = False  # torch.compile the model
+    cuda_graph: bool = False  # one CUDA graph per micro-step (forward, loss, backward), replayed from the second step of a shape: the host's launches leave the step (k3.train.graphs; one GPU, the next-token loss)
     threads: int | None = None  # torch CPU threads (None = torch default)
     track_max_logit: bool = True  # compute MLA per-head max logits each step (needed for QK-Clip and logging)
     peak_tflops: float | None = None  # device peak for the logged `mfu`; None: 989 (bf16 datasheet) on H100/H200, else no mfu

@@ -41,6 +41,7 @@ from .pretrain import (
     _atomic_write_text,
     _missing_dirs,
     _remove_dirs,
+    check_cuda_graph,
     fit_with_progress,
     read_init,
     resolve_autocast,
@@ -240,6 +241,7 @@ def run(cfg: Any, *, student: str | Path, teachers: dict[str, str | Path], promp
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
     autocast = resolve_autocast(tcfg.dtype, device)
+    check_cuda_graph(tcfg, device, data_parallel=False, custom_loss=True)
     torch.manual_seed(tcfg.seed)
 
     mcfg = init.cfg

@@ -31,6 +31,7 @@ from k3.model.transformer import K3Model
 from .balance import loss_free_update, qb_update_exact, qb_update_histogram_from_scores, router_stats
 from .checkpoint import Checkpointer
 from .config import CheckpointConfig, OptimConfig, TrainConfig
+from .graphs import GraphedMicroSteps
 from .optim import qk_clip_model_
 from .schedule import lr_at, mtp_lambda_at
 
@@ -173,7 +174,19 @@ class Trainer:
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        # autocast's cache of cast weights would hand a captured graph tensors freed after the capture
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype,
+                              cache_enabled=not self.tcfg.cuda_graph)
+
+    def _micro_step(self, tokens: torch.Tensor, mask: torch.Tensor | None, lam, with_mtp: bool) -> dict:
+        """Forward, CE + lam * MTP CE (lam a float, or a device scalar inside a CUDA graph), backward of one
+        micro-batch tokens [B, T+1] (mask [B, T] or None); returns the losses."""
+        with self._autocast():
+            losses = lm_losses(self.model, tokens, mask, with_mtp=with_mtp,
+                               chunk_tokens=self.tcfg.loss_chunk_tokens)
+        loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
+        (loss / self.tcfg.grad_accum).backward()
+        return losses
 
     def _log(self, rec: dict) -> None:
         with open(self.metrics_path, "a") as f:
@@ -251,6 +264,8 @@ class Trainer:
         for m in mlas:
             m.track_max_logit = tcfg.track_max_logit
         model.model.activation_checkpointing = tcfg.activation_checkpointing
+        graphs = GraphedMicroSteps(model, self._micro_step, tcfg.grad_accum) if tcfg.cuda_graph else None
+        self.graphs = graphs
         old_handlers = self._install_signals()
         t_seg = time.time()
         t_last, tok_last = time.time(), self.state.tokens
@@ -267,22 +282,25 @@ class Trainer:
                 sum_ce = sum_mtp = 0.0
                 step_tokens = 0
                 stats: dict[str, list[float]] = {}
-                for _ in range(tcfg.grad_accum):
+                for micro in range(tcfg.grad_accum):
                     if self.batch_loss is not None:
                         with self._autocast():
                             losses, n_tokens, extra = self.batch_loss(model, next(self.loader))
                         for k, v in extra.items():
                             stats.setdefault(k, []).append(v)
+                        loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
+                        (loss / tcfg.grad_accum).backward()
                     else:
                         tokens, mask = next(self.loader)
                         tokens = tokens.to(self.device, non_blocking=True)
                         mask = None if mask is None else mask.to(self.device, non_blocking=True)
-                        with self._autocast():
-                            losses = lm_losses(model, tokens, mask, with_mtp=lam > 0,
-                                               chunk_tokens=tcfg.loss_chunk_tokens)
+                        if graphs is None:
+                            losses = self._micro_step(tokens, mask, lam, lam > 0)
+                        else:
+                            if micro == 0:
+                                graphed = graphs.begin_step(graphs.form_of(tokens, mask, lam > 0))
+                            losses = graphs.run(tokens, mask, lam, lam > 0, graphed)
                         n_tokens = tokens[:, 1:].numel()
-                    loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
-                    (loss / tcfg.grad_accum).backward()
                     sum_ce += losses["ce"].item()
                     sum_mtp += losses["mtp_ce"].item() if "mtp_ce" in losses else 0.0
                     step_tokens += n_tokens

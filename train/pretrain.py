@@ -37,6 +37,7 @@ from k3.model.config import ConfigError, ModelConfig
 from k3.model.transformer import build_model, count_parameters, describe_parameters
 
 from .checkpoint import load_checkpoint
+from .config import TrainConfig
 from .console import make_console
 from .data import BatchLoader, PasskeyMixLoader, prepare_data
 from .loop import Trainer, TrainingError
@@ -75,6 +76,24 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name} but CUDA is not available; use train.device=cpu or auto")
     return dev
+
+
+def check_cuda_graph(tcfg: TrainConfig, device: torch.device, *, data_parallel: bool, custom_loss: bool) -> None:
+    """train.cuda_graph's preconditions (k3.train.graphs), checked before anything is written."""
+    if not tcfg.cuda_graph:
+        return
+    fix = "set train.cuda_graph=false"
+    if device.type != "cuda":
+        raise ConfigError(f"train.cuda_graph=true needs a CUDA device, but training runs on {device}; {fix} or "
+                          f"train on a GPU (train.device=cuda)")
+    if data_parallel:
+        raise ConfigError(f"train.cuda_graph=true runs on one process; with parallel.dp > 1 (FSDP2's collectives "
+                          f"are not captured) {fix}")
+    if tcfg.compile:
+        raise ConfigError(f"train.cuda_graph=true and train.compile=true: pick one ({fix} or train.compile=false)")
+    if custom_loss:
+        raise ConfigError(f"train.cuda_graph=true captures the next-token objective only, not this command's own "
+                          f"loss; {fix}")
 
 
 def resolve_autocast(name: str, device: torch.device) -> torch.dtype | None:
@@ -300,6 +319,7 @@ def _run(cfg: Any, d: Distributed | None, *, run_dir: Path, resume: bool, init: 
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device) if d is None else d.device
     autocast = resolve_autocast(tcfg.dtype, device)
+    check_cuda_graph(tcfg, device, data_parallel=d is not None, custom_loss=False)
     torch.manual_seed(tcfg.seed)
 
     # ---- initial weights (before data, so a bad --init fails fast)
