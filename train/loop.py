@@ -186,7 +186,9 @@ class Trainer:
                                chunk_tokens=self.tcfg.loss_chunk_tokens)
         loss = losses["ce"] + (lam * losses["mtp_ce"] if "mtp_ce" in losses else 0.0)
         (loss / self.tcfg.grad_accum).backward()
-        return losses
+        # detached: a loss kept by the caller would keep the parameters' AccumulateGrad nodes alive, and a CUDA
+        # graph captured later on its own stream would then sync with theirs (an invalid capture)
+        return {k: v.detach() for k, v in losses.items()}
 
     def _log(self, rec: dict) -> None:
         with open(self.metrics_path, "a") as f:
