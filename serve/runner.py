@@ -5,9 +5,9 @@ A step runs one of two ways:
   MTP drafts), replayed from CUDA graphs on a GPU;
 - the eager step here for everything else (prompts of different lengths, long prefill chunks, snapshots inside a
   chunk, prompt logprobs): the new tokens of all sequences packed into one row [1, T] (T = sum of per-sequence
-  counts) with varlen offsets, or [N, Tn] rows when every sequence brings the same Tn <= 64, so norms, MLPs, MoE and
-  AttnRes run once on all tokens. The runner builds every index of the step on the host and sends them in one copy
-  (`StepContext`), then hands the model one cache view per layer (k3.serve.cache).
+  counts) with varlen offsets, or [N, Tn] rows when every sequence brings the same Tn (a lone prefill chunk too), so
+  norms, MLPs, MoE and AttnRes run once on all tokens. The runner builds every index of the step on the host and
+  sends them in one copy (`StepContext`), then hands the model one cache view per layer (k3.serve.cache).
 
 A step mixing verify sequences with others runs as separate calls (sequences are independent: own slots and pages;
 shared prefix pages are only read). With graph prefill on (CUDA graphs captured), a step mixing decodes with prefill
@@ -29,7 +29,6 @@ import logging
 import torch
 
 from k3.model.cache import InferenceState, LatentGroup, PagedLatentView
-from k3.model.kda import RECURRENT_MAX_TOKENS
 from k3.model.mla import warm_up_paged_attention
 from k3.model.transformer import K3Model
 
@@ -274,8 +273,10 @@ class StepContext:
             raise ValueError(f"step: two sequences share a KDA slot: {slots}")
         # a snapshot inside a sequence's chunk needs the chunk kernel's per-chunk states
         self.interior = any(p < s.start + len(s.tokens) for s in seqs for p, _ in s.snapshots)
-        # N sequences of Tn <= 64 tokens each: [N, Tn] rows (the in-place recurrent kernel, no varlen offsets)
-        self.batched = len(set(lens)) == 1 and lens[0] <= RECURRENT_MAX_TOKENS and not self.interior
+        # N sequences of Tn tokens each (one prefill chunk alone, decodes): [N, Tn] rows, no varlen offsets (the
+        # in-place recurrent kernel up to 64 tokens, the chunk kernel beyond or with interior snapshots); a packed
+        # row would take the conv's varlen gather, ~30 more tensor ops a conv (18 a step), host time on a GPU
+        self.batched = len(set(lens)) == 1
         pos, slot_map = [], []
         for s in seqs:
             ps, bt = range(s.start, s.start + len(s.tokens)), s.block_table
