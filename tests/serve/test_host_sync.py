@@ -107,3 +107,25 @@ def test_eager_prefill_step_ops_do_not_grow_with_block_boundaries(model_tok):
         assert not eng.has_work()
         counts[n] = mode.count
     assert counts[130] == counts[450] > 0, counts
+
+
+def test_a_lone_long_prefill_chunk_runs_the_conv_unpacked(model_tok, monkeypatch):
+    """One sequence's 450-token prefill chunk (prefix caching on, interior snapshots) runs the short conv as plain
+    rows, not through cu_seqlens: the packed path of kernels/conv/naive.py is ~2.5x the ops per conv, and a lone
+    512-token chunk took it (~480 more host ops a step, ~13-20 ms of a 2,048-token prefill on the H200)."""
+    import k3.model.kda as kda_mod
+
+    model, tok = model_tok
+    eng = _prefill_engine(model, tok)
+    packed = []
+    real = kda_mod.causal_conv1d
+
+    def spy(*args, cu_seqlens=None, **kwargs):
+        packed.append(cu_seqlens is not None)
+        return real(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(kda_mod, "causal_conv1d", spy)
+    eng.submit([(5 * i) % 400 + 10 for i in range(450)], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                         ignore_eos=True), lambda ev: None)
+    assert eng.step()
+    assert packed and not any(packed), packed
