@@ -12,8 +12,10 @@
 #   kda      the KDA table: benchmarks/kda.py (k3, fla and SDPA in one process per shape: forward and
 #            forward+backward at the four shapes, then decode), then the model's call (raw gate, the gate in kernel
 #            in both libraries) at the first shape; fla's autotuning results come back as $OUT/fla-autotune.tgz
-#   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096, then
+#   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096 and 1 x 32768, then
 #            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category);
+#            TRAIN_PARTS=graph / compile: model.py with --cuda-graph / --compile; TRAIN_PARTS=pretrain: the
+#            train.cuda_graph tests, then `k3 pretrain --preset small` for 30 steps eager and with train.cuda_graph;
 #            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
 #            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits;
 #            TRAIN_PARTS=fused: the fused training kernels' GPU tests, then attnres.py, kda_glue.py and moe_step.py
@@ -187,10 +189,29 @@ train_long() {
   done
 }
 
+# train_pretrain: `k3 pretrain --preset small` (4 x 4096 x 2 accumulation, Muon, 30 steps, no evaluation or
+# checkpoints until the end), eager then with train.cuda_graph=true, and the CUDA-graph tests first; the logged
+# tokens/s of steps 11-20 and 21-30 (steps 1-10 hold the warm-up, and the graph's eager first step and capture)
+train_pretrain() {
+  local g
+  step "train.cuda_graph tests" 120 cuda_graph_tests.log python3 -m pytest tests/train/test_cuda_graph.py \
+    -p no:cacheprovider -rfs -W ignore::UserWarning
+  tests_summary "$OUT/cuda_graph_tests.log"
+  for g in false true; do
+    rm -rf "/tmp/k3-small-$g"
+    step "k3 pretrain --preset small, cuda_graph=$g" 150 "pretrain_small_$g.log" k3 pretrain --preset small \
+      --out "/tmp/k3-small-$g" --set train.max_steps=30 --set train.eval_every=0 --set ckpt.every=0 \
+      --set data.tokenizer_sample_bytes=5000000 --set train.cuda_graph=$g
+    grep -E '"step": (10|20|30),' "/tmp/k3-small-$g/metrics.jsonl" | cut -c1-160
+    grep -E "Error|done step" "$OUT/pretrain_small_$g.log" | tail -3
+  done
+}
+
 # TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096 and 1 x 32768), "graph" (the same two
 # with each model's whole step in one CUDA graph: the device's time without the host's launches), "compile" (the
 # 4K step with both models under torch.compile), "breakdown" (the profiled step by kernel category), "long"
-# (train_long), "fused" (the fused kernels' tests and micro-benchmarks). Default "step breakdown".
+# (train_long), "fused" (the fused kernels' tests and micro-benchmarks), "pretrain" (train_pretrain). Default
+# "step breakdown".
 mode_train() {
   local parts=${TRAIN_PARTS:-step breakdown}
   local flags tag
@@ -225,6 +246,7 @@ mode_train() {
     tables "$OUT/moe_step.log"
   fi
   has_part "$parts" long && train_long
+  has_part "$parts" pretrain && train_pretrain
   return 0
 }
 
