@@ -12,6 +12,7 @@ import typer
 
 from k3.cli.commands.distill import distill
 from k3.cli.commands.eval import app as eval_app
+from k3.cli.commands.export_hf import export_hf
 from k3.cli.commands.extend_context import extend_context
 from k3.cli.commands.generate import generate
 from k3.cli.commands.pretrain import pretrain
@@ -23,7 +24,7 @@ from k3.cli.commands.sweep import sweep
 app = typer.Typer(
     name="k3",
     help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, distill, quantize, "
-         "eval, generate, serve, sweep, scaling-fit.",
+         "export-hf, eval, generate, serve, sweep, scaling-fit.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -50,6 +51,7 @@ app.command("extend-context")(extend_context)
 app.add_typer(eval_app, name="eval")
 app.command("distill")(distill)
 app.command("quantize")(quantize)
+app.command("export-hf")(export_hf)
 app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
 app.command("serve")(serve)
