@@ -12,7 +12,7 @@ PACKAGES = {"k3cli": "k3.cli", "kernels": "k3.kernels", "model": "k3.model", "tr
 
 # serve/'s layers, top to bottom: a module imports only modules of its own layer or below ("leaf" ones from anywhere)
 SERVE_LAYERS = {
-    "http": ("server", "jobs", "protocol", "chat", "generate"),
+    "http": ("server", "jobs", "protocol", "chat", "generate", "lm_eval"),
     "engine": ("engine", "scheduler", "speculation", "request", "sampling", "output", "metrics"),
     "speculative": ("proposer", "verify", "spec_step"),
     "runner": ("runner", "graphs", "static", "step"),

@@ -1,4 +1,5 @@
-"""`k3 eval passkey` and `k3 eval loss`: parse flags -> k3.train.evaluate.run_passkey / run_loss."""
+"""`k3 eval passkey`, `k3 eval loss` and `k3 eval lm`: parse flags -> k3.train.evaluate.run_passkey / run_loss,
+k3.serve.lm_eval.run_lm_eval."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import typer
 from k3.cli.errors import friendly_errors
 
 app = typer.Typer(name="eval", no_args_is_help=True, add_completion=False,
-                  help="Evaluate a checkpoint: passkey retrieval by length and depth, loss by position.")
+                  help="Evaluate a checkpoint: passkey retrieval by length and depth, loss by position, "
+                       "lm-evaluation-harness tasks.")
 
 
 def _numbers(text: str, kind, flag: str) -> list:
@@ -77,3 +79,48 @@ def loss(
 
     run_loss(ckpt, source=data, seq_len=seq_len, batches=batches, out=out or ckpt.parent / "eval",
              device=resolve_device(device, "--device"))
+
+
+@app.command("lm")
+@friendly_errors
+def lm(
+    ckpt: Path = typer.Argument(..., help="release checkpoint directory (e.g. runs/<name>/final); quantized ones too"),
+    tasks: str = typer.Option(..., "--tasks", "-t", help="lm-eval task, group or tag names, comma-separated"),
+    include_path: Path | None = typer.Option(None, "--include-path", help="folder of local task YAML files (their "
+                                             "relative data_files are read from the working directory)"),
+    limit: float | None = typer.Option(None, "--limit", min=0, help="documents per task (a fraction if < 1); "
+                                       "for quick checks, not for reported numbers"),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", min=0, help="few-shot examples per prompt "
+                                           "(default: the task's own)"),
+    batch_size: int = typer.Option(1, "--batch-size", min=1, help="prompts per /v1/completions request"),
+    device: str = typer.Option("auto", "--device", help="the server's device: auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("auto", "--dtype", help="the server's dtype: auto | float32 | bfloat16 | float16"),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="the server's loopback port (0 = a free one)"),
+    max_model_len: int = typer.Option(2048, "--max-model-len", min=2, help="context limit of the server and of "
+                                      "lm-eval (longer prompts are left-truncated by lm-eval)"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="write lm-eval's results as JSON here"),
+    log_samples: bool = typer.Option(False, "--log-samples", help="include every document's requests and "
+                                     "responses in --output"),
+    seed: int = typer.Option(0, "--seed", help="lm-eval's random, numpy, torch and few-shot seeds"),
+) -> None:
+    """lm-evaluation-harness on CKPT: starts `k3 serve CKPT` on a loopback port, runs lm-eval's local-completions
+    model against it (loglikelihood, multiple-choice and generate_until tasks; the server's tokenizer), prints a
+    results table, writes --output, stops the server (also on errors and Ctrl-C). Needs the `eval` extra:
+    pip install -e '.\\[eval]'.
+
+    Example (the local tasks read their JSONL from the working directory, hence the cd):
+    cd tests/serve/lm_eval_task && k3 eval lm ../../../runs/tiny/final --tasks k3_python_mc,k3_python_gen
+    --include-path .
+    """
+    # (the docstring's backslash escapes the brackets from rich markup in --help)
+    import sys
+
+    from k3.serve.lm_eval import LmEvalError, run_lm_eval
+
+    try:
+        run_lm_eval(ckpt, tasks.split(","), include_path=include_path, limit=limit, num_fewshot=num_fewshot,
+                    batch_size=batch_size, device=device, dtype=dtype, port=port, max_model_len=max_model_len,
+                    output=output, log_samples=log_samples, seed=seed)
+    except LmEvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(code=2) from None

@@ -215,3 +215,31 @@ def serve_process():
             proc.wait(timeout=30)
             run.log = run.log or proc.stdout.read().decode()
     return start
+
+
+def _lm_eval_split(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """The tokens lm-eval scores (its documented causal-model rule): an empty context is the prefix token (BOS);
+    otherwise the context's trailing whitespace moves to the continuation, the whole text is encoded once and split
+    at the context's own token count."""
+    if not context:
+        return [tok.bos_id], tok.encode(continuation)
+    stripped = context.rstrip()
+    continuation, context = context[len(stripped):] + continuation, stripped
+    whole = tok.encode(context + continuation)
+    n = len(tok.encode(context))
+    return whole[:n], whole[n:]
+
+
+def _model_loglikelihood(model, ctx: list[int], cont: list[int]) -> float:
+    """sum log p(cont | ctx) from K3Model's own full forward, in float64."""
+    ids = ctx + cont
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    return sum(lp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
+
+
+@pytest.fixture
+def lm_eval_reference():
+    """What lm-eval's numbers must equal: .split(tok, context, continuation) -> (ctx ids, cont ids) and
+    .loglikelihood(model, ctx, cont) (the model's own forward)."""
+    return types.SimpleNamespace(split=_lm_eval_split, loglikelihood=_model_loglikelihood)

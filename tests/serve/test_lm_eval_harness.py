@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the `eval` extra")
 
@@ -15,27 +14,11 @@ TASK_DIR = Path(__file__).parent / "lm_eval_task"
 MODEL = "k3-test"
 
 
-def _model_loglikelihood(model, ctx: list[int], cont: list[int]) -> float:
-    ids = ctx + cont
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-    return sum(lp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
 
 
-def _lm_eval_split(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """The tokens lm-eval scores (its documented causal-model rule): an empty context is the prefix token (BOS);
-    otherwise the context's trailing whitespace moves to the continuation, the whole text is encoded once and split
-    at the context's own token count."""
-    if not context:
-        return [tok.bos_id], tok.encode(continuation)
-    stripped = context.rstrip()
-    continuation, context = context[len(stripped):] + continuation, stripped
-    whole = tok.encode(context + continuation)
-    n = len(tok.encode(context))
-    return whole[:n], whole[n:]
 
 
-def test_lm_eval_local_completions_matches_the_model(server, model_tok, tmp_path, monkeypatch):
+def test_lm_eval_local_completions_matches_the_model(server, model_tok, tmp_path, monkeypatch, lm_eval_reference):
     from lm_eval.tasks import TaskManager
 
     model, tok = model_tok
@@ -57,8 +40,8 @@ def test_lm_eval_local_completions_matches_the_model(server, model_tok, tmp_path
     for s in samples:
         for (context, continuation), resp in zip(s["arguments"], s["resps"], strict=True):
             got = resp[0][0]
-            ctx, cont = _lm_eval_split(tok, context, continuation)
-            want = _model_loglikelihood(model, ctx, cont)
+            ctx, cont = lm_eval_reference.split(tok, context, continuation)
+            want = lm_eval_reference.loglikelihood(model, ctx, cont)
             assert got == pytest.approx(want, abs=1e-4), (context, continuation, got, want)
             checked += 1
     assert checked == sum(len(s["arguments"]) for s in samples) >= 20
