@@ -114,8 +114,14 @@ def test_layouts_refused_before_anything_is_written(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"1 x 1 x 1 = 1, but the world size is 2.*torchrun --nproc_per_node 1"):
         monkeypatch.setenv("WORLD_SIZE", "2")
         run(resolve_config("pretrain", preset="debug", sets=base), run_dir=tmp_path / "a")
-    with pytest.raises(ConfigError, match=r"parallel.ep=2: expert parallelism .* is not built yet"):
-        run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.ep=2"]), run_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"parallel.redundant_experts=1: .* not wired into the EP dispatch yet"):
+        run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.ep=2", "parallel.redundant_experts=1"]),
+            run_dir=tmp_path / "b")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 with parallel.ep=2: .* not built yet"):
+        run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.dp=2", "parallel.ep=2"]),
+            run_dir=tmp_path / "b2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"parallel.cp=2: context parallelism .* is not built yet"):
         run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.cp=2"]), run_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match=r"`k3 extend-context` runs on one process"):
@@ -126,4 +132,4 @@ def test_layouts_refused_before_anything_is_written(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"parallel.dp x parallel.ep x parallel.cp = 2 x 1 x 1 = 2, but the world "
                                           r"size is 1; launch 2 processes \(torchrun --nproc_per_node 2\)"):
         run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.dp=2"]), run_dir=tmp_path / "e")
-    assert not any((tmp_path / n).exists() for n in "abcde")
+    assert not any((tmp_path / n).exists() for n in ("a", "b", "b2", "c", "d", "e"))

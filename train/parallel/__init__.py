@@ -1,2 +1,4 @@
-"""Multi-process training pieces that need no processes to test: the dynamic expert-parallel planner
-(k3.train.parallel.planner) and the EP dispatch volume (k3.train.parallel.comm). docs/parallel.md."""
+"""Multi-process training (docs/parallel.md): the run's process group and mesh (runtime), FSDP2 (fsdp), expert
+parallelism over the same ranks (ep), Muon on sharded matrices (muon), DCP checkpoints (checkpoint), each rank's
+batch rows (data) and the distributed loop (trainer); and the pieces that need no processes to test: the dynamic
+expert-parallel planner (planner) and the EP dispatch volume (comm)."""

@@ -7,7 +7,8 @@ which holds the rest (embedding, LM head, norms, AttnRes pseudo-queries, the MTP
 backbone reads outside those calls). A unit's parameters are all-gathered just before its call and freed after it,
 and its gradients are reduce-scattered in the backward. Parameters stay sharded along dim 0 (`Shard(0)`).
 `plain_head_weight` (the LM head's weight, which the fused loss takes before the forward) is registered as a
-forward of the root, so that it returns the unsharded weight.
+forward of the root, so that it returns the unsharded weight. On a mesh named "ep" (parallel.ep = world size) the
+routed experts are first sharded by expert over the same ranks (k3.train.parallel.ep) and FSDP2 ignores them.
 """
 
 from __future__ import annotations
@@ -46,9 +47,18 @@ def shard_model(model: K3Model, mesh, device: torch.device) -> K3Model:
     # LatentMoE returns a view ([N, D] -> [B, T, D]); FSDP2 warns because an in-place op on it would skip the
     # backward's all-gather, but the backbone only ever adds sub-layer outputs out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    ignored = None
+    if mesh.mesh_dim_names == ("ep",):
+        # expert parallelism over the same ranks: each rank keeps its own experts whole (k3.train.parallel.ep), so
+        # FSDP2 leaves them alone; their gradients already sum every rank's tokens (the all_to_all's backward), and
+        # 1 / world turns that sum into the mean FSDP2's reduce-scatter takes for every other parameter
+        from .ep import apply_expert_parallel, expert_parallel_layers
+
+        apply_expert_parallel(model, mesh, grad_scale=1.0 / mesh.size())
+        ignored = {p for moe in expert_parallel_layers(model) for p in moe.experts.parameters()}
     for unit in fsdp_units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     # the fused head + cross-entropy of training takes lm_head.weight from plain_head_weight() before the forward:
     # run as a root forward, the call unshards the root's parameters first (else it returns this rank's shard)
     register_fsdp_forward_method(model, "plain_head_weight")

@@ -54,7 +54,7 @@ class Distributed:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 1-D ("dp",) of world_size ranks
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 1-D ("dp",) or ("ep",) (experts sharded) of world_size ranks
     timeout_s: float
     patient_group: Any = None  # gloo group with a 24 h timeout: ranks waiting while rank 0 tokenizes a corpus
 
@@ -142,7 +142,8 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
 
     pcfg: the command's `parallel` section, None for a command that runs on one process only. Raises ConfigError
     (before anything is written) when the sizes do not multiply to the world size, when a layout that is not built
-    yet is asked for (ep > 1, cp > 1), or when a one-process command is launched on several.
+    yet is asked for (cp > 1; ep > 1 with dp > 1 or redundant experts), or when a one-process command is launched
+    on several.
     """
     world = launched_world()
     rank, size, local = world if world is not None else (0, 1, 0)
@@ -156,11 +157,18 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
         pcfg.validate(world_size=size, num_experts=num_experts, seq_len=seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for name, what in (("ep", "expert parallelism (the latent all-to-all dispatch)"),
-                       ("cp", "context parallelism (KDA state passing, MLA ring)")):
-        if getattr(pcfg, name) > 1:
-            raise ConfigError(f"parallel.{name}={getattr(pcfg, name)}: {what} is not built yet; only data "
-                              f"parallelism runs: set parallel.{name}=1 and parallel.dp={size}")
+    if pcfg.cp > 1:
+        raise ConfigError(f"parallel.cp={pcfg.cp}: context parallelism (KDA state passing, MLA ring) is not built "
+                          f"yet; set parallel.cp=1 (with parallel.dp x parallel.ep = {size})")
+    if pcfg.ep > 1 and pcfg.dp > 1:
+        raise ConfigError(f"parallel.dp={pcfg.dp} with parallel.ep={pcfg.ep}: expert parallelism runs over all ranks "
+                          f"only (every rank a data-parallel rank too, experts sharded over all of them); the "
+                          f"2-D layout with experts replicated over dp groups is not built yet: set parallel.dp=1 "
+                          f"and parallel.ep={size}, or parallel.ep=1 and parallel.dp={size}")
+    if pcfg.ep > 1 and pcfg.redundant_experts:
+        raise ConfigError(f"parallel.redundant_experts={pcfg.redundant_experts}: the dynamic placement of redundant "
+                          f"experts is planned (k3.train.parallel.planner) but not wired into the EP dispatch yet; "
+                          f"set parallel.redundant_experts=0")
     if size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
@@ -185,7 +193,9 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if cuda else None)
-    mesh = init_device_mesh(device.type, (pcfg.dp,), mesh_dim_names=("dp",))
+    # one 1-D mesh of all ranks: named "ep" when the experts are sharded over it (every rank is still a
+    # data-parallel rank: its own batch rows, the other parameters FSDP2-sharded over the same ranks)
+    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("ep" if pcfg.ep > 1 else "dp",))
     patient = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
     return Distributed(rank, size, local, device, mesh, pcfg.timeout_s, patient)
 

@@ -4,7 +4,8 @@ Nothing of the step changes but what crosses ranks: losses are averaged and toke
 the global batch's), the MLA max logits are maxed before QK-Clip (every rank clips the same heads of its rows),
 the router scores of every rank are gathered before the bias update (Quantile Balancing sees the global batch, as
 one process would), a stop signal on any rank stops every rank at the same step, evaluation sums are reduced, and
-only rank 0 writes metrics.jsonl. Checkpoints go through DistributedCheckpointer (DCP).
+only rank 0 writes metrics.jsonl. Checkpoints go through DistributedCheckpointer (DCP). Under expert parallelism
+each step also logs `ep_load_max_mean`: the rows the busiest rank's experts received over the mean, worst layer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from ..loop import Trainer
 from .checkpoint import DistributedCheckpointer
+from .ep import ExpertParallelExperts
 from .runtime import Distributed
 
 
@@ -39,4 +41,20 @@ class DistributedTrainer(Trainer):
             chunks = scores_per_layer[i]
             scores, topk = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
             gathered[i] = [(self.dist.all_gather_rows(scores), self.dist.all_gather_rows(topk))]
-        return super()._balance_routers(gathered)
+        return {**super()._balance_routers(gathered), **self._ep_load(gathered)}
+
+    def _ep_load(self, gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
+        # under expert parallelism: the rows each rank's experts received this step (the global routes: what the
+        # all_to_alls carried), as max / mean over the ranks, for the worst MoE layer; static placement
+        moes, worst = self.model.moe_layers(), None
+        for i, chunks in gathered.items():
+            experts = moes[i].experts
+            if not isinstance(experts, ExpertParallelExperts):
+                continue
+            topk = chunks[0][1].reshape(-1)
+            counts = torch.zeros(experts.num_experts, dtype=torch.long, device=topk.device).scatter_add_(
+                0, topk, torch.ones_like(topk))
+            rows = counts.view(experts.ep, experts.num_local).sum(1).double()
+            ratio = float(rows.max() / rows.mean().clamp_min(1e-12))
+            worst = ratio if worst is None else max(worst, ratio)
+        return {} if worst is None else {"ep_load_max_mean": worst}
