@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import rich.markup
 import torch
 import yaml
 from rich.console import Console
@@ -239,7 +240,8 @@ def fit_with_progress(trainer: Trainer, tcfg, console, *, resume: bool, header: 
         try:
             state = trainer.fit(progress=progress)
         except TrainingError as e:
-            console.print(f"[red]error:[/] {e}")
+            # escaped: a collective's message can hold "[path/file.cc:129]", which rich would read as a tag
+            console.print(f"[red]error:[/] {rich.markup.escape(str(e))}")
             raise
     if trainer.stopped_by_signal:
         console.print(f"stopped at step {state.step}; checkpoint {trainer.ckpt.latest()}. "

@@ -186,3 +186,27 @@ def test_a_validation_split_too_short_fails_before_training(tmp_path, cache_dir)
     with pytest.raises(DataError, match="the val split has 0 tokens"):
         run(_cfg(cache_dir, "train.max_steps=5", "data.val_fraction=0"), run_dir=tmp_path / "runs" / "run")
     assert not (tmp_path / "runs").exists()  # a start that failed leaves no directory behind
+
+
+def test_a_training_error_with_brackets_is_printed_as_text(monkeypatch):
+    """A collective's message names its source as "[/path/file.cc:129]": printed through rich it must stay text (it
+    was read as a closing tag: MarkupError instead of the message and exit code 2)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from k3.train.pretrain import fit_with_progress
+
+    msg = "rank 0: lost rank 1 ([/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out)"
+
+    def fit(progress=None):
+        raise TrainingError(msg)
+
+    trainer = types.SimpleNamespace(fit=fit, state=types.SimpleNamespace(step=0, tokens=0))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=300)
+    tcfg = resolve_config("pretrain", preset="debug").train
+    with pytest.raises(TrainingError, match="unbound_buffer"):
+        fit_with_progress(trainer, tcfg, console, resume=False, header="h", command="k3 pretrain")
+    assert "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129]" in out.getvalue()
