@@ -10,6 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer
 
+from k3.cli.commands.ablate import ablate
 from k3.cli.commands.distill import distill
 from k3.cli.commands.eval import app as eval_app
 from k3.cli.commands.export_hf import export_hf
@@ -24,7 +25,7 @@ from k3.cli.commands.sweep import sweep
 app = typer.Typer(
     name="k3",
     help="k3: the Kimi K3 architecture from a laptop CPU to GPUs: pretrain, extend-context, distill, quantize, "
-         "export-hf, eval, generate, serve, sweep, scaling-fit.",
+         "export-hf, eval, generate, serve, sweep, scaling-fit, ablate.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -56,6 +57,7 @@ app.command("generate")(generate)
 app.command("scaling-fit")(scaling_fit)
 app.command("serve")(serve)
 app.command("sweep")(sweep)
+app.command("ablate")(ablate)
 
 
 if __name__ == "__main__":
