@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import k3.train.loop as loop_mod
-from k3.cli.config import resolve_config
 from k3.model.checkpoint import load_model
 from k3.model.config import ConfigError
 from k3.train.graphs import GraphedMicroSteps
@@ -18,16 +17,6 @@ from k3.train.pretrain import run
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("k3cache"))
-
-
-def _cfg(cache_dir, *sets):
-    base = [f"data.cache_dir={cache_dir}", "data.max_bytes=400000", "data.tokenizer_sample_bytes=200000",
-            "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-            "ckpt.every=0", "train.threads=1"]
-    return resolve_config("pretrain", preset="debug", sets=base + list(sets))
 
 
 def _losses(run_dir):
@@ -35,18 +24,18 @@ def _losses(run_dir):
     return [(r["loss"], r["mtp_loss"], r["grad_norm"]) for r in lines if "loss" in r]
 
 
-def test_cuda_graph_on_cpu_is_refused_before_anything_is_written(tmp_path, cache_dir):
+def test_cuda_graph_on_cpu_is_refused_before_anything_is_written(tmp_path, debug_cfg):
     with pytest.raises(ConfigError, match="train.cuda_graph=true needs a CUDA device.*train.cuda_graph=false"):
-        run(_cfg(cache_dir, "train.device=cpu", "train.cuda_graph=true", "train.max_steps=2"), run_dir=tmp_path / "r")
+        run(debug_cfg("train.device=cpu", "train.cuda_graph=true", "train.max_steps=2"), run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()
 
 
-def test_cuda_graph_with_compile_is_refused(tmp_path, cache_dir, monkeypatch):
+def test_cuda_graph_with_compile_is_refused(tmp_path, debug_cfg, monkeypatch):
     from k3.train import pretrain
 
     monkeypatch.setattr(pretrain, "resolve_device", lambda name: torch.device("cuda"))
     with pytest.raises(ConfigError, match="pick one"):
-        run(_cfg(cache_dir, "train.cuda_graph=true", "train.compile=true", "train.max_steps=2"), run_dir=tmp_path / "r")
+        run(debug_cfg("train.cuda_graph=true", "train.compile=true", "train.max_steps=2"), run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()
 
 
@@ -58,7 +47,7 @@ def test_a_form_is_captured_on_its_second_step():
     assert [steps.begin_step(f) for f in (a, a, b, a, b)] == [False, True, False, True, True]
 
 
-def _train(tmp_path, cache_dir, name, graph, *sets, monkeypatch=None):
+def _train(tmp_path, debug_cfg, name, graph, *sets, monkeypatch=None):
     made = []
     if graph:
         class Recording(GraphedMicroSteps):
@@ -67,7 +56,7 @@ def _train(tmp_path, cache_dir, name, graph, *sets, monkeypatch=None):
                 made.append(self)
 
         monkeypatch.setattr(loop_mod, "GraphedMicroSteps", Recording)
-    cfg = _cfg(cache_dir, "train.device=cuda", f"train.cuda_graph={str(graph).lower()}", *sets)
+    cfg = debug_cfg("train.device=cuda", f"train.cuda_graph={str(graph).lower()}", *sets)
     run(cfg, run_dir=tmp_path / name)
     model, _ = load_model(tmp_path / name / "final")
     return _losses(tmp_path / name), model.state_dict(), made
@@ -77,9 +66,9 @@ def _train(tmp_path, cache_dir, name, graph, *sets, monkeypatch=None):
 @pytest.mark.parametrize("sets", [("train.max_steps=6",),
                                   ("train.max_steps=6", "train.grad_accum=2", "optim.mtp_lambda_switch=0.5")],
                          ids=["one_micro_batch", "accumulation_and_lambda_switch"])
-def test_cuda_graph_trains_as_the_eager_loop(tmp_path, cache_dir, monkeypatch, sets):
-    eager, eager_w, _ = _train(tmp_path, cache_dir, "eager", False, *sets)
-    graphed, graphed_w, made = _train(tmp_path, cache_dir, "graph", True, *sets, monkeypatch=monkeypatch)
+def test_cuda_graph_trains_as_the_eager_loop(tmp_path, debug_cfg, monkeypatch, sets):
+    eager, eager_w, _ = _train(tmp_path, debug_cfg, "eager", False, *sets)
+    graphed, graphed_w, made = _train(tmp_path, debug_cfg, "graph", True, *sets, monkeypatch=monkeypatch)
     (steps,) = made
     accum = 2 if "train.grad_accum=2" in sets else 1
     assert steps.captures == 1 and steps.replays == 5 * accum  # step 1 eager, then one graph for the rest

@@ -19,25 +19,13 @@ from k3.train.loop import TrainingError
 from k3.train.pretrain import run
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("k3cache"))
-
-
-def _cfg(cache_dir, *sets):
-    base = [f"data.cache_dir={cache_dir}", "data.max_bytes=400000", "data.tokenizer_sample_bytes=200000",
-            "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-            "ckpt.every=0", "train.threads=1"]
-    return resolve_config("pretrain", preset="debug", sets=base + list(sets))
-
-
 def _losses(run_dir):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in lines if "loss" in r], lines
 
 
-def test_debug_end_to_end(tmp_path, cache_dir):
-    cfg = _cfg(cache_dir, "train.max_steps=40", "train.batch_size=8")
+def test_debug_end_to_end(tmp_path, debug_cfg):
+    cfg = debug_cfg("train.max_steps=40", "train.batch_size=8")
     res = run(cfg, run_dir=tmp_path / "run")
     losses, lines = _losses(tmp_path / "run")
     assert len(losses) == 40
@@ -55,9 +43,9 @@ def test_debug_end_to_end(tmp_path, cache_dir):
     assert any((tmp_path / "run" / "checkpoints").iterdir())
 
 
-def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir, monkeypatch):
+def test_resume_reproduces_uninterrupted_losses(tmp_path, debug_cfg, monkeypatch):
     full_dir, split_dir = tmp_path / "full", tmp_path / "split"
-    run(_cfg(cache_dir, "train.max_steps=12"), run_dir=full_dir)
+    run(debug_cfg("train.max_steps=12"), run_dir=full_dir)
     full, _ = _losses(full_dir)
 
     real_lr_at = loop_mod.lr_at
@@ -68,17 +56,17 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir, monkeypatch
         return real_lr_at(step, cfg, max_steps)
 
     monkeypatch.setattr(loop_mod, "lr_at", lr_at_with_sigterm)
-    first = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir)
+    first = run(debug_cfg("train.max_steps=12"), run_dir=split_dir)
     assert first.final_dir is None and first.step == 6 and first.stop_signal == signal.SIGTERM
     monkeypatch.setattr(loop_mod, "lr_at", real_lr_at)
-    second = run(_cfg(cache_dir, "train.max_steps=12"), run_dir=split_dir, resume=True)
+    second = run(debug_cfg("train.max_steps=12"), run_dir=split_dir, resume=True)
     assert second.step == 12
     split, _ = _losses(split_dir)
     assert split == full  # bit-exact on CPU
     assert second.val_loss == _losses(full_dir)[1][-1]["val_loss"]
 
 
-def test_nan_loss_stops_with_message(tmp_path, cache_dir, monkeypatch):
+def test_nan_loss_stops_with_message(tmp_path, debug_cfg, monkeypatch):
     real = loop_mod.lm_losses
     calls = {"n": 0}
 
@@ -91,11 +79,11 @@ def test_nan_loss_stops_with_message(tmp_path, cache_dir, monkeypatch):
 
     monkeypatch.setattr(loop_mod, "lm_losses", poisoned)
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step 4; the last good checkpoint is .*step-0000002"):
-        run(_cfg(cache_dir, "train.max_steps=10", "ckpt.every=2"), run_dir=tmp_path / "run")
+        run(debug_cfg("train.max_steps=10", "ckpt.every=2"), run_dir=tmp_path / "run")
 
 
-def test_generate_equals_argmax_of_full_forward(tmp_path, cache_dir):
-    run(_cfg(cache_dir, "train.max_steps=5"), run_dir=tmp_path / "run")
+def test_generate_equals_argmax_of_full_forward(tmp_path, debug_cfg):
+    run(debug_cfg("train.max_steps=5"), run_dir=tmp_path / "run")
     model, _ = load_model(tmp_path / "run" / "final")
     tok = K3Tokenizer.from_file(tmp_path / "run" / "final")
     prompt = tok.encode("def main(", add_bos=True)
@@ -107,35 +95,35 @@ def test_generate_equals_argmax_of_full_forward(tmp_path, cache_dir):
     assert got == ids[len(prompt):]
 
 
-def test_mtp_lambda_zero_trains_like_no_mtp(tmp_path, cache_dir):
-    a = run(_cfg(cache_dir, "train.max_steps=6", "optim.mtp_lambda=0", "optim.mtp_lambda_late=0"),
+def test_mtp_lambda_zero_trains_like_no_mtp(tmp_path, debug_cfg):
+    a = run(debug_cfg("train.max_steps=6", "optim.mtp_lambda=0", "optim.mtp_lambda_late=0"),
             run_dir=tmp_path / "mtp")
-    b = run(_cfg(cache_dir, "train.max_steps=6", "model.mtp_depth=0"), run_dir=tmp_path / "nomtp")
+    b = run(debug_cfg("train.max_steps=6", "model.mtp_depth=0"), run_dir=tmp_path / "nomtp")
     assert _losses(tmp_path / "mtp")[0] == _losses(tmp_path / "nomtp")[0]
     assert a.val_loss == b.val_loss
 
 
-def test_init_from_checkpoint_and_architecture_mismatch(tmp_path, cache_dir):
-    run(_cfg(cache_dir, "train.max_steps=8"), run_dir=tmp_path / "a")
-    res = run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "b", init=str(tmp_path / "a" / "final"))
-    fresh = run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "c")
+def test_init_from_checkpoint_and_architecture_mismatch(tmp_path, debug_cfg):
+    run(debug_cfg("train.max_steps=8"), run_dir=tmp_path / "a")
+    res = run(debug_cfg("train.max_steps=2"), run_dir=tmp_path / "b", init=str(tmp_path / "a" / "final"))
+    fresh = run(debug_cfg("train.max_steps=2"), run_dir=tmp_path / "c")
     assert res.val_loss < fresh.val_loss  # it started from the trained weights
     from k3.model.config import ConfigError
 
     with pytest.raises(ConfigError, match="architecture differs.*d_model"):
-        run(_cfg(cache_dir, "train.max_steps=2", "model.d_model=96"), run_dir=tmp_path / "d",
+        run(debug_cfg("train.max_steps=2", "model.d_model=96"), run_dir=tmp_path / "d",
             init=str(tmp_path / "a" / "final"))
 
 
-def test_run_dir_guards(tmp_path, cache_dir):
+def test_run_dir_guards(tmp_path, debug_cfg):
     from k3.model.checkpoint import CheckpointError
     from k3.model.config import ConfigError
 
     with pytest.raises(CheckpointError, match="no training checkpoint"):
-        run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "empty", resume=True)
-    run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "done")
+        run(debug_cfg("train.max_steps=2"), run_dir=tmp_path / "empty", resume=True)
+    run(debug_cfg("train.max_steps=2"), run_dir=tmp_path / "done")
     with pytest.raises(ConfigError, match="already holds a run.*--resume"):
-        run(_cfg(cache_dir, "train.max_steps=2"), run_dir=tmp_path / "done")
+        run(debug_cfg("train.max_steps=2"), run_dir=tmp_path / "done")
 
 
 def test_cli_config_errors_are_readable(tmp_path):
@@ -157,7 +145,7 @@ def test_cli_help_lists_commands():
         assert cmd in r.output
 
 
-def test_flops_per_token_and_mfu_logging(tmp_path, cache_dir):
+def test_flops_per_token_and_mfu_logging(tmp_path, debug_cfg):
     from k3.cli.config import load_model_config
     from k3.model.transformer import K3Model, count_parameters
     from k3.train.pretrain import training_flops_per_token
@@ -170,7 +158,7 @@ def test_flops_per_token_and_mfu_logging(tmp_path, cache_dir):
     head = 768 * 32768
     expected = 6 * (counts["active"] - head + counts["mtp"] + head) + 6 * 5 * 6 * (192 + 128) * 4096 / 2
     assert f == pytest.approx(expected)
-    dbg = _cfg(cache_dir, "train.max_steps=2", "train.peak_tflops=0.1")
+    dbg = debug_cfg("train.max_steps=2", "train.peak_tflops=0.1")
     run(dbg, run_dir=tmp_path / "run")
     _, lines = _losses(tmp_path / "run")
     rec = [r for r in lines if "loss" in r][-1]
@@ -180,11 +168,11 @@ def test_flops_per_token_and_mfu_logging(tmp_path, cache_dir):
     assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * f_dbg / 1e11)
 
 
-def test_a_validation_split_too_short_fails_before_training(tmp_path, cache_dir):
+def test_a_validation_split_too_short_fails_before_training(tmp_path, debug_cfg):
     from k3.train.data import DataError
 
     with pytest.raises(DataError, match="the val split has 0 tokens"):
-        run(_cfg(cache_dir, "train.max_steps=5", "data.val_fraction=0"), run_dir=tmp_path / "runs" / "run")
+        run(debug_cfg("train.max_steps=5", "data.val_fraction=0"), run_dir=tmp_path / "runs" / "run")
     assert not (tmp_path / "runs").exists()  # a start that failed leaves no directory behind
 
 
