@@ -76,7 +76,9 @@ class GraphedMicroSteps:
         self.graph.replay()
         self.replays += 1
         for moe, (s, k) in zip(self.moes, self.static_router):
-            moe.last_scores, moe.last_topk_idx = s, k
+            # the loop keeps each micro-batch's router tensors until the step's balance update; the next replay
+            # overwrites the graph's own, so with accumulation each micro-batch gets its copy
+            moe.last_scores, moe.last_topk_idx = (s.clone(), k.clone()) if self.grad_accum > 1 else (s, k)
         self._collect_grads()
         return dict(self.static_losses)
 
