@@ -280,8 +280,12 @@ class Trainer:
                     g["lr"] = lr * g.get("lr_scale", 1.0)
                 lam = mtp_lambda_at(step, ocfg, tcfg.max_steps)
                 scores_per_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-                max_logits = [torch.full((m.num_heads,), -float("inf")) for m in mlas]
-                sum_ce = sum_mtp = 0.0
+                # every per-micro-batch value stays on the device until the optimizer step is queued: one read back
+                # a step, so the host queues the next micro-batch and the optimizer while the device still runs
+                # (under train.cuda_graph the host would otherwise idle through each replay)
+                max_logits = [torch.full((m.num_heads,), -float("inf"), device=self.device) for m in mlas]
+                ce_parts: list[torch.Tensor] = []
+                mtp_parts: list[torch.Tensor] = []
                 step_tokens = 0
                 stats: dict[str, list[float]] = {}
                 for micro in range(tcfg.grad_accum):
@@ -303,28 +307,41 @@ class Trainer:
                                 graphed = graphs.begin_step(graphs.form_of(tokens, mask, lam > 0))
                             losses = graphs.run(tokens, mask, lam, lam > 0, graphed)
                         n_tokens = tokens[:, 1:].numel()
-                    sum_ce += losses["ce"].item()
-                    sum_mtp += losses["mtp_ce"].item() if "mtp_ce" in losses else 0.0
+                    ce_parts.append(losses["ce"].detach().reshape(()))
+                    if "mtp_ce" in losses:
+                        mtp_parts.append(losses["mtp_ce"].detach().reshape(()))
                     step_tokens += n_tokens
                     for i, m in enumerate(moes):
                         if m.record_router and getattr(m, "last_scores", None) is not None:
                             scores_per_layer.setdefault(i, []).append((m.last_scores, m.last_topk_idx))
                     for j, m in enumerate(mlas):
                         if m.track_max_logit:
-                            max_logits[j] = torch.maximum(max_logits[j], m.max_logit_per_head.detach().float().cpu())
+                            max_logits[j] = torch.maximum(max_logits[j], m.max_logit_per_head.detach().float())
+                max_norm = ocfg.grad_clip if ocfg.grad_clip > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                # the step's losses, read once the optimizer is queued; summed on the host in float64 in micro-batch
+                # order, as the per-micro-batch reads did
+                parts = torch.stack([p.float() for p in ce_parts + mtp_parts]).cpu().tolist()
+                sum_ce = sum_mtp = 0.0
+                for i, v in enumerate(parts):
+                    if i < len(ce_parts):
+                        sum_ce += v
+                    else:
+                        sum_mtp += v
+                max_logits = [ml.cpu() for ml in max_logits]
                 sum_ce, sum_mtp = self._over_ranks(torch.tensor([sum_ce, sum_mtp], dtype=torch.float64), "mean").tolist()
                 self.state.tokens += int(self._over_ranks(torch.tensor(step_tokens), "sum"))
                 if max_logits:  # QK-Clip acts on the max over every rank's batch
                     max_logits = list(self._over_ranks(torch.cat(max_logits), "max").split([len(x) for x in max_logits]))
                 ce = sum_ce / tcfg.grad_accum
+                # a non-finite loss stops the run before anything is written: the update just applied to the weights
+                # in memory is never saved
                 if not math.isfinite(ce) or not math.isfinite(sum_mtp):
                     where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
                     raise TrainingError(f"non-finite loss ({ce}) at step {step + 1}; {where}. Lower optim.lr or "
                                         f"check the data, then resume with --resume.")
-                max_norm = ocfg.grad_clip if ocfg.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
                 clip_stats = {"qk_clipped_heads": 0}
                 if tcfg.track_max_logit and mlas:
                     for m, ml in zip(mlas, max_logits):
