@@ -80,7 +80,8 @@ class GraphedMicroSteps:
             # overwrites the graph's own, so with accumulation each micro-batch gets its copy
             moe.last_scores, moe.last_topk_idx = (s.clone(), k.clone()) if self.grad_accum > 1 else (s, k)
         self._collect_grads()
-        return dict(self.static_losses)
+        # copies: the loop holds a step's losses until its one read back, and the next replay rewrites the graph's own
+        return {k: v.clone() for k, v in self.static_losses.items()}
 
     def _capture(self, tokens, mask, with_mtp, form) -> None:
         self.graph = None  # the old graph's pool goes before the new one is captured
