@@ -18,7 +18,8 @@
 #            train.cuda_graph tests, then `k3 pretrain --preset small` for 30 steps eager and with train.cuda_graph;
 #            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
 #            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits;
-#            TRAIN_PARTS=fused: the fused training kernels' GPU tests, then attnres.py, kda_glue.py and moe_step.py
+#            TRAIN_PARTS=fused: the fused training kernels' GPU tests, then attnres.py, kda_glue.py, moe_step.py and
+#            mla_max_logit.py
 #   serve    benchmarks/serve.py: the compiled k3-small server (random weights) at concurrency 1 and 32 through
 #            HTTP, the Hugging Face anchors in the same run; then the trained k3-tiny (carry runs/tiny): the
 #            2,048-token prefix hit and MTP speculative decoding at k = 2
@@ -133,7 +134,8 @@ bench() { for d in benchmarks benchmarks/repro; do [ -f "$d/$1" ] && { echo "$d/
 
 # the training step's fused kernels (short conv, gated norm, AttnRes mixture) and the MoE / Muon CUDA checks
 FUSED_TESTS=(tests/kernels/test_conv_triton.py tests/kernels/test_gated_norm_triton.py
-  tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py)
+  tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py
+  tests/kernels/test_mla_max_logit.py)
 KERNEL_TESTS=(tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py
   tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py
   tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_segments.py tests/kernels/test_mla_decode.py
@@ -244,6 +246,8 @@ mode_train() {
     tables "$OUT/kda_glue.log"
     step "LatentMoE and Muon (moe_step.py)" 90 moe_step.log python3 benchmarks/moe_step.py --device cuda
     tables "$OUT/moe_step.log"
+    step "QK-Clip's max logit (mla_max_logit.py)" 60 mla_max_logit.log python3 benchmarks/mla_max_logit.py
+    clean_tail "$OUT/mla_max_logit.log" 5
   fi
   has_part "$parts" long && train_long
   has_part "$parts" pretrain && train_pretrain

@@ -45,14 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.kernels.dispatch import kernel_backend
-from k3.kernels.mla import paged_mla_decode, warm_up_paged_mla_decode
+from k3.kernels.mla import causal_max_logit, paged_mla_decode, warm_up_paged_mla_decode
 from k3.model.cache import MLACache, PagedLatentView
 from k3.model.config import ModelConfig
 from k3.model.layers import RMSNorm
-
-# Query rows per chunk when materializing logits for the max-logit statistic: bounds the chunk at ~2^24 fp32 values.
-_MAX_LOGIT_CHUNK_ELEMS = 1 << 24
-
 
 def rope_cos_sin(positions_T: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin tables [T, R] for RoPE at integer `positions_T` [T] (rotate-half layout: frequencies repeated).
@@ -80,28 +76,6 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def causal_max_logit(q_BTHE: torch.Tensor, k_BSHE: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
-    """Per-head max of the scaled logits scale·q·k over valid causal pairs, fp32 [H], chunked over queries.
-
-    Query t sits at absolute position q_start + t and sees keys 0 .. q_start + t (k has S = q_start + T rows).
-    Example: causal_max_logit(q, k, 1 / math.sqrt(E), 0)  # training: q and k over the same T tokens
-    """
-    B, T, H, _ = q_BTHE.shape
-    S = k_BSHE.shape[1]
-    k_BHSE = k_BSHE.float().transpose(1, 2)
-    key_pos_S = torch.arange(S, device=q_BTHE.device)
-    chunk = max(1, _MAX_LOGIT_CHUNK_ELEMS // max(1, B * H * S))
-    out_H = torch.full((H,), float("-inf"), device=q_BTHE.device, dtype=torch.float32)
-    for t0 in range(0, T, chunk):
-        q_BHcE = q_BTHE[:, t0:t0 + chunk].float().transpose(1, 2)
-        logits_BHcS = torch.matmul(q_BHcE, k_BHSE.transpose(-1, -2)) * scale
-        q_pos_c = q_start + torch.arange(t0, t0 + q_BHcE.shape[2], device=q_BTHE.device)
-        valid_cS = key_pos_S[None, :] <= q_pos_c[:, None]
-        logits_BHcS = logits_BHcS.masked_fill(~valid_cS, float("-inf"))
-        out_H = torch.maximum(out_H, logits_BHcS.amax(dim=(0, 2, 3)))
-    return out_H
 
 
 def mla_absorbed_attention(q_latent_BTHC: torch.Tensor, q_rope_BTHR: torch.Tensor, kv_BSW: torch.Tensor,

@@ -54,3 +54,31 @@ def _check(q_lat, q_rope, kv_pool, block_table, qpos) -> None:
          f"block_table must be an integer [N={N}, G] tensor, got {tuple(block_table.shape)} {block_table.dtype}")
     need(tuple(qpos.shape) == (N, T) and not qpos.is_floating_point(),
          f"qpos must be an integer [N={N}, T={T}] tensor, got {tuple(qpos.shape)} {qpos.dtype}")
+
+
+# Query rows per chunk when materializing logits for the max-logit statistic: bounds the chunk at ~2^24 fp32 values.
+_MAX_LOGIT_CHUNK_ELEMS = 1 << 24
+
+
+def causal_max_logit_torch(q_BTHE: torch.Tensor, k_BSHE: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+    """Per-head max of the scaled logits scale·q·k over valid causal pairs, fp32 [H] (float64 for float64 inputs),
+    the logits materialised in chunks of queries; the twin of triton_max_logit.py.
+
+    Query t sits at absolute position q_start + t and sees keys 0 .. q_start + t (k has S = q_start + T rows).
+    Example: causal_max_logit_torch(q, k, 1 / math.sqrt(E), 0)  # training: q and k over the same T tokens
+    """
+    B, T, H, _ = q_BTHE.shape
+    S = k_BSHE.shape[1]
+    f = torch.float64 if torch.float64 in (q_BTHE.dtype, k_BSHE.dtype) else torch.float32
+    k_BHSE = k_BSHE.to(f).transpose(1, 2)
+    key_pos_S = torch.arange(S, device=q_BTHE.device)
+    chunk = max(1, _MAX_LOGIT_CHUNK_ELEMS // max(1, B * H * S))
+    out_H = torch.full((H,), float("-inf"), device=q_BTHE.device, dtype=f)
+    for t0 in range(0, T, chunk):
+        q_BHcE = q_BTHE[:, t0:t0 + chunk].to(f).transpose(1, 2)
+        logits_BHcS = torch.matmul(q_BHcE, k_BHSE.transpose(-1, -2)) * scale
+        q_pos_c = q_start + torch.arange(t0, t0 + q_BHcE.shape[2], device=q_BTHE.device)
+        valid_cS = key_pos_S[None, :] <= q_pos_c[:, None]
+        logits_BHcS = logits_BHcS.masked_fill(~valid_cS, float("-inf"))
+        out_H = torch.maximum(out_H, logits_BHcS.amax(dim=(0, 2, 3)))
+    return out_H

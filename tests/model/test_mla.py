@@ -266,7 +266,7 @@ def test_max_logit_matches_brute_force_and_leaves_output_unchanged(position):
 
 
 def test_max_logit_chunked_over_queries(monkeypatch):
-    import k3.model.mla as mla_mod
+    import k3.kernels.mla.naive as mla_mod
 
     mod = make("rope")
     mod.track_max_logit = True
