@@ -64,8 +64,8 @@ def main() -> None:
         q = torch.randn(B, T, H, E, device=dev).to(dt)
         k = torch.randn(B, T, H, E, device=dev).to(dt)
         diff = (causal_max_logit_torch(q, k, scale, 0) - causal_max_logit_triton(q, k, scale, 0)).abs().max().item()
-        t_twin = timed(lambda: causal_max_logit_torch(q, k, scale, 0))
-        t_tri = timed(lambda: causal_max_logit_triton(q, k, scale, 0))
+        t_twin = timed(lambda q=q, k=k: causal_max_logit_torch(q, k, scale, 0))
+        t_tri = timed(lambda q=q, k=k: causal_max_logit_triton(q, k, scale, 0))
         print(f"{B:>3} {T:>7} {t_twin:>9.3f} {t_tri:>10.3f} {t_twin / t_tri:>7.2f}x {diff:>11.1e}")
 
 

@@ -50,6 +50,7 @@ from k3.model.cache import MLACache, PagedLatentView
 from k3.model.config import ModelConfig
 from k3.model.layers import RMSNorm
 
+
 def rope_cos_sin(positions_T: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin tables [T, R] for RoPE at integer `positions_T` [T] (rotate-half layout: frequencies repeated).
 

@@ -85,8 +85,7 @@ def test_triton_ignores_future_keys_and_mixed_dtypes():
 
 
 def test_dispatch_runs_the_chosen_backend(monkeypatch):
-    import k3.kernels.mla as mla
-    from k3.kernels import dispatch
+    from k3.kernels import dispatch, mla
 
     calls = []
     monkeypatch.setattr(mla, "causal_max_logit_torch", lambda *a: calls.append("torch") or torch.zeros(1))
