@@ -410,7 +410,7 @@ def _run(cfg: Any, d: Distributed | None, *, run_dir: Path, resume: bool, init: 
     header = (f"[bold]{' '.join(command.split()[:2])}[/] {mcfg.name}: {describe_parameters(counts)}, "
               f"{data.train.n_tokens / 1e6:.2f}M train tokens, device {device}, run dir {run_dir}"
               + (f", {d.world_size} data-parallel ranks (FSDP2"
-                 + (", the routed experts sharded over them)" if d.mesh.mesh_dim_names == ("ep",) else ")")
+                 + (", the routed experts sharded over them)" if "ep" in (d.mesh.mesh_dim_names or ()) else ")")
                  if d is not None else ""))
     state = fit_with_progress(trainer, tcfg, console, resume=resume, header=header, command=command)
 

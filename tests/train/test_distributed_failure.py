@@ -118,8 +118,10 @@ def test_layouts_refused_before_anything_is_written(tmp_path, monkeypatch):
         run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.ep=2", "parallel.redundant_experts=1"]),
             run_dir=tmp_path / "b")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"parallel.dp=2 with parallel.ep=2: .* not built yet"):
-        run(resolve_config("pretrain", preset="debug", sets=[*base, "parallel.dp=2", "parallel.ep=2"]),
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 x parallel.ep=2: .* model.num_experts \(6\) must be "
+                                          r"divisible by 4"):
+        run(resolve_config("pretrain", preset="debug",
+                           sets=[*base, "parallel.dp=2", "parallel.ep=2", "model.num_experts=6"]),
             run_dir=tmp_path / "b2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"parallel.cp=2: context parallelism .* is not built yet"):

@@ -80,3 +80,18 @@ def test_k3_latent_top16_sends_what_k2_sent_at_full_width_top8():
     assert k3["latent_layer"] == k2["full_layer"] == pytest.approx(2 * 16 * 3584 * 2 * 63 / 64)
     with pytest.raises(ValueError, match="dtype_bytes"):
         ep_dispatch_bytes(ModelConfig(), 2, dtype_bytes=3)
+
+
+@pytest.mark.parametrize(("world", "kw", "experts", "match"), [
+    (4, {"ep": 3}, 9, r"parallel.ep=3 does not divide the world size 4: .* launch a multiple of 3 processes"),
+    (4, {"dp": 2, "ep": 2}, 6, r"parallel.dp=2 x parallel.ep=2: .* model.num_experts \(6\) must be divisible by 4"),
+    (4, {"dp": 1, "ep": 2}, 8, r"2 x 1 = 2, but the world size is 4"),
+])
+def test_expert_layouts_refused_before_the_process_group(monkeypatch, world, kw, experts, match):
+    # start_distributed raises before init_process_group: the launcher's environment is all it reads
+    from k3.train.parallel.runtime import start_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=match):
+        start_distributed(ParallelConfig(**kw), "cpu", "k3 pretrain", num_experts=experts, seq_len=256)

@@ -7,8 +7,9 @@ which holds the rest (embedding, LM head, norms, AttnRes pseudo-queries, the MTP
 backbone reads outside those calls). A unit's parameters are all-gathered just before its call and freed after it,
 and its gradients are reduce-scattered in the backward. Parameters stay sharded along dim 0 (`Shard(0)`).
 `plain_head_weight` (the LM head's weight, which the fused loss takes before the forward) is registered as a
-forward of the root, so that it returns the unsharded weight. On a mesh named "ep" (parallel.ep = world size) the
-routed experts are first sharded by expert over the same ranks (k3.train.parallel.ep) and FSDP2 ignores them.
+forward of the root, so that it returns the unsharded weight. Under expert parallelism (a 1-D mesh named "ep", or
+the 2-D ("dp", "ep") mesh) the routed experts are first sharded by expert (k3.train.parallel.ep) and FSDP2 ignores
+them; everything else is FSDP2-sharded over all ranks (the 2-D mesh flattened, rank order).
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ def shard_model(model: K3Model, mesh, device: torch.device) -> K3Model:
     # backward's all-gather, but the backbone only ever adds sub-layer outputs out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     ignored = None
-    if mesh.mesh_dim_names == ("ep",):
-        # expert parallelism over the same ranks: each rank keeps its own experts whole (k3.train.parallel.ep), so
-        # FSDP2 leaves them alone; their gradients already sum every rank's tokens (the all_to_all's backward), and
-        # 1 / world turns that sum into the mean FSDP2's reduce-scatter takes for every other parameter
-        from .ep import apply_expert_parallel, expert_parallel_layers
+    if "ep" in (mesh.mesh_dim_names or ()):
+        # expert parallelism: each rank keeps its shard of whole experts (k3.train.parallel.ep), so FSDP2 leaves
+        # them alone; their gradients already sum every rank's tokens (the all_to_all's backward, and over the dp
+        # groups the reduce-scatter), and 1 / world turns that sum into the mean FSDP2 takes for every other parameter
+        from .ep import apply_expert_parallel, expert_parallel_layers, world_mesh
 
         apply_expert_parallel(model, mesh, grad_scale=1.0 / mesh.size())
         ignored = {p for moe in expert_parallel_layers(model) for p in moe.experts.parameters()}
+        # every rank is a data-parallel rank (its own batch rows): the rest is sharded over all of them, on the
+        # one mesh the expert shards live on (clip_grad_norm_ and Muon take DTensors of a single mesh)
+        mesh = world_mesh(mesh)
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)

@@ -54,7 +54,9 @@ class Distributed:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 1-D ("dp",) or ("ep",) (experts sharded) of world_size ranks
+    # torch.distributed.device_mesh.DeviceMesh: 1-D ("dp",) or ("ep",) (experts sharded over all ranks) of
+    # world_size ranks, or 2-D ("dp", "ep") of dp x ep ranks (experts dispatched within each EP group)
+    mesh: Any
     timeout_s: float
     patient_group: Any = None  # gloo group with a 24 h timeout: ranks waiting while rank 0 tokenizes a corpus
 
@@ -141,9 +143,9 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
     """The run's Distributed when launched on several processes, None on one (parallel sizes all 1).
 
     pcfg: the command's `parallel` section, None for a command that runs on one process only. Raises ConfigError
-    (before anything is written) when the sizes do not multiply to the world size, when a layout that is not built
-    yet is asked for (cp > 1; ep > 1 with dp > 1 or redundant experts), or when a one-process command is launched
-    on several.
+    (before anything is written) when the sizes do not multiply to the world size or do not divide it or the
+    experts, when a layout that is not built yet is asked for (cp > 1; redundant experts), or when a one-process
+    command is launched on several.
     """
     world = launched_world()
     rank, size, local = world if world is not None else (0, 1, 0)
@@ -153,6 +155,11 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
                               f"Multi-process training is built for `k3 pretrain --set parallel.dp=N`; run this "
                               f"command without torchrun")
         return None
+    ep = pcfg.ep if isinstance(pcfg.ep, int) and not isinstance(pcfg.ep, bool) and pcfg.ep >= 1 else None
+    if ep is not None and size % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the world size {size}: the ranks form parallel.dp groups "
+                          f"of parallel.ep ranks each; launch a multiple of {ep} processes or pick an ep that "
+                          f"divides {size}")
     try:
         pcfg.validate(world_size=size, num_experts=num_experts, seq_len=seq_len)
     except ValueError as e:
@@ -160,11 +167,10 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
     if pcfg.cp > 1:
         raise ConfigError(f"parallel.cp={pcfg.cp}: context parallelism (KDA state passing, MLA ring) is not built "
                           f"yet; set parallel.cp=1 (with parallel.dp x parallel.ep = {size})")
-    if pcfg.ep > 1 and pcfg.dp > 1:
-        raise ConfigError(f"parallel.dp={pcfg.dp} with parallel.ep={pcfg.ep}: expert parallelism runs over all ranks "
-                          f"only (every rank a data-parallel rank too, experts sharded over all of them); the "
-                          f"2-D layout with experts replicated over dp groups is not built yet: set parallel.dp=1 "
-                          f"and parallel.ep={size}, or parallel.ep=1 and parallel.dp={size}")
+    if pcfg.ep > 1 and pcfg.dp > 1 and num_experts is not None and num_experts % size:
+        raise ConfigError(f"parallel.dp={pcfg.dp} x parallel.ep={pcfg.ep}: the expert weights are stored sharded over "
+                          f"all {size} ranks, so model.num_experts ({num_experts}) must be divisible by {size}; pick "
+                          f"dp and ep whose product divides it (or parallel.dp=1, parallel.ep={size})")
     if pcfg.ep > 1 and pcfg.redundant_experts:
         raise ConfigError(f"parallel.redundant_experts={pcfg.redundant_experts}: the dynamic placement of redundant "
                           f"experts is planned (k3.train.parallel.planner) but not wired into the EP dispatch yet; "
@@ -193,9 +199,13 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if cuda else None)
-    # one 1-D mesh of all ranks: named "ep" when the experts are sharded over it (every rank is still a
-    # data-parallel rank: its own batch rows, the other parameters FSDP2-sharded over the same ranks)
-    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("ep" if pcfg.ep > 1 else "dp",))
+    # every rank is a data-parallel rank (its own batch rows, the non-expert parameters FSDP2-sharded over all
+    # ranks); under EP a 1-D mesh named "ep" when the experts are dispatched over all ranks, else the 2-D
+    # ("dp", "ep") mesh, row-major: each EP group is parallel.ep consecutive ranks (one node's, on GPUs)
+    if pcfg.ep > 1 and pcfg.dp > 1:
+        mesh = init_device_mesh(device.type, (pcfg.dp, pcfg.ep), mesh_dim_names=("dp", "ep"))
+    else:
+        mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("ep" if pcfg.ep > 1 else "dp",))
     patient = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
     return Distributed(rank, size, local, device, mesh, pcfg.timeout_s, patient)
 

@@ -5,7 +5,8 @@ the global batch's), the MLA max logits are maxed before QK-Clip (every rank cli
 the router scores of every rank are gathered before the bias update (Quantile Balancing sees the global batch, as
 one process would), a stop signal on any rank stops every rank at the same step, evaluation sums are reduced, and
 only rank 0 writes metrics.jsonl. Checkpoints go through DistributedCheckpointer (DCP). Under expert parallelism
-each step also logs `ep_load_max_mean`: the rows the busiest rank's experts received over the mean, worst layer.
+each step also logs `ep_load_max_mean`: the rows the busiest rank's experts received over the mean over all ranks
+(under dp x ep each EP group serves its own tokens), worst layer.
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ class DistributedTrainer(Trainer):
         return {**super()._balance_routers(gathered), **self._ep_load(gathered)}
 
     def _ep_load(self, gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
-        # under expert parallelism: the rows each rank's experts received this step (the global routes: what the
-        # all_to_alls carried), as max / mean over the ranks, for the worst MoE layer; static placement
+        # under expert parallelism: the rows each rank's experts received this step, as max / mean over all ranks,
+        # for the worst MoE layer; static placement. From the globally gathered routes (rank-major, so the routes of
+        # EP group g, ranks g P .. g P + P - 1, are its P consecutive blocks): what the all_to_alls carried
         moes, worst = self.model.moe_layers(), None
         for i, chunks in gathered.items():
             experts = moes[i].experts
             if not isinstance(experts, ExpertParallelExperts):
                 continue
-            topk = chunks[0][1].reshape(-1)
-            counts = torch.zeros(experts.num_experts, dtype=torch.long, device=topk.device).scatter_add_(
-                0, topk, torch.ones_like(topk))
-            rows = counts.view(experts.ep, experts.num_local).sum(1).double()
+            topk = chunks[0][1]
+            groups = self.dist.world_size // experts.ep
+            host_GR = experts.host_of(topk.reshape(groups, -1))  # [groups, rows]: the EP coordinate of each row
+            rows = torch.zeros(groups, experts.ep, dtype=torch.long, device=topk.device).scatter_add_(
+                1, host_GR, torch.ones_like(host_GR)).double()
             ratio = float(rows.max() / rows.mean().clamp_min(1e-12))
             worst = ratio if worst is None else max(worst, ratio)
         return {} if worst is None else {"ep_load_max_mean": worst}
