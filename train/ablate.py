@@ -28,7 +28,7 @@ from k3.model.config import config_to_dict
 
 # imported here, not in _train: extend binds pretrain.run at its import, which must be the real one (a test that
 # replaces pretrain.run would otherwise leave its stub inside extend for the rest of the process)
-from . import extend, pretrain, quantize
+from . import ablate_opd, distill, extend, pretrain, quantize
 from .ablate_suites import SCALES, SUITES, AblateError, PlannedRun, Scale, Suite, expand_sets
 
 __all__ = ["AblateError", "GluMaxRecorder", "list_lines", "plan", "run_suites"]
@@ -86,18 +86,45 @@ def plan(suites: list[Suite], scale: Scale, seeds: int, out: Path, resolve: Call
     for suite in suites:
         for arm in suite.arms:
             for s in range(seeds):
-                eb = ext_batch if arm.command == "extend-context" else None
-                sets = (base_sets(scale, suite, s, extend_batch=eb, quantize=arm.command in ("quantize", "finetune"))
-                        + (ft_sets if arm.command == "finetune" else []) + expand_sets(arm.sets, model, scale))
-                runs.append(PlannedRun(suite, arm, s, Path(out) / suite.name / arm.label / f"seed-{s}", sets))
+                rd = Path(out) / suite.name / arm.label / f"seed-{s}"
+                if arm.command == "distill":
+                    sets = distill_sets(scale, s)
+                elif arm.command == "finetune" and arm.budget == "distill":
+                    sets = sft_arm_sets(scale, s, rd, arm, resolve)
+                else:
+                    eb = ext_batch if arm.command == "extend-context" else None
+                    sets = (base_sets(scale, suite, s, extend_batch=eb,
+                                      quantize=arm.command in ("quantize", "finetune"))
+                            + (ft_sets if arm.command == "finetune" else []))
+                runs.append(PlannedRun(suite, arm, s, rd, sets + expand_sets(arm.sets, model, scale)))
     order = {(su.name, a.label): i for su in suites for i, a in enumerate(su.arms)}
 
-    def depth(su: Suite, label: str) -> int:  # parents before their children
+    def depth(su: Suite, label: str) -> int:  # parents (and teachers) before their children
         arm = next(a for a in su.arms if a.label == label)
-        return 0 if arm.parent is None else 1 + depth(su, arm.parent)
+        return max([0] + [1 + depth(su, x) for x in (arm.parent, arm.teacher) if x is not None])
 
     return sorted(runs, key=lambda r: (suites.index(r.suite), depth(r.suite, r.arm.label),
                                        order[(r.suite.name, r.arm.label)], r.seed))
+
+
+def distill_sets(scale: Scale, seed: int) -> list[str]:
+    """The opd arm's k3 distill --set list: the scale's student budget on top of the distill preset (the scale's
+    extra sets of the sections k3 distill reads)."""
+    own = ("train", "optim", "ckpt", "distill")
+    return [*(x for x in scale.extra_sets if x.split(".", 1)[0] in own), f"train.max_steps={scale.opd_steps}",
+            f"ckpt.every={scale.opd_steps}", f"train.seed={seed}", f"train.batch_size={scale.opd_batch}",
+            f"distill.max_new_tokens={scale.opd_new_tokens}"]
+
+
+def sft_arm_sets(scale: Scale, seed: int, run_dir: Path, arm: Any, resolve: Callable) -> list[str]:
+    """The sft arm's k3 pretrain --init --set list: the opd arm's steps, batch and optimizer (ablate_opd.sft_sets),
+    trained on the samples of the teacher of the same seed."""
+    dist = resolve("distill", scale.opd_preset, distill_sets(scale, seed), None)
+    base = [*scale.extra_sets, f"train.max_steps={scale.opd_steps}", f"train.eval_every={scale.opd_steps}",
+            f"ckpt.every={scale.opd_steps}", f"train.seed={seed}"]
+    samples = ablate_opd.samples_path(Path(run_dir).parent.parent / arm.teacher / f"seed-{seed}")
+    # the optimizer fields that differ are read from the pretrain base (the data and train sets leave optim as is)
+    return base + ablate_opd.sft_sets(dist, resolve("pretrain", scale.preset, base, None), scale, samples)
 
 
 def finetune_sets(qcfg: Any) -> list[str]:
@@ -111,6 +138,15 @@ def finetune_sets(qcfg: Any) -> list[str]:
 
 def parent_dir(r: PlannedRun) -> Path:
     return Path(r.run_dir).parent.parent / r.arm.parent / f"seed-{r.seed}" / "final"
+
+
+def teacher_dir(r: PlannedRun) -> Path:
+    """The run directory of run r's teacher arm (same seed)."""
+    return Path(r.run_dir).parent.parent / r.arm.teacher / f"seed-{r.seed}"
+
+
+def suite_dir(r: PlannedRun) -> Path:
+    return Path(r.run_dir).parent.parent
 
 
 def extend_overrides(r: PlannedRun, scale: Scale) -> dict:
@@ -130,6 +166,8 @@ def resolve_run(r: PlannedRun, scale: Scale, resolve: Callable) -> Any:
         return resolve("quantize", scale.quantize_preset, r.sets, None)
     if r.arm.command == "extend-context":
         return resolve("extend-context", scale.extend_preset, r.sets, extend_overrides(r, scale))
+    if r.arm.command == "distill":
+        return resolve("distill", scale.opd_preset, r.sets, None)
     return resolve("pretrain", scale.preset, r.sets, None)
 
 
@@ -147,6 +185,10 @@ def command_line(r: PlannedRun, scale: Scale) -> str:
         args = ["k3", "pretrain", "--preset", scale.preset, "--init", str(parent_dir(r))]
     elif r.arm.command == "quantize":
         args = ["k3", "quantize", str(parent_dir(r)), "--preset", scale.quantize_preset]
+    elif r.arm.command == "distill":
+        args = ["k3", "distill", "--student", str(parent_dir(r)), "--teacher",
+                f"{ablate_opd.TEACHER}={teacher_dir(r) / 'final'}", "--prompts",
+                str(ablate_opd.prompts_path(suite_dir(r), "train")), "--preset", scale.opd_preset]
     else:
         args = ["k3", "pretrain", "--preset", scale.preset]
     for s in r.sets:
@@ -163,13 +205,16 @@ def ablate_command(names: list[str], scale: str, seeds: int, out: Path, resume: 
 
 
 def is_finished(run_dir: Path) -> bool:
-    """final/config.json and run_config.yaml, with the final evaluation recorded (stats.final_val_loss) or, for a
-    k3 quantize release (ptq has no training), its quantization_config."""
+    """final/config.json and run_config.yaml, with the final evaluation recorded (stats.final_val_loss), for a
+    k3 quantize release (ptq has no training) its quantization_config, for a k3 distill run (no evaluation) its
+    final step count (stats.steps)."""
     rc = run_dir / "run_config.yaml"
     if not (rc.is_file() and (run_dir / "final" / "config.json").is_file()):
         return False
     saved = yaml.safe_load(rc.read_text()) or {}
-    return (saved.get("stats") or {}).get("final_val_loss") is not None or "quantization_config" in saved
+    stats = saved.get("stats") or {}
+    return (stats.get("final_val_loss") is not None or "quantization_config" in saved
+            or ("teachers" in saved and stats.get("steps") is not None))
 
 
 def run_state(run_dir: Path) -> str:
@@ -260,7 +305,8 @@ class GluMaxRecorder:
 # ---------------------------------------------------------------------------------------------------- running
 
 
-def _train(r: PlannedRun, cfg: Any, scale: Scale, resume: bool, rc: dict, console) -> Any:
+def _train(r: PlannedRun, cfg: Any, scale: Scale, resume: bool, rc: dict, console,
+           generate_batch: Callable | None = None) -> Any:
     """One run through the command's own entry point (looked up at call time, so that tests can replace it)."""
     prepare = None
     if r.suite.glu_hook:
@@ -271,6 +317,13 @@ def _train(r: PlannedRun, cfg: Any, scale: Scale, resume: bool, rc: dict, consol
     if r.arm.command == "quantize":
         return quantize.run(cfg, ckpt=parent_dir(r), run_dir=Path(r.run_dir), resume=resume, run_config=rc,
                             console=console)
+    if r.arm.command == "distill":
+        if generate_batch is None:
+            raise AblateError(f"{r.name}: k3 distill needs generate_batch (k3.serve.generate.generate_batch)")
+        return distill.run(cfg, student=parent_dir(r), teachers={ablate_opd.TEACHER: teacher_dir(r) / "final"},
+                           prompts=ablate_opd.prompts_path(suite_dir(r), "train"), run_dir=Path(r.run_dir),
+                           generate=generate_batch, resume=resume, run_config=rc, console=console,
+                           command="k3 distill")
     if r.arm.command == "extend-context":
         if prepare is not None:
             raise AblateError("internal: the GLU recorder runs on pretrain arms only")
@@ -319,6 +372,56 @@ def _loss_eval(r: PlannedRun, scale: Scale, console) -> None:
     console.print(f"{r.name}: loss {res['loss']:.4f} on {res['tokens']:,} validation tokens -> {out / 'loss.json'}")
 
 
+def _opd_teacher(r: PlannedRun) -> PlannedRun:
+    """The teacher of the opd suite's seed of run r (the arm the suite's distill arm names)."""
+    label = next(a.teacher for a in r.suite.arms if a.teacher is not None)
+    arm = next(a for a in r.suite.arms if a.label == label)
+    return PlannedRun(r.suite, arm, r.seed, suite_dir(r) / label / f"seed-{r.seed}")
+
+
+def _distill_cfg(r: PlannedRun, scale: Scale, resolve: Callable) -> Any:
+    """The distill section (loss, sampling) of the opd arm of run r's seed."""
+    return resolve("distill", scale.opd_preset, distill_sets(scale, r.seed), None).distill
+
+
+def _prepare_inputs(r: PlannedRun, scale: Scale, resolve: Callable, generate_batch: Callable | None, console) -> None:
+    """Before an opd or sft run: the suite's prompts (from its parent's data) and, for sft, the teacher's samples."""
+    if r.arm.teacher is None:
+        return
+    for need in (parent_dir(r), teacher_dir(r) / "final"):
+        if not (need / "config.json").is_file():
+            raise AblateError(f"{r.run_dir}: {need} is missing; run the suite from its first arm "
+                              f"(k3 ablate {r.suite.name} ...)")
+    paths = ablate_opd.ensure_prompts(suite_dir(r), parent_dir(r), scale, console)
+    if r.arm.command == "finetune":
+        ablate_opd.ensure_teacher_samples(teacher_dir(r) / "final", paths["train"],
+                                          ablate_opd.samples_path(teacher_dir(r)), _distill_cfg(r, scale, resolve),
+                                          generate_batch, r.seed, console)
+
+
+def _opd_eval(r: PlannedRun, scale: Scale, resolve: Callable, generate_batch: Callable | None, console) -> None:
+    """EVAL_DIR/opd_eval.json: run r's release scored against its seed's teacher on the held-out prompts, and the
+    completion tokens per step of its training (opd and sft)."""
+    from .evaluate import write_json
+
+    out = Path(r.run_dir) / ablate_opd.EVAL_DIR
+    if (out / "opd_eval.json").is_file():
+        return
+    teacher = _opd_teacher(r)
+    final, tfinal = Path(r.run_dir) / "final", Path(teacher.run_dir) / "final"
+    if not (tfinal / "config.json").is_file():
+        return  # the teacher comes first in the plan; a report-only pass over a partial suite skips this
+    paths = ablate_opd.ensure_prompts(suite_dir(r), tfinal, scale, console)
+    res = ablate_opd.evaluate(final, tfinal, paths["eval"], _distill_cfg(r, scale, resolve), generate_batch,
+                              batch_size=scale.opd_batch, seed=r.seed)
+    rc = yaml.safe_load((Path(r.run_dir) / "run_config.yaml").read_text()) or {}
+    res["completion_tokens_per_step"] = ablate_opd.completion_tokens_per_step(Path(r.run_dir), rc)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(res, out / "opd_eval.json")
+    console.print(f"{r.name}: reverse KL to the teacher {res['reverse_kl']:.4f}, NLL of its samples "
+                  f"{res['teacher_nll']:.4f} on {res['n_prompts']} held-out prompts -> {out / 'opd_eval.json'}")
+
+
 def _train_batch(run_dir: Path) -> int:
     rc = yaml.safe_load((run_dir / "run_config.yaml").read_text()) or {}
     return int(((rc.get("config") or {}).get("train") or {}).get("batch_size") or 8)
@@ -361,13 +464,15 @@ def run_suites(names: list[str], scale: str, seeds: int, out: str | Path, resume
             skipped.append(r.name)
         else:
             console.print(f"{head}: {'resuming' if state == 'interrupted' else 'starting'} in {rd}")
-            preset = {"extend-context": sc.extend_preset, "quantize": sc.quantize_preset}.get(r.arm.command, sc.preset)
+            preset = {"extend-context": sc.extend_preset, "quantize": sc.quantize_preset,
+                      "distill": sc.opd_preset}.get(r.arm.command, sc.preset)
             rc = {"command": r.arm.command, "preset": preset, "config": config, "env": env or {},
                   "init": str(parent_dir(r)) if r.arm.command == "finetune" else None,
                   "ablate": {"suite": r.suite.name, "arm": r.arm.label, "seed": r.seed, "scale": scale,
                              "sets": r.sets, "command": command_line(r, sc)}}
             try:
-                res = _train(r, cfg, sc, state == "interrupted", rc, console)
+                _prepare_inputs(r, sc, resolve, generate_batch, console)
+                res = _train(r, cfg, sc, state == "interrupted", rc, console, generate_batch)
             except KeyboardInterrupt:
                 raise
             except Exception as e:
@@ -392,6 +497,14 @@ def run_suites(names: list[str], scale: str, seeds: int, out: str | Path, resume
             except Exception as e:
                 raise AblateError(f"loss evaluation of {r.name} failed in {rd / LOSS_DIR}: {type(e).__name__}: {e}\n"
                                   f"continue with: {again}") from e
+        if r.arm.label in r.suite.opd_eval:
+            try:
+                _opd_eval(r, sc, resolve, generate_batch, console)
+            except AblateError:
+                raise
+            except Exception as e:
+                raise AblateError(f"opd evaluation of {r.name} failed in {rd / ablate_opd.EVAL_DIR}: "
+                                  f"{type(e).__name__}: {e}\ncontinue with: {again}") from e
     report = write_report(out)
     console.print(f"[bold green]ablate done[/]: {len(ran)} trained, {len(skipped)} skipped; wrote {report}")
     return {"ran": ran, "skipped": skipped, "report": report, "stopped": None, "stop_signal": None}

@@ -11,6 +11,10 @@ Metrics read from a run directory (`read_run`):
     eval_loss                     loss/loss.json "loss" (qat: every release on the parent's first validation windows)
     dispatch_bytes_per_token      2 K l b, b = 2 (bf16), from the recorded model config (per token and MoE layer)
     n_params_active               run_config.yaml stats
+    reverse_kl, teacher_nll       opd_eval/opd_eval.json (opd: the release against its seed's teacher on held-out
+                                  prompts), with completion_tokens_per_step (opd and sft arms)
+    train_tokens_per_step         run_config.yaml stats.tokens / stats.steps (the targets a step trains on)
+    wall_time_s                   run_config.yaml stats.wall_time_s
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from .ablate_suites import SUITES, AblateError, Comparison, Suite
 
 METRIC_FMT = {"val_loss": ".4f", "eval_loss": ".4f", "val_bpb": ".4f", "tokens_per_s": ",.0f", "router_max_violation": ".3f",
               "router_cv": ".3f", "max_attn_logit": ".2f", "max_attn_logit_after_first": ".2f", "glu_max_abs": ".2f",
-              "passkey": ".2f", "dispatch_bytes_per_token": ",.0f", "n_params_active": ",.0f"}
+              "passkey": ".2f", "dispatch_bytes_per_token": ",.0f", "n_params_active": ",.0f", "reverse_kl": ".4f",
+              "teacher_nll": ".4f", "completion_tokens_per_step": ",.0f", "train_tokens_per_step": ",.0f",
+              "wall_time_s": ",.0f"}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -43,7 +49,8 @@ def read_run(run_dir: Path) -> dict | None:
         return None
     rc = yaml.safe_load(rc_path.read_text()) or {}
     stats = rc.get("stats") or {}
-    if stats.get("final_val_loss") is None and "quantization_config" not in rc:
+    distilled = "teachers" in rc and stats.get("steps") is not None  # k3 distill records no validation loss
+    if stats.get("final_val_loss") is None and "quantization_config" not in rc and not distilled:
         return None
     lines = _lines(run_dir / "metrics.jsonl")
     train = [x for x in lines if "loss" in x and "val_loss" not in x]
@@ -56,6 +63,16 @@ def read_run(run_dir: Path) -> dict | None:
         m["eval_loss"] = float(json.loads(loss.read_text())["loss"])
     if stats.get("final_val_bpb") is not None:
         m["val_bpb"] = float(stats["final_val_bpb"])
+    opd = run_dir / "opd_eval" / "opd_eval.json"
+    if opd.is_file():
+        res = json.loads(opd.read_text())
+        for k in ("reverse_kl", "teacher_nll", "completion_tokens_per_step"):
+            if res.get(k) is not None:
+                m[k] = float(res[k])
+    if stats.get("steps") and stats.get("tokens") is not None:
+        m["train_tokens_per_step"] = stats["tokens"] / stats["steps"]
+    if stats.get("wall_time_s") is not None:
+        m["wall_time_s"] = float(stats["wall_time_s"])
     tps = [x["tokens_per_s"] for x in train[1:] if "tokens_per_s" in x]
     if tps:
         m["tokens_per_s"] = statistics.median(tps)
@@ -215,6 +232,17 @@ def plot_suite(suite: Suite, runs: dict, out_dir: Path, params: dict) -> list[Pa
                 ax.legend(fontsize=8)
                 ax.grid(alpha=0.3)
             save(fig, "loss.png")
+    if "opd" in suite.plots:
+        fig, (a1, a2) = _figure(2)
+        ce = [a for a in arms if a != "opd"]
+        if _curves(a1, runs, ce, "loss") | _curves(a2, runs, ["opd"], "reverse_kl"):
+            a1.set(xlabel="step", ylabel="train CE (nats/token)", title=f"{suite.name}: pretrain and SFT loss")
+            a2.set(xlabel="step", ylabel="KL(student || teacher) per completion token",
+                   title=f"{suite.name}: OPD's reverse KL on its samples")
+            for ax in (a1, a2):
+                ax.legend(fontsize=8)
+                ax.grid(alpha=0.3)
+            save(fig, "opd.png")
     if "glu" in suite.plots:
         fig, (ax,) = _figure()
         if _curves(ax, runs, arms, "max_abs_h", "glu"):

@@ -14,8 +14,9 @@ from k3.cli.errors import friendly_errors
 def ablate(
     suites: Annotated[list[str] | None, typer.Argument(help="suites to run, e.g. attnres balance (k3 ablate --list)",
                                                        show_default=False)] = None,
-    scale: Annotated[str, typer.Option("--scale", help="tiny (2 CPU cores; claims 1-8 in about an hour) or small "
-                                                       "(one H200: the small preset)")] = "tiny",
+    scale: Annotated[str, typer.Option("--scale", help="tiny (2 CPU cores: claims 1-8 in about an hour, the "
+                                                       "opd suite up to 45 minutes more) or small (one H200: the "
+                                                       "small preset)")] = "tiny",
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="repeat every arm with train.seed = 0..N-1")] = 1,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="directory: SUITE/ARM/seed-S/ runs and "
                                                                  "report.md")] = None,
@@ -24,8 +25,9 @@ def ablate(
     report_only: Annotated[bool, typer.Option("--report-only", help="train nothing: rewrite OUT/report.md from "
                                                                     "the finished runs")] = False,
 ) -> None:
-    """Reproduce the K3 report's claims at small scale: paired runs through k3 pretrain / extend-context (same
-    loop, data, seeds and tokens), then OUT/report.md with tables, verdicts, plots and the exact commands.
+    """Reproduce the K3 report's claims at small scale: paired runs through k3 pretrain / extend-context /
+    quantize / distill (same loop, data, seeds and tokens), then OUT/report.md with tables, verdicts, plots and the
+    exact commands.
 
     Finished runs are skipped when the command is run again; --resume continues interrupted ones. docs/ablate.md.
     """

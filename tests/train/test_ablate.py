@@ -8,8 +8,10 @@ import json
 import math
 import shutil
 import statistics
+from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -23,7 +25,7 @@ from k3.model.config import ModelConfig
 from k3.model.layers import GatedMLP
 from k3.model.moe import GroupedExperts
 from k3.model.transformer import build_model
-from k3.train.ablate import AblateError, GluMaxRecorder, plan, resolve_run, run_suites
+from k3.train.ablate import AblateError, GluMaxRecorder, command_line, plan, resolve_run, run_suites
 from k3.train.ablate_report import read_run, write_report
 from k3.train.ablate_suites import SCALES, SUITES, Scale
 
@@ -65,12 +67,16 @@ def test_arms_differ_only_in_their_overrides_with_equal_tokens_and_seeds(scale, 
         by_suite.setdefault(r.suite.name, {})[(r.arm.label, r.seed)] = (r, cfg, c)
     for name, arms in by_suite.items():
         items = list(arms.values())
+        # arms that set their own step budget (the opd suite's teacher and student parent) are the exception
+        budget = [(r, cfg) for r, cfg, _ in items if not any(s.startswith("train.max_steps=") for s in r.arm.sets)]
         tokens = {cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
-                  for _, cfg, _ in items}
-        assert len(tokens) == 1, (name, tokens)
+                  for _, cfg in budget}
+        assert len(tokens) <= 1 and (budget or name == "opd"), (name, tokens)
         assert {cfg.data.seed for _, cfg, _ in items} == {1234}
         for r, cfg, _ in items:
-            assert cfg.train.seed == r.seed and cfg.train.max_steps == sc.steps
+            assert cfg.train.seed == r.seed
+        for r, cfg in budget:
+            assert cfg.train.max_steps == sc.steps
         for ra, _, ca in items:
             for rb, _, cb in items:
                 if ra.seed != rb.seed:
@@ -94,6 +100,40 @@ def test_arms_differ_only_in_their_overrides_with_equal_tokens_and_seeds(scale, 
     kids = [r for r in plan([SUITES["nope"]], sc, 1, tmp_path, resolve) if r.arm.command == "extend-context"]
     assert len(kids) == 2 and kids[0].sets == kids[1].sets
     assert {k.arm.position for k in kids} == {"nope", "rope"} and {k.arm.parent for k in kids} == {"parent"}
+    check_opd_pairing(sc, tmp_path)
+
+
+def check_opd_pairing(sc, tmp_path):
+    """The opd suite: teacher and student parent differ in their step budget only (the teacher trains longer); the
+    opd (k3 distill) and sft (k3 pretrain --init on the teacher's samples) arms of a seed train the same student
+    for the same optimizer steps, optimizer and schedule, prompts / sequences per step and seed, the sft sequence
+    holding a prompt and a completion of the opd arm's lengths."""
+    runs = {(r.arm.label, r.seed): r for r in plan([SUITES["opd"]], sc, 2, tmp_path, resolve)}
+    order = [r.arm.label for r in plan([SUITES["opd"]], sc, 1, tmp_path, resolve)]
+    assert order[:2] == ["teacher", "student"] and set(order[2:]) == {"opd", "sft"}  # teacher and parent first
+    for seed in (0, 1):
+        t, st = (resolve_run(runs[(a, seed)], sc, resolve) for a in ("teacher", "student"))
+        assert t.train.max_steps == sc.opd_teacher_steps > st.train.max_steps == sc.opd_student_steps
+        assert t.model == st.model and t.data == st.data and t.optim == st.optim
+        assert t.train == replace(st.train, max_steps=t.train.max_steps) and t.train.seed == seed
+        ropd, rsft = runs[("opd", seed)], runs[("sft", seed)]
+        dist, sft = resolve_run(ropd, sc, resolve), resolve_run(rsft, sc, resolve)
+        assert ropd.arm.command == "distill" and rsft.arm.command == "finetune"
+        assert ropd.arm.parent == rsft.arm.parent == "student" and ropd.arm.teacher == rsft.arm.teacher == "teacher"
+        assert dist.optim == sft.optim  # every optimizer field: lr, schedule, warmup, decay, Muon, MTP weights
+        assert dist.optim.mtp_lambda == sft.optim.mtp_lambda == 0.0
+        for k in ("max_steps", "batch_size", "grad_accum", "seed"):
+            assert getattr(dist.train, k) == getattr(sft.train, k), k
+        assert dist.train.max_steps == sc.opd_steps and dist.train.batch_size == sc.opd_batch
+        assert dist.distill.max_new_tokens == sc.opd_new_tokens
+        assert sft.data.seq_len == sc.opd_prompt_tokens + sc.opd_new_tokens
+        assert sft.data.source == str(tmp_path / "opd/teacher" / f"seed-{seed}" / "samples/samples.jsonl")
+        assert sft.model == st.model  # the sft run's --init is the student parent's architecture
+        cmd = command_line(ropd, sc)
+        assert cmd.startswith(f"k3 distill --student {tmp_path}/opd/student/seed-{seed}/final --teacher teacher=")
+        assert f"--prompts {tmp_path}/opd/prompts/train.jsonl --preset {sc.opd_preset}" in cmd
+        assert command_line(rsft, sc).startswith(f"k3 pretrain --preset {sc.preset} --init "
+                                                 f"{tmp_path}/opd/student/seed-{seed}/final")
 
 
 def vars_of(section):
@@ -228,8 +268,7 @@ def test_names_and_scales_are_checked(tmp_path):
         run_suites(["nosuch"], "tiny", 1, tmp_path, resolve=resolve)
     with pytest.raises(AblateError, match="--scale 'huge'"):
         run_suites(["attnres"], "huge", 1, tmp_path, resolve=resolve)
-    with pytest.raises(AblateError, match="not wired"):
-        run_suites(["opd"], "tiny", 1, tmp_path, resolve=resolve)
+    assert all(s.wired for s in SUITES.values())
     with pytest.raises(AblateError, match="not a k3 ablate directory"):
         write_report(tmp_path)
 
@@ -298,7 +337,8 @@ def test_cli_list_help_and_errors(tmp_path):
     assert res.exit_code == 0
     lines = res.output.strip().splitlines()
     assert len(lines) == len(SUITES) and lines[0].startswith("attnres") and "1. Block Attention" in lines[0]
-    assert [line.split()[0] for line in lines if "not wired" in line] == ["opd"]
+    assert [line.split()[0] for line in lines if "not wired" in line] == []
+    assert any(line.startswith("opd") and "9. On-policy distillation" in line for line in lines)
     res = runner.invoke(app, ["ablate", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--report-only" in res.output and "--seeds" in res.output
     res = runner.invoke(app, ["ablate", "nosuch", "--out", str(tmp_path)])
@@ -359,3 +399,70 @@ def test_real_nope_and_qat_suites_debug_sized_end_to_end(tmp_path, monkeypatch):
     report = (out / "report.md").read_text()
     assert "NoPE extension passkey above RoPE-kept: **" in report and "QAT release loss below PTQ's: **" in report
     assert (out / "plots/nope/passkey-extend-nope-seed-0.png").stat().st_size > 1000
+
+
+def test_real_opd_suite_debug_sized_end_to_end(tmp_path, monkeypatch):
+    from k3.model.checkpoint import load_model
+    from k3.model.tokenizer import K3Tokenizer
+    from k3.serve.generate import generate_batch
+    from k3.train.ablate_opd import EVAL_SALT
+
+    sc = replace(smoke_scale(tmp_path), opd_teacher_steps=8, opd_student_steps=2, opd_steps=3, opd_batch=4,
+                 opd_prompt_tokens=16, opd_new_tokens=8, opd_eval_prompts=4, opd_sft_val_fraction=0.3)
+    monkeypatch.setitem(SCALES, "smoke", sc)
+    out = tmp_path / "abl"
+    res = run_suites(["opd"], "smoke", 1, out, resolve=resolve, generate_batch=generate_batch, console=quiet())
+    assert res["ran"] == [f"opd/{a}/seed-0" for a in ("teacher", "student", "opd", "sft")]
+    opd = out / "opd"
+    # the prompts: the train split's windows for training, the val split's for the evaluation, made once
+    train = [json.loads(x)["prompt"] for x in (opd / "prompts/train.jsonl").read_text().splitlines()]
+    held = [json.loads(x)["prompt"] for x in (opd / "prompts/eval.jsonl").read_text().splitlines()]
+    assert len(train) == 12 and len(held) == 4 and not set(train) & set(held)
+    # the SFT data: the teacher's completion of each train prompt, and the sft run trained on it from the student
+    samples = [json.loads(x) for x in (opd / "teacher/seed-0/samples/samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == [p for p in train if p in {s["prompt"] for s in samples}]
+    assert len(samples) >= 10 and all(s["completion"].strip() for s in samples)
+    src = yaml.safe_load((opd / "sft/seed-0/run_config.yaml").read_text())
+    assert src["init"] == str(opd / "student/seed-0/final") and src["config"]["train"]["max_steps"] == 3
+    assert src["config"]["data"]["source"] == str(opd / "teacher/seed-0/samples/samples.jsonl")
+    drc = yaml.safe_load((opd / "opd/seed-0/run_config.yaml").read_text())
+    assert drc["teachers"] == {"teacher": str(opd / "teacher/seed-0/final")} and drc["stats"]["steps"] == 3
+    ev = {a: json.loads((opd / a / "seed-0/opd_eval/opd_eval.json").read_text())
+          for a in ("teacher", "student", "opd", "sft")}
+    assert ev["teacher"]["reverse_kl"] < 1e-5  # the teacher against itself
+    assert math.isclose(ev["teacher"]["teacher_nll"], ev["teacher"]["teacher_self_nll"], rel_tol=1e-5)
+    assert all(e["reverse_kl"] > 1e-3 for a, e in ev.items() if a != "teacher")
+    # opd: prompts x logged completion length, at most prompts x max_new_tokens; sft: its windows' mask fraction
+    assert 0 < ev["opd"]["completion_tokens_per_step"] <= 4 * 8
+    assert 0 < ev["sft"]["completion_tokens_per_step"] < 4 * 24
+    assert ev["teacher"]["completion_tokens_per_step"] is None
+
+    # teacher_nll of the sft student, recomputed in float64: the teacher's samples of the held-out prompts with the
+    # evaluation's seeds, the student's log-probability of each completion token
+    tok = K3Tokenizer.from_file(opd / "teacher/seed-0/final")
+    teacher, _ = load_model(opd / "teacher/seed-0/final", device="cpu")
+    student, _ = load_model(opd / "sft/seed-0/final", device="cpu")
+    prompts = [tok.encode(p, add_bos=True) for p in held]
+    seeds = [int(s) for s in np.random.default_rng([0, EVAL_SALT]).integers(2**31 - 1, size=len(held))]
+    outs = generate_batch(teacher, tok, prompts, max_tokens=8, temperature=1.0, top_p=1.0, seeds=seeds)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for p, c in zip(prompts, outs):
+            logp = student.eval()(torch.tensor([p + c])[:, :-1]).logits.double().log_softmax(-1)[0]
+            total -= sum(float(logp[len(p) - 1 + j, t]) for j, t in enumerate(c))
+            n += len(c)
+    assert n == ev["sft"]["teacher_completion_tokens"]
+    assert math.isclose(ev["sft"]["teacher_nll"], total / n, rel_tol=1e-4)
+
+    losses = {a: json.loads((opd / a / "seed-0/loss/loss.json").read_text()) for a in ev}
+    assert len({(x["tokens"], x["seq_len"]) for x in losses.values()}) == 1  # one held-out text for every release
+    report = (out / "report.md").read_text()
+    claims = ("the teacher's held-out loss is below the student parent's",
+              "OPD lowers the reverse KL to the teacher on held-out prompts vs SFT: **",
+              "OPD lowers the loss on the teacher's samples")
+    for claim in claims:
+        assert claim in report
+    assert "not tested" not in report and "Missing" not in report
+    assert "k3 distill --student" in report and (out / "plots/opd/opd.png").stat().st_size > 1000
+    assert run_suites(["opd"], "smoke", 1, out, resolve=resolve, generate_batch=generate_batch,
+                      console=quiet())["ran"] == []
