@@ -266,6 +266,9 @@ def environment_info() -> dict:
     except ImportError:
         info["triton"] = None
     info["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    # how the CPU threads wait and share (k3cli/host.py chooses the wait at start): CPU timings depend on both
+    info["threads"] = torch.get_num_threads()
+    info["omp_wait"] = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     return info
 
 

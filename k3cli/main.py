@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads OpenMP: its default spin-wait makes 2-thread CPU training 10-20x slower whenever anything
-# else shares the cores (measured on 2-core machines); passive waiting costs nothing measurable when idle.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from k3.cli.host import omp_wait_env
+
+# before torch loads OpenMP: brief spinning when the cores are idle, passive waiting when they are shared
+# (k3cli/host.py has the measurements); a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
+os.environ.update(omp_wait_env(os.environ))
 
 import typer
 
@@ -21,6 +23,10 @@ from k3.cli.commands.quantize import quantize
 from k3.cli.commands.scaling_fit import scaling_fit
 from k3.cli.commands.serve import serve
 from k3.cli.commands.sweep import sweep
+from k3.cli.host import retain_freed_memory
+
+# before any tensor exists: CPU training page-faults every freed activation again otherwise (k3cli/host.py)
+retain_freed_memory()
 
 app = typer.Typer(
     name="k3",
