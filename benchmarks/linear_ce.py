@@ -11,7 +11,7 @@ W [V, D] in fp32 (the residual stream and the parameters), random targets with a
 under bf16 autocast as `k3 pretrain` does, the CPU in fp32.
 
 Rows (each one loss, as the step pays twice: CE and MTP CE):
-- `whole logits`: F.cross_entropy(F.linear(h, W).float(), t), the train loop's default path before (kernels/loss/
+- `whole logits`: F.cross_entropy(F.linear(h, W).float(), t), the train loop's default path before (k3kernels/loss/
   naive.py);
 - `checkpointed C`: k3.train.loop.chunked_cross_entropy over C-token chunks recomputed in the backward (the
   `train.loss_chunk_tokens = C` path; still used for a head that is not a plain nn.Linear);

@@ -1,4 +1,4 @@
-"""Paged MLA decode on one GPU: the Triton kernel (kernels/mla/triton_decode.py) vs its PyTorch twin (gather the
+"""Paged MLA decode on one GPU: the Triton kernel (k3kernels/mla/triton_decode.py) vs its PyTorch twin (gather the
 pages, one fp32 softmax), the anchor being what `k3 serve` ran before the kernel existed.
 
 Run on a CUDA machine (never in tests): `python benchmarks/mla_decode.py [--split-keys 256 512]`. k3-small's MLA

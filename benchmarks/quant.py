@@ -1,4 +1,4 @@
-"""int4 quantized matmuls on one GPU: the fused Triton dequant GEMMs (kernels/quant/triton.py) against bf16
+"""int4 quantized matmuls on one GPU: the fused Triton dequant GEMMs (k3kernels/quant/triton.py) against bf16
 `torch._grouped_mm` (routed experts) and `torch.matmul` (dense linears) at the same shapes, in one run.
 
 Run on a CUDA machine (never in tests): `python benchmarks/quant.py [--group-size 32] [--tokens 1 4 16 64]`.

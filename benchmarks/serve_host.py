@@ -242,7 +242,7 @@ def _model_file(path: str) -> bool:
     """k3's model and kernel code (reached through torch's C++ too, e.g. autograd.Function.apply, where yappi's call
     graph breaks), except the tokenizer, which is host work."""
     p = path.replace(os.sep, "/")
-    return any(f"/{d}/" in p for d in ("kernels", "model")) and not p.endswith("/tokenizer.py")
+    return any(f"/{d}/" in p for d in ("k3kernels", "model")) and not p.endswith("/tokenizer.py")
 
 
 def _short(path: str) -> str:

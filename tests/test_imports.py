@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"k3cli": "k3.cli", "kernels": "k3.kernels", "model": "k3.model", "train": "k3.train", "serve": "k3.serve"}
+PACKAGES = {"k3cli": "k3.cli", "k3kernels": "k3.kernels", "model": "k3.model", "train": "k3.train", "serve": "k3.serve"}
 
 # serve/'s layers, top to bottom: a module imports only modules of its own layer or below ("leaf" ones from anywhere)
 SERVE_LAYERS = {

@@ -2,6 +2,7 @@
 wheel and editable installs importable from outside the repository."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPING = {"k3cli": "k3.cli", "kernels": "k3.kernels", "model": "k3.model", "train": "k3.train", "serve": "k3.serve"}
+MAPPING = {"k3cli": "k3.cli", "k3kernels": "k3.kernels", "model": "k3.model", "train": "k3.train", "serve": "k3.serve"}
 
 
 def test_package_list_matches_folders():
@@ -43,7 +44,7 @@ def test_no_forbidden_top_level_imports():
 
 def test_dependency_direction():
     """k3.kernels imports only torch/triton; k3.model never imports k3.train/serve/cli; k3.train never k3.cli/serve."""
-    rules = {"kernels": ("k3.model", "k3.train", "k3.serve", "k3.cli"), "model": ("k3.train", "k3.serve", "k3.cli"),
+    rules = {"k3kernels": ("k3.model", "k3.train", "k3.serve", "k3.cli"), "model": ("k3.train", "k3.serve", "k3.cli"),
              "train": ("k3.cli", "k3.serve"), "serve": ("k3.cli", "k3.train")}
     bad = []
     for folder, forbidden in rules.items():
@@ -59,8 +60,9 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, **kw)
 
 
+# the source folders must not be importable under their own names from an install (only as k3.*)
 CHECK = ("import importlib.util, k3.cli, k3.kernels, k3.model, k3.train, k3.serve; "
-         "s = importlib.util.find_spec('kernels'); "
+         "s = importlib.util.find_spec('k3kernels'); "
          "print('KERNELS', None if s is None else s.origin)")
 
 
@@ -85,11 +87,25 @@ def test_wheel_and_editable_install_import_from_outside(tmp_path):
     assert r.returncode == 0 and "pretrain" in r.stdout, r.stdout + r.stderr
     r = _run([sys.executable, "-m", "k3", "--help"], cwd=outside, env=env)  # k3main/__main__.py in the wheel
     assert r.returncode == 0 and "pretrain" in r.stdout, r.stdout + r.stderr
-    # editable (the dev install): importable from outside, and 'kernels' does not resolve into the repo
+    # editable (the dev install): importable from outside, and 'k3kernels' does not resolve into the repo
     r = _run([sys.executable, "-c", CHECK], cwd=outside)
     assert r.returncode == 0, r.stderr
     origin = r.stdout.split("KERNELS", 1)[1].strip()
     assert origin == "None" or not origin.startswith(str(ROOT)), origin
+
+
+def test_no_source_folder_has_the_name_of_an_installed_package():
+    # transformers >= 5.25 imports Hugging Face's `kernels` package; this repository's kernels/ folder (now
+    # k3kernels/) shadowed it for any Python started in the repository root (`python -m pytest`, `python -m k3`), and
+    # `import k3.model.hf` failed with "cannot import name 'CUDAProperties' from 'kernels'"
+    names = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier())
+    code = ("import importlib.util, json, sys; "
+            "print(json.dumps([n for n in sys.argv[1:] if importlib.util.find_spec(n) is not None]))")
+    # -P: the working directory (the repository) is not put on sys.path, so only installed packages are found
+    r = _run([sys.executable, "-P", "-c", code, *names], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    clash = json.loads(r.stdout)
+    assert clash == [], f"repository folders {clash} shadow installed packages of the same name when Python runs here"
 
 
 def test_license_file_is_the_apache_license_pyproject_names():

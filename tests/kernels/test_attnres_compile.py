@@ -1,4 +1,4 @@
-"""The fused Block AttnRes kernels (kernels/attnres/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM
+"""The fused Block AttnRes kernels (k3kernels/attnres/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM
 back end and ptxas, without a GPU; sm90_compile.py) with the tiles and warps their launches pick: k3-small's width
 (768, 16-divisible, as a launch specialises it), K3's (7168: one token a tile at 16 warps) and an odd one (100), the
 sources as a tuple of 1, 2, 5 or 9 pointers in bf16, fp32, fp16 or mixed (an fp32 embedding among bf16 sources, the

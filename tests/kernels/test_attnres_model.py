@@ -1,4 +1,4 @@
-"""A k3-debug K3Model's forward and backward with the fused Block AttnRes mixture (kernels/attnres/triton.py, Triton's
+"""A k3-debug K3Model's forward and backward with the fused Block AttnRes mixture (k3kernels/attnres/triton.py, Triton's
 interpreter on a CPU) against the same model on the torch backend (the list-form twin): logits and every parameter's
 gradient, with pseudo-queries far from their zero init so every mixture is non-uniform.
 

@@ -1,4 +1,4 @@
-"""Fused Block AttnRes mixture (kernels/attnres/triton.py) vs the paper's formula in float64 (architecture.md 4.1:
+"""Fused Block AttnRes mixture (k3kernels/attnres/triton.py) vs the paper's formula in float64 (architecture.md 4.1:
 alpha = softmax_i(w . RMSNorm_key(v_i)), x = sum_i alpha_i v_i, written here with torch's rms_norm, not the kernel's
 folded q = g * w), values and gradients of every source, the gain and the pseudo-query.
 

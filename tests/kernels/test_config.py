@@ -1,4 +1,4 @@
-"""KernelConfig (kernels/config.py) and k3.kernels.configure: defaults, validation, the environment overrides (read at
+"""KernelConfig (k3kernels/config.py) and k3.kernels.configure: defaults, validation, the environment overrides (read at
 configure, reported), and that the applied values reach the dispatch and the KDA kernels. Each test starts from a
 process that never configured (conftest's kernel_config_restored) with none of the four variables set."""
 

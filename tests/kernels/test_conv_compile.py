@@ -1,5 +1,5 @@
-"""The Triton short-conv kernels (kernels/conv/triton.py, forward and backward) and the gated RMSNorm kernels
-(kernels/norm/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM back end and ptxas, without a GPU)
+"""The Triton short-conv kernels (k3kernels/conv/triton.py, forward and backward) and the gated RMSNorm kernels
+(k3kernels/norm/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM back end and ptxas, without a GPU)
 in the variants a launch can pick: widths, SiLU or not, packed or batch rows, fp32 / bf16 tensors (fp16 too for the
 norm), fp32 or bf16 weights, the launch table's blocks and warps, and the norm's eps as fp64 (as inductor passes it)
 without fp64 arithmetic. The interpreter that runs the CPU tests never type-checks a kernel the way the compiler

@@ -1,4 +1,4 @@
-"""Triton causal depthwise short conv + SiLU (kernels/conv/triton.py) vs the PyTorch twin evaluated in float64.
+"""Triton causal depthwise short conv + SiLU (k3kernels/conv/triton.py) vs the PyTorch twin evaluated in float64.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set while importing the module), so
 sizes are tiny and the launch blocks are shrunk (`small_blocks`) so that T and C cross several row and channel

@@ -1,4 +1,4 @@
-"""Fused gated RMSNorm (kernels/norm/triton.py) vs the PyTorch twin evaluated in float64, and the twin against an
+"""Fused gated RMSNorm (k3kernels/norm/triton.py) vs the PyTorch twin evaluated in float64, and the twin against an
 independent formula; the model's GatedRMSNorm calls the op.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set while importing the module), so

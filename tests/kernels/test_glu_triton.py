@@ -1,4 +1,4 @@
-"""Fused Triton C2-GLU (kernels/glu/triton.py) vs the naive twin `c2_glu` evaluated in float64 (architecture.md 8).
+"""Fused Triton C2-GLU (k3kernels/glu/triton.py) vs the naive twin `c2_glu` evaluated in float64 (architecture.md 8).
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set while importing the module), so shapes
 are small. Outputs are allocated with torch.empty, which conftest NaN-poisons: an element the kernel fails to write

@@ -1,4 +1,4 @@
-"""The KDA gate as Triton kernels (kernels/kda/triton/gate.py) against its PyTorch twins in float64 (kda.md section
+"""The KDA gate as Triton kernels (k3kernels/kda/triton/gate.py) against its PyTorch twins in float64 (kda.md section
 2): g, and the gradients of z, A_log and dt_bias, for the lower-bound gate (with and without A_log / dt_bias) and the
 softplus gate (including inputs above softplus's threshold of 20). On a CPU under Triton's interpreter; on a CUDA
 machine on the GPU. Outputs come from torch.empty, which conftest NaN-poisons: an unwritten element fails.

@@ -1,4 +1,4 @@
-"""The import structure of kernels/, read from the source with `ast` (nothing imported): no import cycle, the KDA
+"""The import structure of k3kernels/, read from the source with `ast` (nothing imported): no import cycle, the KDA
 chunk forward and backward modules share only triton/common.py and triton/launch.py, `triton` is imported at module
 level only by Triton modules (so `import k3.kernels` works without it), and nothing imports the packages built on
 the kernels (k3.model, k3.serve, k3.train, k3.cli). Imports inside functions count like any other."""
@@ -6,10 +6,10 @@ the kernels (k3.model, k3.serve, k3.train, k3.cli). Imports inside functions cou
 import ast
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "k3kernels"
 PACKAGE = "k3.kernels"
 KDA_TRITON = f"{PACKAGE}.kda.triton"
-# the chunk kernels' forward and backward modules of kernels/kda/triton/, and what both may import
+# the chunk kernels' forward and backward modules of k3kernels/kda/triton/, and what both may import
 FORWARD = {"chunk_fwd", "intra_fwd", "solve", "segments"}
 BACKWARD = {"chunk_bwd", "intra_bwd"}
 SHARED = {"common", "launch"}
@@ -51,13 +51,13 @@ GRAPH = {name: {m for m, _ in imports(name) if m in MODULES and m != name} for n
 
 
 def test_the_kda_triton_modules_are_all_classified():
-    """Each module of kernels/kda/triton/ is a forward, backward, shared or op module (a new one must say which)."""
+    """Each module of k3kernels/kda/triton/ is a forward, backward, shared or op module (a new one must say which)."""
     found = {n.rpartition(".")[2] for n in MODULES if n.startswith(KDA_TRITON + ".")}
     assert found == FORWARD | BACKWARD | SHARED | OPS, found ^ (FORWARD | BACKWARD | SHARED | OPS)
 
 
 def test_chunk_forward_and_backward_share_only_common_and_launch():
-    def local(m):  # the kernels/kda/triton/ modules that m imports
+    def local(m):  # the k3kernels/kda/triton/ modules that m imports
         return {d.rpartition(".")[2] for d in GRAPH[f"{KDA_TRITON}.{m}"] if d.startswith(KDA_TRITON + ".")}
 
     bad = [f"{m} imports {d}" for fam, other in ((FORWARD, BACKWARD), (BACKWARD, FORWARD)) for m in fam
@@ -71,7 +71,7 @@ def test_chunk_forward_and_backward_share_only_common_and_launch():
 
 
 def test_no_import_cycle():
-    """Depth-first search over kernels/'s import graph (function-level imports included)."""
+    """Depth-first search over k3kernels/'s import graph (function-level imports included)."""
     state, cycles = {}, []
 
     def visit(n, stack):
@@ -102,7 +102,7 @@ def test_kernels_import_nothing_built_on_them():
 
 def test_only_config_and_dispatch_read_the_environment():
     """The kernels read their settings from the applied KernelConfig (dispatch.active_config); os.environ and
-    os.getenv appear only in kernels/config.py and kernels/dispatch.py."""
+    os.getenv appear only in k3kernels/config.py and k3kernels/dispatch.py."""
     bad = []
     for name, path in MODULES.items():
         if name in (f"{PACKAGE}.config", f"{PACKAGE}.dispatch"):

@@ -1,4 +1,4 @@
-"""Paged absorbed MLA decode (kernels/mla): the Triton kernel (interpreter on a CPU, the GPU in fp32 and bf16) and
+"""Paged absorbed MLA decode (k3kernels/mla): the Triton kernel (interpreter on a CPU, the GPU in fp32 and bf16) and
 its PyTorch twin against an independent float64 reference that walks each sequence's keys one position at a time."""
 
 import importlib.util

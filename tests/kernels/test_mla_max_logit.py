@@ -1,4 +1,4 @@
-"""The per-head max causal logit (kernels/mla causal_max_logit, QK-Clip's statistic): the Triton kernel
+"""The per-head max causal logit (k3kernels/mla causal_max_logit, QK-Clip's statistic): the Triton kernel
 (interpreter on a CPU, the GPU in fp32 and bf16) and its PyTorch twin against a float64 reference that scores one
 (query, key) pair at a time."""
 

@@ -1,4 +1,4 @@
-"""The fake quantizer of QAT (kernels/quant/fake.py) against a reference written here with Python's own rounding:
+"""The fake quantizer of QAT (k3kernels/quant/fake.py) against a reference written here with Python's own rounding:
 ties at .5 (half to even, as torch.round), the clamp edges of int4 [-8, 7] and int8 [-127, 127], all-zero groups,
 bit equality with quantize-then-dequantize, and the straight-through gradient inside and outside the range."""
 

@@ -1,4 +1,4 @@
-"""The fused int4 dequant GEMMs (kernels/quant/triton.py) against their twins and a float64 reference written here.
+"""The fused int4 dequant GEMMs (k3kernels/quant/triton.py) against their twins and a float64 reference written here.
 
 On a CPU they run under Triton's interpreter (tests/kernels/conftest.py) at small sizes, in fp32; on a GPU also in
 bf16. Outputs come from torch.empty (NaN-poisoned by conftest), so a row the kernel skips fails the comparison.

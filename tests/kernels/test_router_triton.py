@@ -1,4 +1,4 @@
-"""Fused Triton router top-K and QB histogram (kernels/moe/triton_router.py) vs the torch twins (architecture.md 9).
+"""Fused Triton router top-K and QB histogram (k3kernels/moe/triton_router.py) vs the torch twins (architecture.md 9).
 
 Twins: k3.model.moe.Router (selection: stable descending sort of scores + bias, lowest-index tie-break; weights
 renormalised from the unbiased scores) and k3.train.balance.qb_histogram_counts. Indices and counts must be equal

@@ -2,7 +2,7 @@
 (`.item()`, `.tolist()`, `bool(t)`, `int(t)`) waits for the whole queue, so a handful per layer used to make an
 eager decode step ~100 host waits. Counted here on the CPU by patching those methods, for a plain decode step of 3
 greedy sequences: only the sampled tokens (serve/sampling.py, one read for all greedy rows) and the CPU-only value
-checks of the conv's cu_seqlens (kernels/conv/naive.py skips them for trusted CUDA callers) may read values.
+checks of the conv's cu_seqlens (k3kernels/conv/naive.py skips them for trusted CUDA callers) may read values.
 Prefill steps (always eager) are held to the same rule, and the serving code's own op count in a prefill step must
 not grow with the block boundaries it crosses (each op is host time on a GPU; counted with a TorchFunctionMode)."""
 
@@ -45,7 +45,7 @@ def test_eager_prefill_steps_read_only_sampled_tokens(model_tok, monkeypatch, sp
     """Prefill steps (prefix caching on) read no tensor value but the sampled tokens: a 200-token miss (chunk kernel,
     three interior snapshots; its varlen layout comes from the host offsets, `cu_seqlens_cpu`), the 8-token tail of a
     prefix hit (the trusted recurrent pool entry) and a step mixing a decode with a new prompt's prefill (only the
-    conv's CPU-only offset check, kernels/conv/naive.py, may read there). Each step is spied on its own."""
+    conv's CPU-only offset check, k3kernels/conv/naive.py, may read there). Each step is spied on its own."""
     model, tok = model_tok
     eng = _prefill_engine(model, tok)
     prompt = [(7 * i) % 300 + 10 for i in range(200)]
@@ -111,7 +111,7 @@ def test_eager_prefill_step_ops_do_not_grow_with_block_boundaries(model_tok):
 
 def test_a_lone_long_prefill_chunk_runs_the_conv_unpacked(model_tok, monkeypatch):
     """One sequence's 450-token prefill chunk (prefix caching on, interior snapshots) runs the short conv as plain
-    rows, not through cu_seqlens: the packed path of kernels/conv/naive.py is ~2.5x the ops per conv, and a lone
+    rows, not through cu_seqlens: the packed path of k3kernels/conv/naive.py is ~2.5x the ops per conv, and a lone
     512-token chunk took it (~480 more host ops a step, ~13-20 ms of a 2,048-token prefill on the H200)."""
     import k3.model.kda as kda_mod
 

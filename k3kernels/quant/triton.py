@@ -157,7 +157,7 @@ def w4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 def _fused(x: torch.Tensor) -> bool:
-    # float64 references run the twin (kernels/README.md); the kernel's dots take fp32 / bf16 / fp16
+    # float64 references run the twin (k3kernels/README.md); the kernel's dots take fp32 / bf16 / fp16
     return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
