@@ -37,7 +37,6 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 30  # blocks below 1 GiB come from the heap, so they are reused instead of re-mapped
 TRIM_THRESHOLD_BYTES = 1 << 31  # the heap top is returned to the kernel only past 2 GiB of free space
 
-
 SPIN_COUNT = "2000"  # ~tens of microseconds of spinning, then sleep: bridges the gap between two eager ops
 SHARED_BUSY = 0.15  # the other processes' share of all cores above which the machine counts as shared
 SAMPLE_S = 0.2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from k3.cli.host import omp_wait_env
+from k3.cli.host import omp_wait_env, retain_freed_memory
 
 # before torch loads OpenMP: brief spinning when the cores are idle, passive waiting when they are shared
 # (k3cli/host.py has the measurements); a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
@@ -23,7 +23,6 @@ from k3.cli.commands.quantize import quantize
 from k3.cli.commands.scaling_fit import scaling_fit
 from k3.cli.commands.serve import serve
 from k3.cli.commands.sweep import sweep
-from k3.cli.host import retain_freed_memory
 
 # before any tensor exists: CPU training page-faults every freed activation again otherwise (k3cli/host.py)
 retain_freed_memory()

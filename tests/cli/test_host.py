@@ -1,9 +1,11 @@
 """k3cli/host.py: the `k3` process keeps freed malloc memory, so re-allocating a freed activation does not page-fault
 again; a user's own malloc settings are left alone."""
 
+import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,18 +90,16 @@ def test_others_busy_sees_a_busy_process():
 
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        import time
         time.sleep(0.3)
         busy = others_busy(0.5)
     finally:
         hog.kill()
         hog.wait()
-    import os
     # one spinning process keeps at least ~one core of all cores busy (less on a machine with many cores)
     assert busy is not None and busy > 0.6 / len(os.sched_getaffinity(0)), busy
 
 
-def test_the_k3_command_records_its_wait(tmp_path):
+def test_the_k3_command_records_its_wait():
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     code = "import os, k3.cli.main; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
