@@ -27,7 +27,8 @@
 #            int4 GEMMs against bf16 torch._grouped_mm / torch.matmul), benchmarks/serve.py on a random-weight
 #            k3-small in bf16 and its w4a8 (routed experts) and all_linear w4a16 exports at concurrency 1 and 32;
 #            with QUANT_PARTS=tiny (a second call) the trained k3-tiny and its w4a8 and w8a16 exports, one after
-#            another (carry runs/tiny: its tokenizer serves the k3-small releases too)
+#            another (carry runs/tiny: its tokenizer serves the k3-small releases too); QUANT_PARTS=tune first runs
+#            benchmarks/quant_tune.py, the launch search behind the kernels' table
 #   all      every mode above in turn (about 40 minutes: more than one call)
 #
 # What to carry (the device tool's `carry`):
@@ -353,6 +354,10 @@ mode_quant() {
   local q=/tmp/k3-quant ck tag parts=${QUANT_PARTS:-kernels small}
   if [ ! -f runs/tiny/final/config.json ]; then echo "no runs/tiny/final here: carry runs/tiny for the rows"; return 1; fi
   rm -rf "$q"
+  if [[ " $parts " == *" tune "* ]]; then
+    step "int4 GEMM launch search (quant_tune.py)" 330 quant_tune.log python3 "$(bench quant_tune.py)"
+    grep -E "^#|^\|" "$OUT/quant_tune.log"
+  fi
   if [[ " $parts " == *" kernels "* ]]; then
     # shellcheck disable=SC2046  # one word per test file
     step "quantized checkpoint tests" 120 quant_tests.log env K3_KERNELS=triton python3 -m pytest \

@@ -5,7 +5,7 @@ Run on a CUDA machine (never in tests): `python benchmarks/quant.py [--group-siz
 Grouped rows: decode-shaped M tokens per expert (every expert gets M rows) through each expert weight, at k3-small's
 expert shapes (E = 32, latent 384, width 256) and a large-MoE shape (E = 64, latent 2048, width 1024); gate_up is
 [E, 2F, L], down [E, L, F]. Dense rows: k3-small's LM head [32768, 768] and a 2048 x 2048 projection. Columns: the
-fused kernel (w4a16) and the w4a8 path (per-token FP8 activations, then the kernel), the dequantize-then-matmul
+fused kernel (w4a16) and its w4a8 form (the per-token FP8 activations inside the kernel), the dequantize-then-matmul
 twin, and the bf16 anchor; speedup = bf16 / fused; weight GB/s = int4 bytes + fp32 scales read / fused time.
 Times are medians of triton.testing.do_bench. Goal (issue 34): >= 3x bf16 at M <= 16 on the large shape.
 
@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from k3.kernels.quant import quant_grouped_mm_torch, quant_linear_torch, quantize_activations, quantize_int4_grouped
+from k3.kernels.quant import quant_grouped_mm_torch, quant_linear_torch, quantize_int4_grouped
 from k3.kernels.quant.triton import w4_grouped_mm_triton, w4_linear_triton
 
 GROUPED = {"k3-small": (32, 384, 256), "large": (64, 2048, 1024)}  # E, latent L, expert width F
@@ -33,14 +33,6 @@ DENSE = {"k3-small head": (32768, 768), "2048 x 2048": (2048, 2048)}  # N, K
 
 def _us(fn) -> float:
     return do_bench(fn, return_mode="median") * 1e3
-
-
-def _w4a8_grouped(x, qw, s, counts):  # the serving path of w4a8: per-token FP8 activations, then the kernel
-    return w4_grouped_mm_triton(quantize_activations(x, "w4a8"), qw, s, counts)
-
-
-def _w4a8_linear(x, qw, s):
-    return w4_linear_triton(quantize_activations(x, "w4a8"), qw, s)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,7 +69,7 @@ def main():
                 y = w4_grouped_mm_triton(x, qw, s, counts)
                 err = _rel(y, quant_grouped_mm_torch(x, qw, s, counts, "w4a16"))
                 t_f = _us(partial(w4_grouped_mm_triton, x, qw, s, counts))
-                t_8 = _us(partial(_w4a8_grouped, x, qw, s, counts))
+                t_8 = _us(partial(w4_grouped_mm_triton, x, qw, s, counts, a8=True))
                 t_t = _us(partial(quant_grouped_mm_torch, x, qw, s, counts, "w4a16"))
                 t_b = _us(partial(torch._grouped_mm, x, w_bf.transpose(-2, -1), offs=offs))
                 print(f"| {label} E={E} | {wname} [{N}, {K}] | {M} | {t_f:.1f} | {t_8:.1f} | {t_t:.1f} | {t_b:.1f} | "
@@ -92,7 +84,7 @@ def main():
             x = torch.randn(M, K, device=dev, dtype=bf)
             err = _rel(w4_linear_triton(x, qw, s), quant_linear_torch(x, qw, s, "w4a16"))
             t_f = _us(partial(w4_linear_triton, x, qw, s))
-            t_8 = _us(partial(_w4a8_linear, x, qw, s))
+            t_8 = _us(partial(w4_linear_triton, x, qw, s, a8=True))
             t_t = _us(partial(quant_linear_torch, x, qw, s, "w4a16"))
             t_b = _us(partial(torch.matmul, x, w_bf.T))
             print(f"| dense {label} | [{N}, {K}] | {M} | {t_f:.1f} | {t_8:.1f} | {t_t:.1f} | {t_b:.1f} | "

@@ -15,24 +15,27 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("the Triton kernels need the `triton` package", allow_module_level=True)
 
 from k3.kernels.quant import (
+    fake_quant_fp8_per_token,
+    pack_int4,
     quant_grouped_mm,
     quant_grouped_mm_torch,
     quant_linear,
     quant_linear_torch,
     quantize_int4_grouped,
 )
-from k3.kernels.quant.triton import w4_grouped_mm_triton, w4_linear_triton
+from k3.kernels.quant.triton import DECODE, PREFILL, Launch, w4_grouped_mm_triton, w4_linear_triton
 from k3.kernels.testing import assert_close
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+# fp16 on the CPU: the interpreter has no bfloat16, and 16-bit x takes the kernel's bit-built codes (magic numbers)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.float16]
 
 pytestmark = pytest.mark.usefixtures("triton_cpu", "masks_are_bool")
 
 
 def ratio_for(dtype):
-    return 1e-5 if dtype == torch.float32 else 1e-2
+    return 1e-5 if dtype == torch.float32 else 1e-2 if dtype == torch.bfloat16 else 2e-3
 
 
 def ref_dequant(packed, scales):
@@ -82,9 +85,52 @@ def test_dense_matches_twin_and_float64(lead, N, K, group, dtype):
     assert_close("dense vs twin", quant_linear_torch(x, qw, s, "w4a16"), y, ratio_for(dtype))
 
 
+# every shape of launch the table or benchmarks/quant_tune.py can pick: both operand orders, K steps of one or
+# several groups (with a tail step), row tiles of 16 and 32
+CONFIGS = [DECODE, PREFILL, Launch(True, 32, 32, 2, 4, 1), Launch(False, 16, 32, 3, 4, 2),
+           Launch(False, 32, 64, 1, 2, 1)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"swap{int(c.swap)}-m{c.block_m}-n{c.block_n}-s{c.steps}")
+@pytest.mark.parametrize("a8", [False, True], ids=["w4a16", "w4a8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_launch_matches_the_twin(config, a8, dtype):
+    """Any Launch, with and without w4a8's FP8 activations, equals the twin of its format (w4a8: the twin
+    quantizes x with fake_quant_fp8_per_token first) and a float64 reference."""
+    counts = torch.tensor([3, 0, 21, 1], device=DEV)
+    x = (torch.randn(int(counts.sum()), 160, device=DEV) * torch.logspace(-2, 1, 160, device=DEV)).to(dtype)
+    qw, s = quantize_int4_grouped(torch.randn(4, 40, 160, device=DEV), 32)
+    fmt = "w4a8" if a8 else "w4a16"
+    y = w4_grouped_mm_triton(x, qw, s, counts, a8=a8, config=config)
+    xa = fake_quant_fp8_per_token(x) if a8 else x
+    assert_close(f"{fmt} grouped vs float64", ref_grouped(xa, ref_dequant(qw, s), counts.cpu()), y, ratio_for(dtype))
+    assert_close(f"{fmt} grouped", quant_grouped_mm_torch(x, qw, s, counts, fmt), y, ratio_for(dtype))
+    yd = w4_linear_triton(x[:5], qw[2], s[2], a8=a8, config=config)
+    assert_close(f"{fmt} dense", quant_linear_torch(x[:5], qw[2], s[2], fmt), yd, ratio_for(dtype))
+
+
+def test_in_kernel_fp8_activations_are_the_fake_quantizer_bit_for_bit():
+    """Through an identity weight (code 1 on the diagonal, scale 1), y is the kernel's FP8 activation itself: it
+    must equal fake_quant_fp8_per_token exactly, over ties between e4m3 neighbours, subnormals (below 2**-6 of
+    the row's scale), the row maximum (448) and zero rows."""
+    K = 32
+    q = torch.eye(K, dtype=torch.int8)
+    qw, s = pack_int4(q).to(DEV), torch.ones(K, 1, device=DEV)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the positive codes
+    mids = (e4m3[1:] + e4m3[:-1]) / 2  # exact ties: round half to even
+    vals = torch.cat([e4m3, mids, mids * (1 + 2**-20), mids * (1 - 2**-20)])
+    v = torch.cat([vals, -vals])
+    v = torch.cat([v, torch.zeros(-len(v) % (K - 1))]).view(-1, K - 1)
+    rows = torch.cat([v, torch.full((len(v), 1), 448.0)], 1)  # each row's scale is exactly 1
+    x = torch.cat([rows, torch.zeros(1, K), torch.randn(4, K) * 1e-3]).to(DEV)
+    y = w4_linear_triton(x, qw, s, a8=True)
+    ref = fake_quant_fp8_per_token(x)
+    assert torch.equal(y, ref), (y - ref).abs().max()
+
+
 @pytest.mark.parametrize("fmt", ["w4a8", "w4a16", "w8a16"])
 def test_public_ops_dispatch_on_the_triton_backend(kernel_env, launch_spy, fmt):
-    """K3_KERNELS=triton: the int4 formats launch the fused kernel (w4a8 after its FP8 activations) and equal the
+    """K3_KERNELS=triton: the int4 formats launch the fused kernel (w4a8 with its FP8 activations inside) and equal the
     twin; w8a16 and float64 stay on the twin; the torch backend never launches it."""
     from k3.kernels.quant import quantize_weight
     from k3.kernels.quant import triton as qt
