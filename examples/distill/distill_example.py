@@ -48,6 +48,9 @@ def make_data(out: Path, base: Path, per_domain: int = 1200, max_prompt_tokens: 
     prompts = []
     for name, packages in DOMAINS.items():
         files = sorted(f for p in packages for f in (lib / p).rglob("*.py") if "test" not in f.parts)
+        if not files:  # some Python builds leave the GUI packages out (a separate python3-tk / idle package)
+            sys.exit(f"domain {name}: none of the standard-library packages {', '.join(packages)} is under {lib}; "
+                     "run the example with a Python that ships them (e.g. install python3-tk and idle)")
         recs = {"train": [], "val": []}
         for f in files:  # split by file: validation windows come from files the teachers never saw
             split = "val" if int(hashlib.sha256(str(f.relative_to(lib)).encode()).hexdigest(), 16) % 10 == 0 else \
