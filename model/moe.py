@@ -88,7 +88,8 @@ class GroupedExperts(nn.Module):
 
     `gate_up_proj` [E, 2F, L] packs [gate | up] along dim 1; `down_proj` [E, L, F].
     Quantization hooks (k3.model.quant): `fake_quant` (a k3.kernels.quant.FakeQuant, or None) makes both grouped
-    matmuls quantization-aware (fake-quantized weights and activations, straight-through gradients);
+    matmuls quantization-aware (fake-quantized weights and activations, straight-through gradients; learned int4
+    scales are the parameters `gate_up_proj_scales` [E, 2F, L/g] and `down_proj_scales` [E, L, F/g]);
     `input_observer` (callable(name, x_MI, counts_E), or None) sees each matmul's input (calibration).
     k3.model.quant.QuantGroupedExperts overrides `expert_mm` to run on stored quantized weights.
     """
@@ -114,8 +115,8 @@ class GroupedExperts(nn.Module):
         if self.input_observer is not None:
             self.input_observer(name, x_MI, counts_E)
         w_EOI, fq = getattr(self, name), self.fake_quant
-        if fq is not None:
-            x_MI, w_EOI = fq.act(x_MI), fq.weight(w_EOI)
+        if fq is not None:  # learned scales: the parameter `<name>_scales` that enable_fake_quant registered
+            x_MI, w_EOI = fq.act(x_MI), fq.weight(w_EOI, getattr(self, name + "_scales", None))
         return moe_grouped_mm(x_MI, w_EOI, counts_E)
 
     def forward(self, x_ML: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

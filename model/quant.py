@@ -21,9 +21,11 @@ formats uint8 [.., N, K/2] (two values per byte, low nibble = even index) + fp32
 [.., N, K] + fp32 [.., N, 1].
 
 QAT: `enable_fake_quant` sets the chosen modules' `fake_quant` (GroupedExperts) or makes them FakeQuantLinear, whose
-forward is nn.Linear's on fake-quantized weights and activations: the layers' own math, the state dict unchanged.
-`quantize_state_dict` then converts with the scales the fake quantizer used, so the release computes what was
-trained. `apply_quantization` swaps in QuantGroupedExperts / QuantLinear before a quantized release is assigned.
+forward is nn.Linear's on fake-quantized weights and activations: the layers' own math. With absmax scales the state
+dict is unchanged; with learned scales (LSQ, k3.kernels.quant.fake) each quantized weight `<name>` gains an fp32
+parameter `<name>_scales` [.., N, K/g] that the optimizer, checkpoints and resume carry like any other.
+`quantize_state_dict` then converts with the scales the fake quantizer used (`pop_learned_scales` takes the learned
+ones out of the state dict), so the release computes what was trained. `apply_quantization` swaps in QuantGroupedExperts / QuantLinear before a quantized release is assigned.
 
 Legend: E experts, L latent width, F expert width, N out-features, K in-features, G = K / group_size.
 """
@@ -34,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.kernels.quant import FORMATS, INT4_FORMATS, FakeQuant, dequantize_weight, quant_grouped_mm, quant_linear
+from k3.kernels.quant import (
+    FORMATS,
+    INT4_FORMATS,
+    FakeQuant,
+    dequantize_weight,
+    int4_group_scales,
+    quant_grouped_mm,
+    quant_linear,
+)
 from k3.kernels.quant import quantize_weight as _kernel_quantize_weight
 
 from .config import CheckpointError, ModelConfig
@@ -54,6 +64,8 @@ GROUP_SIZES = (16, 32, 64, 128)
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 UNQUANTIZED_LINEARS = ("kv_b_proj",)  # read as matrices by the absorbed MLA decode (module docstring)
 SCALES_SUFFIX = ".scales"  # on-disk name suffix; the module attribute is `<name>_scales` (no dots in attributes)
+SCALES_ATTR = "_scales"  # `<name>_scales`: a quantized module's scale buffers, or QAT's learned scale parameters
+QAT_SCALES = ("absmax", "learned")  # quantize.scales: how QAT's fake quantizer gets its int4 scales
 _KEYS = ("quant_method", "format", "group_size", "modules", "mode", "k3_quant_version")
 
 
@@ -236,7 +248,8 @@ class FakeQuantLinear(nn.Linear):
     fake_quant: FakeQuant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.fake_quant.act(x), self.fake_quant.weight(self.weight), self.bias)
+        w = self.fake_quant.weight(self.weight, getattr(self, "weight" + SCALES_ATTR, None))
+        return F.linear(self.fake_quant.act(x), w, self.bias)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -300,25 +313,53 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def enable_fake_quant(model: nn.Module, quantization_config: dict) -> nn.Module:
+def enable_fake_quant(model: nn.Module, quantization_config: dict, *, scales: str = "absmax",
+                      init_scales: dict[str, torch.Tensor] | None = None, scale_lr: float = 1.0) -> nn.Module:
     """Make `model` quantization-aware for `quantization_config` (its format, group size and modules): routed
     experts get `fake_quant`, selected nn.Linear become FakeQuantLinear holding the same Parameter objects (so an
-    optimizer built before or after sees the same tensors, and state-dict names do not change). In place; returns
-    `model`. Example: enable_fake_quant(model, make_quantization_config("w4a8", 32, "all_linear", "qat"))"""
+    optimizer built before or after sees the same tensors, and state-dict names do not change).
+
+    scales: "absmax" (recomputed from the weights on every forward) or "learned" (int4 formats; w8a16 stays per-
+    channel absmax): each selected weight `<name>` gets a trainable fp32 parameter `<name>_scales` [.., N, K/g]
+    initialised from init_scales[<state-dict name>] where given (calibrated clipping), else absmax / 7; scale_lr: the
+    multiplier of the learning rate those parameters train at (k3.train.optim). In place; returns `model`.
+
+    Example: enable_fake_quant(model, make_quantization_config("w4a8", 32, "all_linear", "qat"), scales="learned")
+    """
     qc = validate_quantization_config(quantization_config, where="quantization_config")
-    spec = FakeQuant(qc["format"], qc["group_size"])
+    if scales not in QAT_SCALES:
+        raise CheckpointError(f"scales {scales!r}: use one of {list(QAT_SCALES)}")
+    learned = scales == "learned" and qc["format"] in INT4_FORMATS
+    spec = FakeQuant(qc["format"], qc["group_size"], learned=learned, scale_lr=scale_lr)
     for name, m, _ in check_targets(model, qc):
-        if isinstance(m, GroupedExperts):
-            m.fake_quant = spec
-            continue
-        if not isinstance(m, FakeQuantLinear):
+        if not isinstance(m, GroupedExperts | FakeQuantLinear):
             with torch.device("meta"):
                 fq = FakeQuantLinear(m.in_features, m.out_features, bias=m.bias is not None)
             fq.weight, fq.bias = m.weight, m.bias
             _replace(model, name, fq)
             m = fq
         m.fake_quant = spec
+        if learned:
+            for key, w in module_weights(name, m):
+                given = (init_scales or {}).get(key)
+                s = int4_group_scales(w, qc["group_size"]) if given is None else given.detach().float().clone()
+                if s.shape != (*w.shape[:-1], w.shape[-1] // qc["group_size"]):
+                    raise CheckpointError(f"init scales of {key} are {tuple(s.shape)}, expected "
+                                          f"{(*w.shape[:-1], w.shape[-1] // qc['group_size'])}")
+                m.register_parameter(key.rpartition(".")[2] + SCALES_ATTR, nn.Parameter(s.to(w.device)))
     return model
+
+
+def pop_learned_scales(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split a QAT model's state dict: (the weights without the learned `<name>_scales`, {<name>: scales}) for
+    `quantize_state_dict(..., scales=...)`. A state dict without learned scales comes back unchanged with {}."""
+    rest, scales = {}, {}
+    for k, t in sd.items():
+        if k.endswith(SCALES_ATTR) and k[:-len(SCALES_ATTR)] in sd:
+            scales[k[:-len(SCALES_ATTR)]] = t
+        else:
+            rest[k] = t
+    return rest, scales
 
 
 def quantize_module(module: nn.Module, fmt: str, group_size: int | None,

@@ -303,8 +303,9 @@ def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "c
 def weight_numels(model: nn.Module) -> dict[str, int]:
     """name -> element count of every weight: the parameters, plus the logical weights of quantized routed experts
     (k3.model.quant.QuantGroupedExperts holds them as packed integer buffers), counted as the tensors they stand for,
-    so a quantized model counts as its unquantized source."""
-    out = {n: p.numel() for n, p in model.named_parameters()}
+    so a quantized model counts as its unquantized source. QAT's learned scales (`*_scales` parameters,
+    k3.model.quant.enable_fake_quant) are quantization state, not weights: left out."""
+    out = {n: p.numel() for n, p in model.named_parameters() if not n.endswith("_scales")}
     for mn, m in model.named_modules():
         for n, numel in getattr(m, "logical_weights", lambda: ())():
             out[f"{mn}.{n}"] = numel

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from k3.kernels.quant import FakeQuant
 from k3.model.config import ConfigError
 from k3.train.config import OptimConfig
 
@@ -323,6 +324,15 @@ def _is_vector_like(p: torch.Tensor) -> bool:
     return sum(s > 1 for s in p.shape) <= 1
 
 
+def _quant_scale_lr(module: nn.Module, param_name: str) -> float | None:
+    """The lr multiplier of a QAT learned-scale parameter (`<weight>_scales` of a module with a learned FakeQuant),
+    None for any other parameter."""
+    fq = getattr(module, "fake_quant", None)
+    if isinstance(fq, FakeQuant) and fq.learned and param_name.endswith("_scales"):
+        return fq.scale_lr
+    return None
+
+
 def _kind(module_name: str, module: nn.Module, param_name: str, p: torch.Tensor) -> str:
     """'embed' | 'head' | 'vector' | 'conv' | 'matrix' for one parameter (name-based, following the model's names)."""
     owner = module_name.rsplit(".", 1)[-1]
@@ -362,12 +372,17 @@ def param_groups_for(model: nn.Module, cfg: OptimConfig) -> dict[str, dict]:
     (`*_conv1d`). Weight decay cfg.weight_decay on every param with >= 2 dims that is not vector-like (Muon matrices,
     embedding, head, conv kernels [C, 1, W]); 0 on vector-like params. Buffers (router bias) and frozen params are
     never included. With cfg.optimizer == "adamw" the matrices join AdamW with decay.
+    QAT's learned int4 scales (`*_scales` of a module whose `fake_quant` is learned, k3.model.quant) go to AdamW
+    group `adamw_quant_scales` without decay (decay would shrink the clipping range), at lr x the FakeQuant's
+    scale_lr (modules whose multiplier differs from the first one's: `adamw_quant_scales_x{scale_lr}`): they are
+    [.., N, K/g] like matrices, but each entry is a step size, not a direction for Muon.
     Per-head: with cfg.per_head_muon, a matrix owned by a module named in cfg.per_head_params whose parent module has
     an int `num_heads` dividing its rows (columns for `o_proj`) goes to group `muon_h{H}` (`muon_h{H}_cols`).
     Packed [gate | up] weights (`gate_up` in the name) go to `muon_gate_up` (two row blocks).
 
     Returns {group_name: {"optimizer": "muon" | "adamw", "weight_decay": float, "num_heads": int | None,
-    "head_axis": 0 | 1, "names": [str], "params": [Parameter]}}, only non-empty groups, in first-seen order.
+    "head_axis": 0 | 1, "lr_scale": float, "names": [str], "params": [Parameter]}}, only non-empty groups, in
+    first-seen order.
     Example: {k: len(g["params"]) for k, g in param_groups_for(model, OptimConfig()).items()}
     """
     if cfg.optimizer not in ("muon", "adamw"):
@@ -377,9 +392,11 @@ def param_groups_for(model: nn.Module, cfg: OptimConfig) -> dict[str, dict]:
     seen: set[int] = set()
 
     def put(group: str, optimizer: str, wd: float, name: str, p: torch.Tensor, heads: int | None = None,
-            axis: int = 0) -> None:
+            axis: int = 0, lr_scale: float = 1.0) -> None:
         g = groups.setdefault(group, {"optimizer": optimizer, "weight_decay": wd, "num_heads": heads,
-                                      "head_axis": axis, "names": [], "params": []})
+                                      "head_axis": axis, "lr_scale": lr_scale, "names": [], "params": []})
+        if g["lr_scale"] != lr_scale:
+            raise ValueError(f"{name}: lr multiplier {lr_scale} differs from {g['lr_scale']} of group {group}")
         g["names"].append(name)
         g["params"].append(p)
 
@@ -389,6 +406,12 @@ def param_groups_for(model: nn.Module, cfg: OptimConfig) -> dict[str, dict]:
                 continue
             seen.add(id(p))
             full = f"{module_name}.{param_name}" if module_name else param_name
+            scale_lr = _quant_scale_lr(module, param_name)
+            if scale_lr is not None:
+                first = groups.get("adamw_quant_scales", {"lr_scale": scale_lr})["lr_scale"]
+                group = "adamw_quant_scales" + ("" if scale_lr == first else f"_x{scale_lr:g}")
+                put(group, "adamw", 0.0, full, p, lr_scale=scale_lr)
+                continue
             kind = _kind(module_name, module, param_name, p)
             if kind == "vector":
                 put("adamw_no_decay", "adamw", 0.0, full, p)
@@ -422,7 +445,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
         raise ValueError("build_optimizer: the model has no trainable parameters (all frozen?)")
     muon_groups, adamw_groups = [], []
     for name, g in groups.items():
-        tg = {"params": g["params"], "lr": cfg.lr, "weight_decay": g["weight_decay"], "group": name}
+        # the train loop sets lr x lr_scale on every step (k3.train.loop); the same from the start
+        tg = {"params": g["params"], "lr": cfg.lr * g["lr_scale"], "weight_decay": g["weight_decay"], "group": name,
+              **({"lr_scale": g["lr_scale"]} if g["lr_scale"] != 1.0 else {})}
         if g["optimizer"] == "muon":
             muon_groups.append({**tg, "num_heads": g["num_heads"], "head_axis": g["head_axis"]})
         else:

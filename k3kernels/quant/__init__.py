@@ -7,7 +7,7 @@ import torch
 
 from k3.kernels.dispatch import resolve
 
-from .fake import FakeQuant, fake_quant_act, fake_quant_weight
+from .fake import FakeQuant, fake_quant_act, fake_quant_weight, fake_quant_weight_lsq, lsq_grad_scale
 from .naive import (
     FORMATS,
     INT4_FORMATS,
@@ -52,7 +52,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, f
 
 
 __all__ = ["FORMATS", "INT4_FORMATS", "FakeQuant", "dequantize_int4_grouped", "dequantize_int8_channel",
-           "dequantize_weight", "fake_quant_act", "fake_quant_fp8_per_token", "fake_quant_weight", "int4_group_codes",
-           "int4_group_dequant", "int4_group_scales", "pack_int4", "quant_grouped_mm", "quant_grouped_mm_torch",
+           "dequantize_weight", "fake_quant_act", "fake_quant_fp8_per_token", "fake_quant_weight",
+           "fake_quant_weight_lsq", "int4_group_codes", "int4_group_dequant", "int4_group_scales", "lsq_grad_scale",
+           "pack_int4", "quant_grouped_mm", "quant_grouped_mm_torch",
            "quant_linear", "quant_linear_torch", "quantize_activations", "quantize_int4_grouped",
            "quantize_int8_channel", "quantize_weight", "unpack_int4"]

@@ -9,6 +9,18 @@ upstream gradient passes where w / s lies inside the code range [qmin, qmax] and
 the scales are functions of the weights treated as constants (no gradient through absmax). Activations pass the
 gradient unchanged (their per-token scale never clips).
 
+Learned int4 scales (`fake_quant_weight_lsq`, LSQ: Esser et al. 2019, "Learned Step Size Quantization", arXiv
+1902.08153): the group scales s [..., G] are a tensor of their own, trained with the weights. Forward as above on s
+(the release stores s, so it still computes the same bits). Backward, for r = w / s and q = clamp(round(r), -8, 7):
+
+    dL/dw = g_up                                    where -8 <= r <= 7 (the STE), 0 elsewhere
+    dL/ds = gs * sum_group g_up * (q - r)           inside (the rounding residual: LSQ's straight-through step)
+                             g_up * q               outside (q is the clamp bound -8 or 7)
+
+with LSQ's gradient scale gs = 1 / sqrt(group_size * 7). The edges r = -8 and r = 7 count as inside, as the STE mask
+does (LSQ writes strict inequalities), so each element is either straight-through or clamped in both gradients.
+A group whose scale is <= 0 outputs zeros and gets no gradient (all-zero groups start at scale 0 and stay there).
+
 Legend: N out-features, K in-features, G = K / group_size, I activation features.
 """
 
@@ -24,6 +36,7 @@ from .naive import (
     INT4_MAX,
     INT4_MIN,
     INT8_MAX,
+    _groups,
     fake_quant_fp8_per_token,
     int4_group_codes,
     int4_group_dequant,
@@ -62,6 +75,38 @@ class _FakeQuantWeight(torch.autograd.Function):
         return grad * inside.to(grad.dtype), None, None, None
 
 
+def lsq_grad_scale(group_size: int) -> float:
+    """LSQ's gradient scale for a scale shared by `group_size` weights: 1 / sqrt(group_size * Q_P), Q_P = 7. Under
+    AdamW it leaves the scale updates as they are (Adam divides a constant factor out); it keeps the scales'
+    gradients from dominating the global grad-norm clip that the weights share."""
+    return 1.0 / (group_size * INT4_MAX) ** 0.5
+
+
+class _LearnedScaleInt4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, s, grad_scale):
+        ctx.save_for_backward(w, s)
+        ctx.grad_scale = grad_scale
+        return int4_group_dequant(int4_group_codes(w.detach(), s.detach()), s.detach(), w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, s = ctx.saved_tensors
+        # q and the mask from r exactly as int4_group_codes computes it (fp32), so both gradients see the forward's
+        # codes; the residual q - r in float64 when the inputs are (references)
+        group = w.shape[-1] // s.shape[-1]
+        ct = torch.float64 if torch.float64 in (w.dtype, s.dtype, grad.dtype) else torch.float32
+        live = (s.detach() > 0).unsqueeze(-1)
+        safe = torch.where(live, s.detach().unsqueeze(-1), torch.ones_like(s.detach().unsqueeze(-1)))
+        r32 = _groups(w.detach().float(), group) / safe.float()  # [..., G, g]
+        q = torch.round(r32).clamp_(INT4_MIN, INT4_MAX)
+        inside = (r32 >= INT4_MIN) & (r32 <= INT4_MAX) & live
+        r = r32 if ct == torch.float32 else _groups(w.detach().to(ct), group) / safe.to(ct)
+        d_s = torch.where(inside, q.to(ct) - r, q.to(ct)) * live  # outside: q is the clamp bound
+        grad_s = (_groups(grad.to(ct), group) * d_s).sum(-1) * ctx.grad_scale
+        return grad * inside.flatten(-2).to(grad.dtype), grad_s.to(s.dtype), None
+
+
 class _FakeQuantFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -88,6 +133,23 @@ def fake_quant_weight(w: torch.Tensor, fmt: str, group_size: int | None,
     return _FakeQuantWeight.apply(w, fmt, group_size, scales)
 
 
+def fake_quant_weight_lsq(w: torch.Tensor, scales: torch.Tensor, grad_scale: float | None = None) -> torch.Tensor:
+    """Int4 quantize-dequantize of w [..., N, K] on learnable group scales [..., N, G] (module docstring, LSQ):
+    differentiable in both. grad_scale: the factor on the scales' gradient, default lsq_grad_scale(K / G).
+    Returns [..., N, K] in w's dtype: the bits a release with these codes and scales dequantizes to.
+
+    Example: w_fq = fake_quant_weight_lsq(lin.weight, lin.weight_scales)   # lin.weight_scales.grad after backward
+    """
+    if not w.is_floating_point() or not scales.is_floating_point():
+        raise ValueError(f"fake_quant_weight_lsq expects floating weights and scales, got {w.dtype}, {scales.dtype}")
+    G = scales.shape[-1]
+    if scales.shape[:-1] != w.shape[:-1] or G == 0 or w.shape[-1] % G:
+        raise ValueError(f"int4 scales {tuple(scales.shape)} do not fit weights {tuple(w.shape)}: scales must be "
+                         "[..., K / group_size] with the same leading dims")
+    gs = lsq_grad_scale(w.shape[-1] // G) if grad_scale is None else grad_scale
+    return _LearnedScaleInt4.apply(w, scales, gs)
+
+
 def fake_quant_act(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """The activation quantization of `fmt` on x [..., I] with an identity gradient: per-token FP8 e4m3 for w4a8,
     x itself for w4a16 / w8a16. Example: x_fq = fake_quant_act(x_MI, "w4a8")"""
@@ -99,16 +161,26 @@ def fake_quant_act(x: torch.Tensor, fmt: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class FakeQuant:
     """The fake quantizer a module's forward applies when its `fake_quant` attribute holds one (k3.model.quant):
-    `weight(w)` on each weight, `act(x)` on each input of a quantized matmul.
+    `weight(w, scales)` on each weight, `act(x)` on each input of a quantized matmul.
+
+    learned: the int4 scales are parameters of the module (`<weight>_scales`, LSQ), passed as `scales`; otherwise
+    they are the weights' absmax, recomputed on every call. scale_lr: the learning-rate multiplier the optimizer
+    grouping gives those parameters (k3.train.optim).
 
     Example: FakeQuant("w4a8", 32).weight(w_NK)
     """
 
     fmt: str
     group_size: int | None
+    learned: bool = False
+    scale_lr: float = 1.0
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        return fake_quant_weight(w, self.fmt, self.group_size)
+    def weight(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.learned:
+            return fake_quant_weight(w, self.fmt, self.group_size)
+        if scales is None:
+            raise ValueError("FakeQuant(learned=True) needs the module's scales; enable_fake_quant registers them")
+        return fake_quant_weight_lsq(w, scales)
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quant_act(x, self.fmt)

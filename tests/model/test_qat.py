@@ -1,11 +1,12 @@
 """Quantization-aware K3Model (k3.model.quant): the module selections, fake quantization as a property of the
 modules (state dict and parameters unchanged, gradients reaching the weights), the conversion giving the fake-quant
-model's logits, loading of every selection, and the errors a user can act on."""
+model's logits, loading of every selection, and the errors a user can act on; learned scales (LSQ) as parameters of
+the modules, and the conversion on them."""
 
 import pytest
 import torch
 
-from k3.kernels.quant import fake_quant_fp8_per_token, fake_quant_weight
+from k3.kernels.quant import fake_quant_fp8_per_token, fake_quant_weight, fake_quant_weight_lsq, int4_group_scales
 from k3.model.checkpoint import CheckpointError, instantiate
 from k3.model.config import ModelConfig
 from k3.model.moe import GroupedExperts
@@ -16,6 +17,7 @@ from k3.model.quant import (
     apply_quantization,
     enable_fake_quant,
     make_quantization_config,
+    pop_learned_scales,
     quant_targets,
     quantize_state_dict,
 )
@@ -73,19 +75,65 @@ def test_fake_quant_forward_is_the_format_on_the_modules_own_math():
     assert ex.fake_quant is not None and type(ex) is GroupedExperts
 
 
-@pytest.mark.parametrize(("modules", "fmt"), CASES)
-def test_converted_release_computes_the_fake_quant_logits(modules, fmt):
+def test_learned_scales_are_parameters_of_the_modules():
+    model = build_model(CFG, seed=0)
+    before = _sd(model)
+    qc = make_quantization_config("w4a8", 16, "all_linear", "qat")
+    with torch.no_grad():
+        ref = enable_fake_quant(build_model(CFG, seed=0), qc).eval()(TOKENS).logits
+    head_init = int4_group_scales(model.lm_head.weight, 16) * 0.75
+    enable_fake_quant(model, qc, scales="learned", init_scales={"lm_head.weight": head_init}, scale_lr=0.1)
+    weights = {n: w for n, w in before.items() if n + "_scales" in dict(model.named_parameters())}
+    scales = {n: p for n, p in model.named_parameters() if n.endswith("_scales")}
+    assert len(weights) == len(scales) > 6 and "model.layers.1.mlp.experts.gate_up_proj" in weights
+    for n, w in weights.items():
+        s = scales[n + "_scales"]
+        assert s.dtype == torch.float32 and s.shape == (*w.shape[:-1], w.shape[-1] // 16)
+        assert torch.equal(s.detach(), head_init if n == "lm_head.weight" else int4_group_scales(w, 16))
+    assert model.lm_head.fake_quant.learned and model.lm_head.fake_quant.scale_lr == 0.1
+    model.lm_head.weight_scales.data.copy_(int4_group_scales(model.lm_head.weight, 16))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, ref)  # on the absmax scales: the absmax fake quantizer's bits
+    head = model.lm_head
+    x = torch.randn(3, CFG.d_model)
+    want = fake_quant_fp8_per_token(x) @ fake_quant_weight_lsq(head.weight, head.weight_scales).T
+    assert torch.equal(head(x), want)
+    model.train()
+    model(TOKENS).logits.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in scales.items() if ".mlp.experts." in n)
+    assert count_parameters(model) == count_parameters(build_model(CFG, seed=0))  # scales are not weights
+    rest, popped = pop_learned_scales(model.state_dict())
+    assert list(rest) == list(before) and set(popped) == set(weights)
+    # w8a16 is per channel: it keeps absmax scales and registers nothing
+    m8 = enable_fake_quant(build_model(CFG, seed=0), make_quantization_config("w8a16", None, "experts", "qat"),
+                           scales="learned")
+    assert not any(n.endswith("_scales") for n, _ in m8.named_parameters())
+
+
+@pytest.mark.parametrize(("modules", "fmt", "scales"), [(*c, "absmax") for c in CASES]
+                         + [("all_linear", "w4a8", "learned"), ("experts", "w4a16", "learned")])
+def test_converted_release_computes_the_fake_quant_logits(modules, fmt, scales):
     model = build_model(CFG, seed=1)
     with torch.no_grad():  # widen the weights a little so the int4 grid is coarse relative to them
         for n, p in model.named_parameters():
             if p.dim() >= 2:
                 p.mul_(3.0)
     qc = make_quantization_config(fmt, 16, modules, "qat")
-    enable_fake_quant(model, qc)
+    enable_fake_quant(model, qc, scales=scales)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # learned: scales away from absmax (clipping some groups, widening others)
+        for n, p in model.named_parameters():
+            if n.endswith("_scales"):
+                p.mul_(0.5 + 0.7 * torch.rand(p.shape, generator=g))
     model.eval()
     with torch.no_grad():
         fq = model(TOKENS).logits
-    qsd, qc2 = quantize_state_dict(_sd(model), CFG, fmt, 16, modules, "qat")
+    sd, learned = pop_learned_scales(_sd(model))
+    assert bool(learned) == (scales == "learned")
+    qsd, qc2 = quantize_state_dict(sd, CFG, fmt, 16, modules, "qat", scales=learned or None)
+    for n, s in learned.items():
+        assert torch.equal(qsd[n + ".scales"], s)  # the release stores the trained scales, fp32 [.., N, K/g]
     assert qc2 == qc
     q = instantiate(lambda: apply_quantization(K3Model(CFG), qc2), qsd).eval()
     kinds = {QuantGroupedExperts: 3, QuantLinear: {"routed_experts": 0, "experts": 6}.get(modules)}

@@ -365,6 +365,27 @@ def test_grouping_on_real_model():
     assert any(k.startswith("muon_h") for k in groups)
 
 
+def test_learned_quant_scales_go_to_adamw_without_decay_at_their_lr():
+    from k3.model.quant import enable_fake_quant, make_quantization_config
+    from k3.model.transformer import build_model
+
+    model = build_model(ModelConfig(), seed=0)
+    enable_fake_quant(model, make_quantization_config("w4a8", 16, "all_linear", "qat"), scales="learned",
+                      scale_lr=0.25)
+    scales = {n for n, _ in model.named_parameters() if n.endswith("_scales")}
+    for optimizer in ("muon", "adamw"):
+        groups = param_groups_for(model, OptimConfig(optimizer=optimizer, weight_decay=0.1))
+        g = groups["adamw_quant_scales"]
+        assert set(g["names"]) == scales and g["optimizer"] == "adamw" and g["weight_decay"] == 0.0
+        assert g["lr_scale"] == 0.25 and all(h["lr_scale"] == 1.0 for k, h in groups.items() if h is not g)
+        assert not any(n in scales for k, h in groups.items() if h is not g for n in h["names"])
+    opt = build_optimizer(model, OptimConfig(lr=2e-3))
+    lrs = {g["group"]: (g["lr"], g.get("lr_scale", 1.0)) for g in opt.param_groups}
+    assert lrs["adamw_quant_scales"] == (5e-4, 0.25) and lrs["muon"] == (2e-3, 1.0)
+    in_adamw = {id(q) for g in opt.adamw.param_groups for q in g["params"]}
+    assert all(id(q) in in_adamw for n, q in model.named_parameters() if n in scales)
+
+
 # ------------------------------------------------------------------------------------------------ combined optimizer
 
 
