@@ -124,9 +124,12 @@ class QuantizeConfig:
     mode: str = "ptq"  # "ptq" (round-to-nearest, calibrated clipping with `data`) | "qat" (fake-quant fine-tune on `data`, then convert)
     modules: str = "routed_experts"  # "routed_experts" | "experts" (+ shared experts) | "all_linear" (+ attention, dense MLP, MTP, head)
     data: str | None = None  # text for calibration (ptq) or fine-tuning (qat), any data.source value; None: ptq without calibration
-    calib_batches: int = 8  # ptq: calibration batches of train.batch_size x data.seq_len tokens from the train split of `data`
-    clip_grid: int = 20  # ptq: clip ratios searched are 1 - i / clip_grid, i = 0 .. clip_grid * clip_max_shrink (AWQ's grid)
-    clip_max_shrink: float = 0.5  # ptq: the smallest clip ratio searched is 1 - clip_max_shrink
+    calib_batches: int = 8  # ptq, and qat's calibrated scale_init: calibration batches of train.batch_size x data.seq_len tokens from the train split of `data`
+    clip_grid: int = 20  # calibration: clip ratios searched are 1 - i / clip_grid, i = 0 .. clip_grid * clip_max_shrink (AWQ's grid)
+    clip_max_shrink: float = 0.5  # calibration: the smallest clip ratio searched is 1 - clip_max_shrink
+    scales: str = "learned"  # qat: the fake quantizer's int4 scales: "learned" (trained per-group parameters, LSQ; w8a16 stays absmax) | "absmax" (the weights' absmax / 7, recomputed every step)
+    scale_init: str = "calibrated"  # qat, scales learned: start from "calibrated" (ptq's clip search on calib_batches of `data`) | "rtn" (absmax / 7)
+    scale_lr: float = 0.03  # qat, scales learned: their learning rate as a multiple of optim.lr (AdamW, no weight decay)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,7 +6,9 @@
 - qat: the selected modules fake-quantized (k3.model.quant.enable_fake_quant: weights and per-token activations,
   straight-through gradients), fine-tuned by `k3 pretrain`'s run (train/pretrain.py: the same loop, optimiser,
   checkpoints, resume and progress) on `quantize.data` (plain text, or prompt / completion JSONL with the loss on
-  the completion only), then converted with the scales the fake quantizer used.
+  the completion only), then converted with the scales the fake quantizer used: the weights' absmax, or with
+  `quantize.scales: learned` per-group scale parameters trained with the weights (LSQ, k3.kernels.quant.fake),
+  started from absmax / 7 or from ptq's calibrated clipping (`quantize.scale_init`).
 
 RUN_DIR (pretrain's layout): run_config.yaml, metrics.jsonl, tokenizer/, checkpoints/step-N/ (qat), final/ (the
 quantized release). Every check a user can act on runs before anything is written.
@@ -39,10 +41,12 @@ from k3.model.quant import (
     GROUP_SIZES,
     MODES,
     MODULE_CHOICES,
+    QAT_SCALES,
     apply_quantization,
     check_targets,
     enable_fake_quant,
     make_quantization_config,
+    pop_learned_scales,
     quantize_state_dict,
 )
 from k3.model.transformer import K3Model
@@ -53,6 +57,8 @@ from .console import make_console
 from .data import BatchLoader, prepare_data
 from .loop import lm_losses
 from .pretrain import resolve_autocast, resolve_device
+
+SCALE_INITS = ("rtn", "calibrated")  # quantize.scale_init of learned QAT scales
 
 
 @dataclass
@@ -117,6 +123,12 @@ def check_request(qcfg: QuantizeConfig, ckpt: str | Path) -> tuple[ModelConfig, 
                           "prompt/completion JSONL, 'stdlib' or hf:NAME; the loss is on completions only)")
     if qcfg.calib_batches < 1:
         raise ConfigError(f"quantize.calib_batches {qcfg.calib_batches} must be >= 1")
+    if qcfg.scales not in QAT_SCALES:
+        raise ConfigError(f"quantize.scales {qcfg.scales!r}: use one of {list(QAT_SCALES)}")
+    if qcfg.scale_init not in SCALE_INITS:
+        raise ConfigError(f"quantize.scale_init {qcfg.scale_init!r}: use one of {list(SCALE_INITS)}")
+    if not qcfg.scale_lr > 0:
+        raise ConfigError(f"quantize.scale_lr {qcfg.scale_lr} must be > 0 (a multiple of optim.lr)")
     clip_ratios(qcfg.clip_grid, qcfg.clip_max_shrink)
     src = Path(ckpt)
     mcfg = read_release_config(src)
@@ -139,6 +151,22 @@ def _val_loss(model, batches, device, autocast) -> float:
         n = int(mask.sum())
         total, count = total + ce * n, count + n
     return total / max(count, 1)
+
+
+def _calibrate(model, qc: dict, qcfg: QuantizeConfig, calib: BatchLoader, device, autocast, console
+               ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The calibrated clipping of `model`'s selected int4 weights on qcfg.calib_batches batches of `calib`
+    (k3.train.calibrate): ({weight name: scales}, summary)."""
+    from rich.progress import Progress
+
+    rec = GramRecorder(model, qc)
+    with rec, Progress(console=console, transient=True) as prog, torch.no_grad():
+        task = prog.add_task("calibrating", total=qcfg.calib_batches)
+        for tokens, _mask in calib.take(qcfg.calib_batches):
+            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                model(tokens[:, :-1].to(device))
+            prog.advance(task)
+    return calibrated_scales(model, qc, rec.grams, clip_ratios(qcfg.clip_grid, qcfg.clip_max_shrink))
 
 
 def _quantized_model(cfg: ModelConfig, qsd: dict, qc: dict, device):
@@ -180,17 +208,7 @@ def run_ptq(cfg: Any, *, ckpt: str | Path, run_dir: Path, run_config: dict | Non
         rtn_sd, _ = quantize_state_dict(sd, mcfg, qcfg.method, qcfg.group_size, qcfg.modules)
         losses["rtn"] = _val_loss(_quantized_model(mcfg, rtn_sd, qc, device), val_batches, device, autocast)
         if qc["group_size"]:  # int4: search the clipping; w8a16 is per channel, RTN only
-            from rich.progress import Progress
-
-            rec = GramRecorder(model, qc)
-            with rec, Progress(console=console, transient=True) as prog, torch.no_grad():
-                task = prog.add_task("calibrating", total=qcfg.calib_batches)
-                for tokens, _mask in calib.take(qcfg.calib_batches):
-                    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                        model(tokens[:, :-1].to(device))
-                    prog.advance(task)
-            ratios = clip_ratios(qcfg.clip_grid, qcfg.clip_max_shrink)
-            scales, summary = calibrated_scales(model, qc, rec.grams, ratios)
+            scales, summary = _calibrate(model, qc, qcfg, calib, device, autocast, console)
             cal_sd, _ = quantize_state_dict(sd, mcfg, qcfg.method, qcfg.group_size, qcfg.modules, scales=scales)
             losses["calibrated"] = _val_loss(_quantized_model(mcfg, cal_sd, qc, device), val_batches, device,
                                              autocast)
@@ -242,21 +260,48 @@ def run_qat(cfg: Any, *, ckpt: str | Path, run_dir: Path, resume: bool = False, 
     if not resume and (Path(run_dir) / "final").exists():
         raise ConfigError(f"{run_dir} already holds a finished run; choose another --out")
     run_cfg = dataclasses.replace(cfg, model=mcfg, data=dataclasses.replace(cfg.data, source=qcfg.data))
+    learned = qcfg.scales == "learned" and qc["group_size"] is not None  # w8a16 keeps per-channel absmax
+    qat_info: dict[str, Any] = {"scales": "learned" if learned else "absmax"}
+    init_scales = None
+    if learned:
+        qat_info.update(scale_init=qcfg.scale_init, scale_lr=qcfg.scale_lr)
+    if learned and qcfg.scale_init == "calibrated" and not resume:  # a resumed run reads its scales back
+        init_scales, summary = _calibrate_source(cfg, src, mcfg, qc, console or make_console())
+        qat_info["calibration"] = summary
 
     def prepare(model) -> None:
-        enable_fake_quant(model, qc)
+        enable_fake_quant(model, qc, scales=qat_info["scales"], init_scales=init_scales, scale_lr=qcfg.scale_lr)
 
     def release(model) -> tuple[dict, dict]:
-        # the fake quantizer's scales are the RTN absmax scales of these weights, recomputed the same way here
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        return quantize_state_dict(sd, mcfg, qc["format"], qc["group_size"], qcfg.modules, "qat")
+        # absmax: the fake quantizer's scales are these weights' absmax, recomputed the same way here; learned:
+        # the trained scale parameters themselves
+        sd, scales = pop_learned_scales({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        return quantize_state_dict(sd, mcfg, qc["format"], qc["group_size"], qcfg.modules, "qat",
+                                   scales=scales or None)
 
-    rc = {**(run_config or {}), "source": str(src), "quantization_config": qc}
+    rc = {**(run_config or {}), "source": str(src), "quantization_config": qc, "qat": qat_info}
     res = pretrain_run(run_cfg, run_dir=Path(run_dir), resume=resume, init=str(src), run_config=rc,
                        console=console, command=f"k3 quantize {src} --mode qat", prepare_model=prepare,
                        release_state=release)
     losses = {} if res.val_loss is None else {"qat": res.val_loss}
     return QuantizeResult(res.run_dir, res.final_dir, losses, res.stop_signal)
+
+
+def _calibrate_source(cfg: Any, src: Path, mcfg: ModelConfig, qc: dict, console) -> tuple[dict, dict]:
+    """Calibrated clipping of the source release on its data (as ptq does), for QAT's learned-scale init."""
+    tcfg = cfg.train
+    if tcfg.threads:
+        torch.set_num_threads(tcfg.threads)
+    device = resolve_device(tcfg.device)
+    dcfg = dataclasses.replace(cfg.data, source=cfg.quantize.data, tokenizer=str(src / "tokenizer.json"))
+    data = prepare_data(dcfg, mcfg.vocab_size, console=console)
+    calib = BatchLoader(data.train, seq_len=dcfg.seq_len, batch_size=tcfg.batch_size, seed=dcfg.seed)
+    model, _ = load_model(src, device=device, dtype=torch.float32)
+    scales, summary = _calibrate(model, qc, cfg.quantize, calib, device, resolve_autocast(tcfg.dtype, device),
+                                 console)
+    console.print(f"calibrated clipping for the initial scales: relative output error "
+                  f"{summary['rtn_rel_output_error']:.4f} (RTN) -> {summary['calibrated_rel_output_error']:.4f}")
+    return {k: v.cpu() for k, v in scales.items()}, {k: v for k, v in summary.items() if k != "clip_ratios"}
 
 
 def run(cfg: Any, *, ckpt: str | Path, run_dir: Path, resume: bool = False, run_config: dict | None = None,

@@ -21,8 +21,8 @@ def quantize(
     group_size: int | None = typer.Option(None, "--group-size", help="int4 group along the in-features: 16 | 32 "
                                           "(default) | 64 | 128; must divide every selected tensor's in-features"),
     mode: str | None = typer.Option(None, "--mode", help="ptq (default: round-to-nearest; with --data, clipping "
-                                    "calibrated on the output error) | qat (fake-quant fine-tune on --data, then "
-                                    "convert)"),
+                                    "calibrated on the output error) | qat (fake-quant fine-tune on --data with "
+                                    "int4 scales learned from the calibrated clipping, then convert)"),
     modules: str | None = typer.Option(None, "--modules", help="routed_experts (default) | experts (+ shared "
                                        "experts) | all_linear (+ attention projections, dense MLP, MTP, LM head)"),
     data: str | None = typer.Option(None, "--data", help="text for calibration (ptq) or fine-tuning (qat): "
@@ -45,6 +45,9 @@ def quantize(
     Calibrated clipping: k3 quantize runs/tiny/final --out runs/tiny-ptq --data stdlib
 
     QAT, then conversion: k3 quantize runs/tiny/final --out runs/tiny-qat --mode qat --data stdlib
+
+    QAT on absmax scales instead of learned ones: add --set quantize.scales=absmax (quantize.scale_init,
+    quantize.scale_lr: how learned scales start and train)
     """
     from k3.train.quantize import run
 

@@ -1,7 +1,7 @@
 """`k3 quantize` below the CLI (k3.train.quantize, k3.train.calibrate): the clip search against a brute-force
 output-error reference, the Gram recorder against the inputs it saw, calibrated ptq, QAT through the pretrain loop
 (exact resume, prompt/completion JSONL, the release computing the trained fake-quant logits), and the checks that
-run before anything is written."""
+run before anything is written; the same for QAT with learned scales started from the calibrated clipping."""
 
 import json
 import os
@@ -9,8 +9,10 @@ import signal
 
 import pytest
 import torch
+import yaml
 
 import k3.train.loop as loop_mod
+import k3.train.quantize as quantize_mod
 from k3.cli.config import resolve_config
 from k3.kernels.quant import int4_group_codes, int4_group_scales
 from k3.model.checkpoint import CheckpointError, load_model, read_quantization_config
@@ -119,10 +121,21 @@ def test_calibrated_ptq_writes_a_quantized_release(release, tmp_path, cache_dir)
     assert model(torch.zeros(1, 4, dtype=torch.long)).logits.isfinite().all()
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["absmax", "learned-calibrated"])
 def test_qat_resume_is_bit_exact_and_the_release_computes_the_trained_model(release, tmp_path, cache_dir,
-                                                                           monkeypatch):
+                                                                           monkeypatch, learned):
     sets = ("quantize.mode=qat", "quantize.data=stdlib", "quantize.modules=all_linear", "quantize.group_size=16",
             "train.max_steps=6")
+    # learned: a large scale lr so that six steps move the scales visibly
+    sets += (("quantize.scales=learned", "quantize.scale_init=calibrated", "quantize.scale_lr=5") if learned
+             else ("quantize.scales=absmax",))
+    calibrations, real_calibrate = [], quantize_mod._calibrate_source
+
+    def counted(*a, **kw):
+        calibrations.append(1)
+        return real_calibrate(*a, **kw)
+
+    monkeypatch.setattr(quantize_mod, "_calibrate_source", counted)
     full = run(_cfg(cache_dir, *sets), ckpt=release, run_dir=tmp_path / "full")
     real_lr_at = loop_mod.lr_at
 
@@ -137,6 +150,7 @@ def test_qat_resume_is_bit_exact_and_the_release_computes_the_trained_model(rele
     monkeypatch.setattr(loop_mod, "lr_at", real_lr_at)
     second = run(_cfg(cache_dir, *sets), ckpt=release, run_dir=tmp_path / "split", resume=True)
     assert _losses(tmp_path / "split") == _losses(tmp_path / "full") and len(_losses(tmp_path / "full")) == 6
+    assert len(calibrations) == (2 if learned else 0)  # the resumed run reads its scales from the checkpoint
     assert second.val_losses == full.val_losses
     qc = read_quantization_config(full.final_dir)
     assert qc["mode"] == "qat" and qc["modules"] == ["routed_experts", "shared_experts", "linear"]
@@ -147,13 +161,21 @@ def test_qat_resume_is_bit_exact_and_the_release_computes_the_trained_model(rele
 
     ck = load_checkpoint(max((tmp_path / "full" / "checkpoints").iterdir()))
     cfg, _ = load_release(release)
-    fq = build_model(cfg, seed=0)
+    fq = enable_fake_quant(build_model(cfg, seed=0), qc, scales="learned" if learned else "absmax")
     fq.load_state_dict(ck["model_state"])
-    enable_fake_quant(fq, qc)
     q, _ = load_model(full.final_dir)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(q(tokens).logits, fq.eval()(tokens).logits)
+    scales = {k[:-len("_scales")]: v for k, v in ck["model_state"].items() if k.endswith("_scales")}
+    assert bool(scales) == learned
+    if learned:  # the release holds the trained scales; they moved from the calibrated start
+        rc = yaml.safe_load((tmp_path / "full" / "run_config.yaml").read_text())
+        assert rc["qat"]["scales"] == "learned" and rc["qat"]["calibration"]["calibrated_rel_output_error"] > 0
+        _, qsd = load_release(full.final_dir)
+        assert all(torch.equal(qsd[k + ".scales"], v) for k, v in scales.items())
+        src, _ = load_model(release, dtype=torch.float32)
+        assert not torch.equal(scales["lm_head.weight"], int4_group_scales(src.lm_head.weight, 16))  # its RTN start
 
 
 def test_qat_on_prompt_completion_jsonl(release, tmp_path, cache_dir, monkeypatch):
@@ -182,7 +204,11 @@ def test_qat_on_prompt_completion_jsonl(release, tmp_path, cache_dir, monkeypatc
      "format w8a16 does not support the linear modules"),
     (("quantize.method=int3",), ConfigError, "quantize.method 'int3'"),
     (("quantize.group_size=24",), ConfigError, r"quantize.group_size 24: use one of \[16, 32, 64, 128\]"),
-], ids=["qat-no-data", "group", "format-modules", "method", "group-choice"])
+    (("quantize.scales=lsq",), ConfigError, r"quantize.scales 'lsq': use one of \['absmax', 'learned'\]"),
+    (("quantize.scale_init=gptq",), ConfigError, r"quantize.scale_init 'gptq': use one of \['rtn', 'calibrated'\]"),
+    (("quantize.scale_lr=0",), ConfigError, "quantize.scale_lr 0.0 must be > 0"),
+], ids=["qat-no-data", "group", "format-modules", "method", "group-choice", "scales", "scale-init",
+        "scale-lr"])
 def test_errors_write_nothing(release, tmp_path, cache_dir, sets, err, match):
     with pytest.raises(err, match=match):
         run(_cfg(cache_dir, *sets), ckpt=release, run_dir=tmp_path / "out")
