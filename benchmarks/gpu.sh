@@ -14,7 +14,8 @@
 #            in both libraries) at the first shape; fla's autotuning results come back as $OUT/fla-autotune.tgz
 #   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096 and 1 x 32768, then
 #            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category);
-#            TRAIN_PARTS=graph / compile: model.py with --cuda-graph / --compile; TRAIN_PARTS=pretrain: the
+#            TRAIN_PARTS=graph / compile: model.py with --cuda-graph / --compile; TRAIN_PARTS=ops: model.py
+#            --profile-ops (device time by forward module, backward node, aten op); TRAIN_PARTS=pretrain: the
 #            train.cuda_graph tests, then `k3 pretrain --preset small` for 30 steps eager and with train.cuda_graph;
 #            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
 #            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits;
@@ -212,7 +213,8 @@ train_pretrain() {
 
 # TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096 and 1 x 32768), "graph" (the same two
 # with each model's whole step in one CUDA graph: the device's time without the host's launches), "compile" (the
-# 4K step with both models under torch.compile), "breakdown" (the profiled step by kernel category), "long"
+# 4K step with both models under torch.compile), "breakdown" (the profiled step by kernel category), "ops" (the
+# 4K step profiled by forward module, backward node and aten op with shapes: model.py --profile-ops), "long"
 # (train_long), "fused" (the fused kernels' tests and micro-benchmarks), "pretrain" (train_pretrain). Default
 # "step breakdown".
 mode_train() {
@@ -231,6 +233,11 @@ mode_train() {
       --model k3-small --device cuda --batch 1 --seq 32768 --steps 2 --warmup 1 --loss-chunk 8192 $flags
     clean_tail "$OUT/model_${tag}_32k.log" 6
   done
+  if has_part "$parts" ops; then
+    step "training step by module and op" 200 ops.log python3 benchmarks/model.py --model k3-small --device cuda \
+      --batch 4 --seq 4096 --steps 2 --warmup 2 --no-anchor --profile-ops 45
+    clean_tail "$OUT/ops.log" 120
+  fi
   if has_part "$parts" breakdown; then
     step "training step by kernel category" 200 breakdown.log python3 benchmarks/model_breakdown.py --model k3-small \
       --device cuda --batch 4 --seq 4096 --profile-step

@@ -16,6 +16,14 @@ Long sequences: --activation-checkpointing mla|all recomputes the MLA layers' (o
 the backward (train.activation_checkpointing), --loss-chunk N computes the head and the losses over N-token chunks
 (train.loss_chunk_tokens), K3_KDA_RECOMPUTE=1 makes the KDA backward recompute its chunk states (kernels.
 kda_recompute), and --no-anchor skips the dense model (whose full attention and logits would not fit).
+
+    python benchmarks/model.py --model k3-small --device cuda --batch 4 --seq 4096 --profile-ops 40
+
+profiles one eager K3 step after the timing (torch.profiler, shapes recorded) and prints where its device time goes:
+by module kind in the forward (KDA, MLA, LatentMoE, ...: the kernels launched inside each, annotated by hooks), by
+autograd node in the backward, and the top aten ops by their own device time with their input shapes: the
+attribution behind choosing the next fusion (the kernel-name categories of model_breakdown.py cannot say which op
+an elementwise kernel came from).
 """
 
 from __future__ import annotations
@@ -98,6 +106,62 @@ def time_steps(step, steps: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+FORWARD_KINDS = {"KimiDeltaAttention": "KDA", "GatedMLA": "MLA", "LatentMoE": "LatentMoE", "MTPModule": "MTP",
+                 "Router": "LatentMoE.router", "GroupedExperts": "LatentMoE.experts", "RMSNorm": "RMSNorm",
+                 "GatedMLP": "GatedMLP (dense, shared)", "Embedding": "embedding"}
+
+
+def profile_ops(step, model: nn.Module, top: int, cuda: bool) -> None:
+    """One eager `step()` under torch.profiler (CPU + CUDA, shapes): device time by forward module kind, by
+    backward autograd node, and the `top` aten ops by self device time with their input shapes (CPU time on a
+    CPU)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    open_ranges = []
+
+    def pre(mod, inp):
+        rf = record_function("fwd::" + FORWARD_KINDS[type(mod).__name__])
+        rf.__enter__()
+        open_ranges.append(rf)
+
+    def post(mod, inp, out):
+        open_ranges.pop().__exit__(None, None, None)
+
+    hooks = []
+    for mod in model.modules():
+        if type(mod).__name__ in FORWARD_KINDS:
+            hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()  # warm-up with the hooks in place
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        with record_function("step::whole"):
+            step()
+        sync()
+    for h in hooks:
+        h.remove()
+    kind = "device" if cuda else "cpu"
+    dev_total = lambda e: getattr(e, f"{kind}_time_total", 0.0)  # µs, the op and its children
+    dev_self = lambda e: getattr(e, f"self_{kind}_time_total", 0.0)
+    avgs = prof.key_averages()
+    busy = sum(dev_self(e) for e in avgs)
+    print(f"\nprofiled eager step: device busy {busy / 1e3:.1f} ms (sum of kernel times)")
+    print(f"{'forward module kind (nested kinds counted in both)':<52} {'calls':>6} {'device ms':>10}")
+    for e in sorted((e for e in avgs if e.key.startswith("fwd::")), key=lambda e: -dev_total(e)):
+        print(f"{e.key[5:]:<52} {e.count:>6} {dev_total(e) / 1e3:>10.2f}")
+    print(f"\n{'backward autograd node':<72} {'calls':>6} {'device ms':>10}")
+    nodes = [e for e in avgs if e.key.startswith("autograd::engine::evaluate_function: ")]
+    for e in sorted(nodes, key=lambda e: -dev_total(e))[:top]:
+        print(f"{e.key.split(': ', 1)[1][:72]:<72} {e.count:>6} {dev_total(e) / 1e3:>10.2f}")
+    print(f"\n{'aten op [input shapes]':<110} {'calls':>6} {'self dev ms':>11}")
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    ops = [e for e in by_shape if dev_self(e) > 0 and not e.key.startswith(("fwd::", "step::", "autograd::"))]
+    for e in sorted(ops, key=lambda e: -dev_self(e))[:top]:
+        shapes = ",".join("x".join(map(str, s)) for s in (e.input_shapes or []) if s)
+        print(f"{(e.key + ' [' + shapes + ']')[:110]:<110} {e.count:>6} {dev_self(e) / 1e3:>11.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="k3-tiny")
@@ -117,6 +181,9 @@ def main() -> None:
                     help="capture each model's whole step (forward, loss, backward) in one CUDA graph and time its "
                          "replays: the host's kernel launches leave the step, the device's work stays")
     ap.add_argument("--compile", action="store_true", help="torch.compile each model (default mode) before timing")
+    ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                    help="after the timing, profile one eager K3 step and print its device time by forward module, "
+                         "by backward node and the top N aten ops with shapes")
     args = ap.parse_args()
     if args.cuda_graph and not torch.cuda.is_available():
         ap.error("--cuda-graph needs a CUDA device (run on the GPU, or drop the flag)")
@@ -205,6 +272,8 @@ def main() -> None:
         ratio = f"{r[3] / base:>9.2f}x" if base else f"{'-':>10}"
         line = f"{r[0]:<14} {r[1] / 1e6:>13.1f}M {r[2] * 1e3:>9.1f} {r[3]:>11,.0f} {r[4] * 100:>6.1f}% {ratio}"
         print(line + (f" {r[5]:>9.1f}" if cuda else ""))
+    if args.profile_ops:
+        profile_ops(eager(k3_step, k3), k3, args.profile_ops, cuda)
 
 
 if __name__ == "__main__":
