@@ -1,7 +1,8 @@
 """Losses: the LM head + cross-entropy fused over chunks of tokens (chunked.py), so the [N, V] logits never exist.
 
-`linear_cross_entropy` is plain PyTorch on every backend (its cost is GEMMs and two [C, V] passes per chunk); the
-whole-logits twin is naive.py. Legend: N tokens, D width, V vocab.
+`linear_cross_entropy` is GEMMs in PyTorch around one [C, V] step per chunk (the log-sum-exp, the target's
+log-probability and the softmax gradient in place): a Triton kernel on the "triton" backend (triton.py), the PyTorch
+twin `chunked.softmax_rows_torch` otherwise; the whole-logits twin of the loss is naive.py. Legend: N tokens, D width, V vocab.
 """
 
 from __future__ import annotations

@@ -26,6 +26,23 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import resolve
+
+
+def softmax_rows_torch(z_CV: torch.Tensor, t_C1: torch.Tensor, lp_buf: torch.Tensor | None,
+                       grad: bool) -> torch.Tensor:
+    """One chunk's [C, V] step: lpt [C, 1] (the targets' log-probabilities in the softmax dtype) from the logits z
+    [C, V]; with grad, z becomes softmax(z) - onehot(t) in place (the target entry from fp32 before rounding).
+    lp_buf: the softmax dtype's [>= C, V] buffer (z itself when the dtypes agree on a CPU: log_softmax in place).
+    The Triton kernel of loss/triton.py does the same in two reads and one write of z."""
+    c = z_CV.shape[0]
+    lp_CV = torch.log_softmax(z_CV, dim=-1, dtype=lp_buf.dtype, out=lp_buf[:c])
+    lpt_C1 = lp_CV.gather(1, t_C1)
+    if grad:
+        g_CV = torch.exp(lp_CV, out=z_CV)  # softmax, rounded once to cdt
+        g_CV.scatter_(1, t_C1, (lpt_C1.exp() - 1).to(z_CV.dtype))  # p_t - 1 in fp32, then rounded
+    return lpt_C1
+
 
 def _chunk_loss_and_grads(h_ND: torch.Tensor, w_VD: torch.Tensor, t_N: torch.Tensor, chunk: int, cdt: torch.dtype,
                           need_dh: bool, need_dw: bool):
@@ -46,19 +63,22 @@ def _chunk_loss_and_grads(h_ND: torch.Tensor, w_VD: torch.Tensor, t_N: torch.Ten
     # log_softmax runs in place (its kernel reads a row whole before writing it; checked against the copy in tests)
     C = min(chunk, N)
     z_buf = torch.empty(C, V, dtype=cdt, device=h_ND.device)
+    rows = softmax_rows_torch if cdt == torch.float64 else resolve("softmax_rows", softmax_rows_torch, like=z_buf)
     in_place = sdt == cdt and h_ND.device.type == "cpu"
-    lp_buf = z_buf if in_place else torch.empty(C, V, dtype=sdt, device=h_ND.device)
+    if rows is not softmax_rows_torch:
+        lp_buf = None  # the Triton kernel needs no softmax buffer
+    else:
+        lp_buf = z_buf if in_place else torch.empty(C, V, dtype=sdt, device=h_ND.device)
+    grad = need_dh or need_dw
     for i in range(0, N, chunk):
         h_CD, t_C1, m_C1 = hc_ND[i:i + chunk], safe_N[i:i + chunk, None], m_N1[i:i + chunk]
         c = h_CD.shape[0]
         z_CV = torch.mm(h_CD, wc_VD.T, out=z_buf[:c])
-        lp_CV = torch.log_softmax(z_CV, dim=-1, dtype=sdt, out=lp_buf[:c])
-        lpt_C1 = lp_CV.gather(1, t_C1)
+        lpt_C1 = rows(z_CV, t_C1, lp_buf, grad)
         total -= (lpt_C1 * m_C1).sum()
-        if not (need_dh or need_dw):
+        if not grad:
             continue
-        g_CV = torch.exp(lp_CV, out=z_CV)  # softmax, rounded once to cdt
-        g_CV.scatter_(1, t_C1, (lpt_C1.exp() - 1).to(cdt))  # p_t - 1 in fp32, then rounded
+        g_CV = z_CV  # softmax - onehot, in place
         if need_dh:
             if dh_ND.dtype == cdt:
                 torch.mm(g_CV, wc_VD, out=dh_ND[i:i + c]).mul_(m_C1)

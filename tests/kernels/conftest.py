@@ -21,7 +21,8 @@ TRITON_MODULES = tuple(f"k3.kernels.kda.triton.{m}" for m in (
     "common", "launch", "norm", "gate", "recurrent", "intra_fwd", "solve", "segments", "chunk_fwd", "intra_bwd",
     "chunk_bwd")) + ("k3.kernels.glu.triton", "k3.kernels.moe.triton_router", "k3.kernels.mla.triton_decode",
                      "k3.kernels.mla.triton_max_logit",
-                     "k3.kernels.quant.triton", "k3.kernels.conv.triton", "k3.kernels.norm.triton")
+                     "k3.kernels.quant.triton", "k3.kernels.conv.triton", "k3.kernels.norm.triton",
+                     "k3.kernels.loss.triton")
 
 
 def _import_for_the_interpreter() -> None:
