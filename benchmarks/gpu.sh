@@ -15,7 +15,8 @@
 #   train    benchmarks/model.py: the dense anchor against k3-small at --batch 4 --seq 4096 and 1 x 32768, then
 #            benchmarks/model_breakdown.py --profile-step (one whole step with the optimizer, by kernel category);
 #            TRAIN_PARTS=graph / compile: model.py with --cuda-graph / --compile; TRAIN_PARTS=ops: model.py
-#            --profile-ops (device time by forward module, backward node, aten op); TRAIN_PARTS=pretrain: the
+#            --profile-ops (device time by forward module, backward node, aten op); TRAIN_PARTS=tune: the glue
+#            kernels' launch search (benchmarks/glue_tune.py); TRAIN_PARTS=pretrain: the
 #            train.cuda_graph tests, then `k3 pretrain --preset small` for 30 steps eager and with train.cuda_graph;
 #            TRAIN_PARTS=long: k3-small at 4K, 16K, 32K, 64K and 128K tokens per sequence (activation checkpointing
 #            and the chunked loss where memory needs them), peak memory, the dense anchor beside it where it fits;
@@ -56,7 +57,8 @@
 #
 # Environment: OUT (logs; default /tmp/k3out; on the device machine $OUT is what comes back), KDA_TEST_LIMIT
 # (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS, SERVE_PAIRS, SERVE_PROMPTS, SERVE_CONCURRENCY,
-# TRAIN_PARTS, QUANT_PARTS. Each step runs
+# TRAIN_PARTS, QUANT_PARTS, PRETRAIN_GRAPH (train.cuda_graph values of the pretrain part, default "false true").
+# Each step runs
 # under its own `timeout`
 # (rc 124: it ran past its limit) with its output in a log in $OUT; the step's table or test summary is printed after
 # it, and a summary of every step (rc, seconds, log) comes last ($OUT/summary.txt).
@@ -137,7 +139,7 @@ bench() { for d in benchmarks benchmarks/repro; do [ -f "$d/$1" ] && { echo "$d/
 # the training step's fused kernels (short conv, gated norm, AttnRes mixture) and the MoE / Muon CUDA checks
 FUSED_TESTS=(tests/kernels/test_conv_triton.py tests/kernels/test_gated_norm_triton.py
   tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py
-  tests/kernels/test_mla_max_logit.py)
+  tests/kernels/test_mla_max_logit.py tests/kernels/test_linear_ce_triton.py tests/kernels/test_linear_ce.py)
 KERNEL_TESTS=(tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py
   tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py
   tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_segments.py tests/kernels/test_mla_decode.py
@@ -201,7 +203,7 @@ train_pretrain() {
   step "train.cuda_graph tests" 120 cuda_graph_tests.log python3 -m pytest tests/train/test_cuda_graph.py \
     -p no:cacheprovider -rfs -W ignore::UserWarning
   tests_summary "$OUT/cuda_graph_tests.log"
-  for g in false true; do
+  for g in ${PRETRAIN_GRAPH:-false true}; do
     rm -rf "/tmp/k3-small-$g"
     step "k3 pretrain --preset small, cuda_graph=$g" 150 "pretrain_small_$g.log" k3 pretrain --preset small \
       --out "/tmp/k3-small-$g" --set train.max_steps=30 --set train.eval_every=0 --set ckpt.every=0 \
@@ -214,7 +216,8 @@ train_pretrain() {
 # TRAIN_PARTS picks the parts: "step" (dense anchor vs k3-small at 4 x 4096 and 1 x 32768), "graph" (the same two
 # with each model's whole step in one CUDA graph: the device's time without the host's launches), "compile" (the
 # 4K step with both models under torch.compile), "breakdown" (the profiled step by kernel category), "ops" (the
-# 4K step profiled by forward module, backward node and aten op with shapes: model.py --profile-ops), "long"
+# 4K step profiled by forward module, backward node and aten op with shapes: model.py --profile-ops), "tune" (the
+# glue kernels' launch search, glue_tune.py), "fusedtests" (the fused kernels' GPU tests alone), "long"
 # (train_long), "fused" (the fused kernels' tests and micro-benchmarks), "pretrain" (train_pretrain). Default
 # "step breakdown".
 mode_train() {
@@ -256,6 +259,16 @@ mode_train() {
     tables "$OUT/moe_step.log"
     step "QK-Clip's max logit (mla_max_logit.py)" 60 mla_max_logit.log python3 benchmarks/mla_max_logit.py
     clean_tail "$OUT/mla_max_logit.log" 5
+  fi
+  if has_part "$parts" tune; then
+    step "glue kernels' launch search (glue_tune.py)" 300 glue_tune.log python3 benchmarks/glue_tune.py
+    tables "$OUT/glue_tune.log"
+  fi
+  if has_part "$parts" fusedtests; then
+    # shellcheck disable=SC2046  # one word per test file
+    step "fused training kernels' tests" 150 fused_tests.log env K3_KERNELS=triton python3 -m pytest \
+      $(existing "${FUSED_TESTS[@]}") -p no:cacheprovider -rfs -n 4
+    tests_summary "$OUT/fused_tests.log"
   fi
   has_part "$parts" long && train_long
   has_part "$parts" pretrain && train_pretrain
