@@ -6,7 +6,7 @@
 #   ptq-all/        the same over all_linear
 #   qat-experts/    QAT of runs/tiny/final with the same data, steps and settings: w4a8, group 32, routed experts
 #   qat-all/        the same over all_linear
-# then summarize.py prints the table of examples/quantize/README.md (17 min 51 s on 2 shared cores, 2026-12-02).
+# then summarize.py prints the table of examples/quantize/README.md (4 min 57 s on 2 idle cores, 2026-12-04).
 # Usage: bash examples/quantize/run.sh [CKPT [OUT]]; K3 names the k3 executable (default: k3).
 set -euo pipefail
 CKPT=${1:-runs/tiny/final}
