@@ -141,6 +141,17 @@ class K3Backbone(nn.Module):
         return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj)
 
 
+def _autocast_dtype(emb_BTD: torch.Tensor) -> torch.Tensor:
+    """The embedding in the autocast dtype where autocast is on (float64 stays). Under bf16 autocast the other
+    AttnRes sources are bf16 and a mixture returns its first source's dtype: an fp32 embedding made every sub-layer
+    input fp32, re-cast by each projection, with fp32 gradients and their casts back (~15% of k3-small's step on an
+    H200). Pre-LN keeps the fp32 embedding: its residual stream accumulates over the depth."""
+    dev = emb_BTD.device.type
+    if torch.is_autocast_enabled(dev) and emb_BTD.dtype == torch.float32:
+        return emb_BTD.to(torch.get_autocast_dtype(dev))
+    return emb_BTD
+
+
 def _probe_grouped_mm(moe: LatentMoE) -> None:
     """Run k3.kernels.moe's one-time probe of torch._grouped_mm (per device and dtype) outside any checkpointed
     region: it saves tensors of its own, so its first run inside one would make the forward save more tensors than
@@ -204,7 +215,8 @@ class K3Model(nn.Module):
         with its paged views, then `logits` on the rows it samples from."""
         if tokens_BT.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens_BT.shape)}")
-        return self.model(self.model.embed_tokens(tokens_BT), state)
+        emb = self.model.embed_tokens(tokens_BT)
+        return self.model(_autocast_dtype(emb) if self.config.residual == "attnres" else emb, state)
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm: hidden [..., D] (before the norm) -> what the LM head reads [..., D]."""
@@ -224,7 +236,7 @@ class K3Model(nn.Module):
     def mtp_hidden(self, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor,
                    cache: MLACache | PagedLatentView | None = None) -> torch.Tensor:
         """The MTP block's output [B, T, D] (before its norm) from the main hidden h_i and the next token t_{i+1}."""
-        return self.mtp(hidden_BTD, self.model.embed_tokens(next_tokens_BT), cache=cache)
+        return self.mtp(hidden_BTD, _autocast_dtype(self.model.embed_tokens(next_tokens_BT)), cache=cache)
 
     def mtp_head_input(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP block's final norm: its outputs [..., D] -> what the shared LM head reads [..., D]."""

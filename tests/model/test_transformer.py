@@ -212,3 +212,21 @@ def test_init_is_deterministic():
     a, b = build_model(cfg, seed=5), build_model(cfg, seed=5)
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("residual", ["attnres", "preln"])
+def test_embedding_joins_the_sources_in_the_autocast_dtype(residual):
+    """Under bf16 autocast the AttnRes backbone (and the MTP block) receive the embedding in bf16, so the mixtures
+    and the sub-layer inputs stay bf16; Pre-LN keeps the fp32 embedding (its residual stream sums over the depth);
+    without autocast nothing is cast."""
+    cfg = dataclasses.replace(load_model_config("k3-debug"), residual=residual)
+    model = build_model(cfg, seed=0)
+    seen = {}
+    model.model.register_forward_pre_hook(lambda mod, args: seen.__setitem__("backbone", args[0].dtype))
+    model.mtp.register_forward_pre_hook(lambda mod, args: seen.__setitem__("mtp", args[1].dtype))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens[:, :-1], mtp_tokens_BT=tokens[:, 1:])
+    assert seen == {"backbone": torch.bfloat16 if residual == "attnres" else torch.float32, "mtp": torch.bfloat16}
+    model(tokens[:, :-1], mtp_tokens_BT=tokens[:, 1:])
+    assert seen == {"backbone": torch.float32, "mtp": torch.float32}
