@@ -38,24 +38,23 @@ from ..dispatch import check_device
 from .naive import AttnResSource
 from .naive import attn_res_mix as attn_res_mix_torch
 
-# Launch settings, from ptxas's register counts for sm_90 at D = 768 and S = 9 bf16 sources (not yet timed on a GPU).
-# A tile is [BT, BD] with the whole padded width, so a token's logit is complete before its row joins the weighted
-# sum; BT = max(1, elems // BD), num_warps = elems / 256 within [4, 16] (8 fp32 values a thread per tile).
+# Launch settings: a tile is [BT, BD] with the whole padded width, so a token's logit is complete before its row joins
+# the weighted sum; BT = max(1, elems // BD). From benchmarks/glue_tune.py on the H200 (2026-12-04, D = 768, N =
+# 16,384, bf16, S = 3 / 6 / 9): fwd [2, 1024] at 2 warps 0.041 / 0.113 / 0.156 ms against [1, 1024] at 4 warps
+# 0.052 / 0.121 / 0.235; bwd [1, 1024] at 2 warps, 4 tiles a program 0.121 / 0.295 / 0.455 against 4 warps, 16 tiles
+# 0.148 / 0.300 / 0.641 (8 warps: 1.5 ms at S = 9; fewer warps leave more registers to the unrolled source loop)
 LAUNCH = {
-    # [1, 1024] at 4 warps: 102 registers, 5 programs an SM; [2, 1024] at 8 warps: 111, 2 programs; [4, 1024] at 8
-    # warps: 181, 1 (the unrolled source loop issues every source's loads early: registers grow with S)
-    "fwd": {"elems": 1024},
-    # [1, 1024] at 4 warps: 140 registers, 3 programs an SM; [2, 1024] at 8: 178, 1; [4, 1024] at 8 spills. Each
-    # program runs `tiles` tiles, so the dq partial sums ([P, D] fp32, one torch sum after the launch) stay 1/8 of
-    # dx's bytes
-    "bwd": {"elems": 1024, "tiles": 16},
+    "fwd": {"elems": 2048},
+    # each program runs `tiles` tiles: the dq partial sums ([P, D] fp32, one torch sum after the launch)
+    "bwd": {"elems": 1024, "tiles": 4},
 }
-MAX_WIDTH = 16384  # a whole row per tile: wider rows would not fit the registers (D = 7168 at S = 9 spills already)
+ELEMS_PER_WARP = 1024  # 32 fp32 values a thread per tile: 2 warps at D = 768, more for wider rows
 
 
 def num_warps_for(elems: int) -> int:
-    """Warps for a tile of `elems` fp32 values: 8 values a thread, 4 to 16 warps."""
-    return max(4, min(16, elems // 256))
+    """Warps for a tile of `elems` fp32 values: ELEMS_PER_WARP each, 2 to 16 warps."""
+    return max(2, min(16, elems // ELEMS_PER_WARP))
+MAX_WIDTH = 16384  # a whole row per tile: wider rows would not fit the registers (D = 7168 at S = 9 spills already)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..dispatch import check_device
 
-BLOCK_V = 4096  # elements of a row per loop step
+BLOCK_V = 8192  # elements of a row per loop step (H200, V = 32,768: 0.095 ms a 2,048-row chunk against 0.106 at 4096)
 NUM_WARPS = 8
 
 
