@@ -42,6 +42,7 @@ TRITON_OPS: dict[str, str] = {
     "fused_recurrent_kda": "k3.kernels.kda.triton.recurrent:fused_recurrent_kda_triton",
     "chunk_kda": "k3.kernels.kda.chunk:chunk_kda_triton",
     "c2_glu": "k3.kernels.glu.triton:c2_glu_dispatch",
+    "c2_glu_packed": "k3.kernels.glu.triton:c2_glu_packed_dispatch",
     "causal_conv1d": "k3.kernels.conv.triton:causal_conv1d_triton",
     "causal_conv1d_multi": "k3.kernels.conv.triton:causal_conv1d_multi_triton",
     "gated_rms_norm": "k3.kernels.norm.triton:gated_rms_norm_triton",

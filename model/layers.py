@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.kernels.glu import c2_glu, swiglu
+from k3.kernels.glu import c2_glu, c2_glu_packed, swiglu
 from k3.kernels.norm import rms_norm
 
 
@@ -33,6 +33,14 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float,
     return swiglu(gate, up)
 
 
+def glu_activation_packed(gate_up: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    """glu_activation of a packed projection gate_up [..., 2F] laid out [gate | up] -> [..., F]: C2-GLU takes it
+    whole (one gradient buffer, no concatenation of the halves' gradients in the backward)."""
+    if act == "c2glu":
+        return c2_glu_packed(gate_up, beta1, beta2)
+    return swiglu(*gate_up.chunk(2, dim=-1))
+
+
 class GatedMLP(nn.Module):
     """y = W_down act(W_gate x, W_up x), with W_gate and W_up packed as one [2F, D] weight `[gate | up]`.
 
@@ -46,5 +54,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_in, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        gate, up = self.gate_up_proj(x).split(self.d_ff, dim=-1)
-        return self.down_proj(glu_activation(gate, up, self.act, self.beta1, self.beta2))
+        return self.down_proj(glu_activation_packed(self.gate_up_proj(x), self.act, self.beta1, self.beta2))

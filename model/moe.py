@@ -27,7 +27,7 @@ from torch import nn
 from k3.kernels.moe import moe_grouped_mm, moe_permute, moe_unpermute
 
 from .config import ConfigError, ModelConfig
-from .layers import GatedMLP, RMSNorm, glu_activation
+from .layers import GatedMLP, RMSNorm, glu_activation_packed
 
 
 class Router(nn.Module):
@@ -122,8 +122,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ML: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_ML [M, L] rows grouped by expert (counts_E [E] rows each) -> y_ML [M, L], each row through its expert."""
         gu_M2F = self.expert_mm(x_ML, "gate_up_proj", counts_E)
-        gate_MF, up_MF = gu_M2F.split(self.d_ff, dim=-1)
-        h_MF = glu_activation(gate_MF, up_MF, self.act, self.beta1, self.beta2)
+        h_MF = glu_activation_packed(gu_M2F, self.act, self.beta1, self.beta2)
         return self.expert_mm(h_MF, "down_proj", counts_E)
 
 

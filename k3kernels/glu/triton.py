@@ -204,3 +204,13 @@ def c2_glu_dispatch(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, be
         return c2_glu(gate, up, beta1, beta2)
     check_device("c2_glu", gate, up)
     return c2_glu_split_triton(gate, up, beta1, beta2)
+
+
+def c2_glu_packed_dispatch(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """`c2_glu_packed` on the "triton" backend: the packed kernel for fp32/bf16/fp16 (its gradient one [..., 2m]
+    buffer), the PyTorch twin for float64."""
+    if gate_up.dtype == torch.float64:
+        m = gate_up.shape[-1] // 2
+        return c2_glu(gate_up[..., :m], gate_up[..., m:], beta1, beta2)
+    check_device("c2_glu", gate_up)
+    return c2_glu_triton(gate_up, beta1, beta2)

@@ -147,3 +147,35 @@ def test_public_c2_glu_dispatches_to_the_fused_kernel(monkeypatch, kernel_env):
     kernel_env(K3_KERNELS="torch")
     glu.c2_glu(g, u)
     assert calls == [1]
+
+
+def test_public_c2_glu_packed_dispatches_to_the_packed_kernel(monkeypatch, kernel_env):
+    """k3.kernels.glu.c2_glu_packed on K3_KERNELS=triton runs the packed kernel (one [N, 2m] gradient, equal to the
+    float64 formula's), float64 and the torch backend the twin; the model's GatedMLP goes through it; an odd width
+    is refused."""
+    from k3.kernels import glu
+    from k3.kernels.glu import triton as glu_triton
+    from k3.model.layers import GatedMLP
+
+    kernel_env(K3_KERNELS="triton")
+    calls = []
+    real = glu_triton.c2_glu_triton
+    monkeypatch.setattr(glu_triton, "c2_glu_triton", lambda *a: calls.append(1) or real(*a))
+    gu = (torch.randn(5, 48) * torch.tensor([8.0] * 24 + [40.0] * 24)).to(DEV).requires_grad_()
+    h = glu.c2_glu_packed(gu)
+    assert calls == [1] and h.shape == (5, 24)
+    (dgu,) = torch.autograd.grad(h.sum(), (gu,))
+    gu64 = gu.detach().double().requires_grad_()
+    h64 = c2_glu(gu64[:, :24], gu64[:, 24:])
+    (dgu64,) = torch.autograd.grad(h64.sum(), (gu64,))
+    for ref, out in ((h64, h), (dgu64, dgu)):
+        assert ((ref - out.double()).norm() / ref.norm()).item() < 1e-5
+    assert glu.c2_glu_packed(gu64).dtype == torch.float64 and calls == [1]
+    mlp = GatedMLP(8, 24).to(DEV)
+    mlp(torch.randn(3, 8, device=DEV))
+    assert calls == [1, 1]
+    kernel_env(K3_KERNELS="torch")
+    torch.testing.assert_close(glu.c2_glu_packed(gu64), h64, rtol=0, atol=0)
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="even last dim"):
+        glu.c2_glu_packed(gu[:, :47])
