@@ -139,7 +139,8 @@ bench() { for d in benchmarks benchmarks/repro; do [ -f "$d/$1" ] && { echo "$d/
 # the training step's fused kernels (short conv, gated norm, AttnRes mixture) and the MoE / Muon CUDA checks
 FUSED_TESTS=(tests/kernels/test_conv_triton.py tests/kernels/test_gated_norm_triton.py
   tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py
-  tests/kernels/test_mla_max_logit.py tests/kernels/test_linear_ce_triton.py tests/kernels/test_linear_ce.py)
+  tests/kernels/test_mla_max_logit.py tests/kernels/test_linear_ce_triton.py tests/kernels/test_linear_ce.py
+  tests/kernels/test_glu_triton.py)
 KERNEL_TESTS=(tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py
   tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py
   tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_segments.py tests/kernels/test_mla_decode.py
