@@ -57,7 +57,8 @@
 #
 # Environment: OUT (logs; default /tmp/k3out; on the device machine $OUT is what comes back), KDA_TEST_LIMIT
 # (seconds for the kernel tests, default 300), K3_BASELINE, SERVE_PARTS, SERVE_PAIRS, SERVE_PROMPTS, SERVE_CONCURRENCY,
-# TRAIN_PARTS, QUANT_PARTS, PRETRAIN_GRAPH (train.cuda_graph values of the pretrain part, default "false true").
+# TRAIN_PARTS, QUANT_PARTS, PRETRAIN_GRAPH (train.cuda_graph values of the pretrain part, default "false true"),
+# LONG_ROWS (the long part's rows as T_checkpointing, e.g. "4096_none 131072_all"; default every row).
 # Each step runs
 # under its own `timeout`
 # (rc 124: it ran past its limit) with its output in a log in $OUT; the step's table or test summary is printed after
@@ -186,6 +187,7 @@ train_long() {
   for spec in "4 4096 none anchor 0" "4 4096 all - 0" "1 16384 none anchor 0" "1 32768 none anchor 0" \
       "1 65536 all - 1" "1 131072 all - 1"; do
     read -r b t ac an rc <<< "$spec"
+    [ -n "${LONG_ROWS:-}" ] && ! has_part "$LONG_ROWS" "${t}_$ac" && continue
     log=long_${t}_${ac}.log
     # shellcheck disable=SC2046  # --no-anchor or nothing
     step "k3-small B=$b T=$t checkpointing $ac" 150 "$log" env K3_KDA_RECOMPUTE="$rc" python3 benchmarks/model.py \
