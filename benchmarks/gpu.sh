@@ -141,7 +141,7 @@ bench() { for d in benchmarks benchmarks/repro; do [ -f "$d/$1" ] && { echo "$d/
 FUSED_TESTS=(tests/kernels/test_conv_triton.py tests/kernels/test_gated_norm_triton.py
   tests/kernels/test_conv_norm_kda_layer.py tests/kernels/test_attnres_triton.py tests/kernels/test_attnres_model.py
   tests/kernels/test_mla_max_logit.py tests/kernels/test_linear_ce_triton.py tests/kernels/test_linear_ce.py
-  tests/kernels/test_glu_triton.py)
+  tests/kernels/test_glu_triton.py tests/kernels/test_moe_combine_triton.py tests/model/test_moe.py)
 KERNEL_TESTS=(tests/kernels/test_kda_triton.py tests/kernels/test_kda_bwd_kblocks.py tests/kernels/test_kda_saved.py
   tests/kernels/test_kda_gate_triton.py tests/kernels/test_kda_fused_output.py
   tests/kernels/test_kda_recurrent_compile.py tests/kernels/test_kda_segments.py tests/kernels/test_mla_decode.py

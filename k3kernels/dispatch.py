@@ -48,6 +48,7 @@ TRITON_OPS: dict[str, str] = {
     "gated_rms_norm": "k3.kernels.norm.triton:gated_rms_norm_triton",
     "rms_norm": "k3.kernels.norm.triton:rms_norm_triton",
     "softmax_rows": "k3.kernels.loss.triton:softmax_rows_triton",
+    "moe_unpermute": "k3.kernels.moe.triton_combine:moe_unpermute_triton",
     "paged_mla_decode": "k3.kernels.mla.triton_decode:paged_mla_decode_triton",
     "causal_max_logit": "k3.kernels.mla.triton_max_logit:causal_max_logit_triton",
     "quant_grouped_mm": "k3.kernels.quant.triton:quant_grouped_mm_triton",

@@ -22,7 +22,7 @@ TRITON_MODULES = tuple(f"k3.kernels.kda.triton.{m}" for m in (
     "chunk_bwd")) + ("k3.kernels.glu.triton", "k3.kernels.moe.triton_router", "k3.kernels.mla.triton_decode",
                      "k3.kernels.mla.triton_max_logit",
                      "k3.kernels.quant.triton", "k3.kernels.conv.triton", "k3.kernels.norm.triton",
-                     "k3.kernels.loss.triton")
+                     "k3.kernels.loss.triton", "k3.kernels.moe.triton_combine")
 
 
 def _import_for_the_interpreter() -> None:
