@@ -1,11 +1,11 @@
-"""The Triton short-conv kernels (k3kernels/conv/triton.py, forward and backward) and the gated RMSNorm kernels
-(k3kernels/norm/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM back end and ptxas, without a GPU)
+"""The Triton short-conv kernels (k3kernels/conv/triton.py, forward and backward) and the RMSNorm kernels, gated and
+plain (k3kernels/norm/triton.py) compile for the GPU (sm_90: Triton's front end, its LLVM back end and ptxas, without a GPU)
 in the variants a launch can pick: widths, SiLU or not, packed or batch rows, fp32 / bf16 tensors (fp16 too for the
 norm), fp32 or bf16 weights, the launch table's blocks and warps, and the norm's eps as fp64 (as inductor passes it)
 without fp64 arithmetic. The interpreter that runs the CPU tests never type-checks a kernel the way the compiler
 does, so this runs in processes of their own without it (sm90_compile.py, through conftest's `sm90_compile`), by
 default as a covering subset (each value some variant gives a kernel's constexpr, argument type or launch option,
-compiled at least once: 12 of the 132 variants); every variant under `-m slow_compile`.
+compiled at least once); every variant under `-m slow_compile`.
 """
 
 import importlib.util
@@ -38,10 +38,12 @@ for dt, wdt, W, silu, varlen in itertools.product(("bf16", "fp32"), ("fp32", "bf
                else seq if a == "seq_start" else f"*{wdt}" if a[0] == "w" else f"*{dt}" for a in fn.arg_names}
         variant(fn, sig, consts, {"num_warps": cfg["num_warps"]}, attrs=aligned(fn, sig))  # sm90_compile.py
 
-for dt, eps, V in itertools.product(("bf16", "fp32", "fp16"), ("fp32", "fp64"), (128, 100, 32)):
+for dt, eps, V, gate in itertools.product(("bf16", "fp32", "fp16"), ("fp32", "fp64"), (128, 100, 768),
+                                          (True, False)):
     BV, BR = NM._blocks(V)
-    for fn in (NM._gated_norm_fwd_kernel, NM._gated_norm_bwd_kernel):
-        consts = {"V": V, "BV": BV, "BR": BR}
+    for fn in (NM._norm_fwd_kernel, NM._norm_bwd_kernel):
+        consts = {"V": V, "BV": BV, "BR": BR, "GATE": gate,
+                  **({"TILES": NM._tiles(16384, BR)} if fn is NM._norm_bwd_kernel else {})}
         sig = {a: "constexpr" if a in consts else "i32" if a == "R" else eps if a == "eps" else "*fp32"
                if a in ("w", "dw_part") else f"*{dt}" for a in fn.arg_names}
         variant(fn, sig, consts, {"num_warps": NM.NUM_WARPS}, attrs=aligned(fn, sig),
@@ -56,5 +58,5 @@ def test_conv_and_norm_kernels_compile_for_sm90_with_every_value(sm90_compile):
 
 @pytest.mark.slow_compile
 def test_conv_and_norm_kernels_compile_for_sm90_in_every_variant(sm90_compile):
-    """Every variant: each combination of the flags and dtypes (132 compiles)."""
+    """Every variant: each combination of the flags and dtypes."""
     sm90_compile(_VARIANTS, "every", timeout=1800)

@@ -513,7 +513,8 @@ def test_backend_selection(monkeypatch):
     assert dispatch.parse_backend("triton") == "triton"
     assert set(dispatch.TRITON_OPS) == {"chunk_kda", "fused_recurrent_kda", "c2_glu", "paged_mla_decode",
                                         "quant_grouped_mm", "quant_linear", "attn_res_mix", "causal_conv1d",
-                                        "causal_conv1d_multi", "gated_rms_norm", "causal_max_logit"}
+                                        "causal_conv1d_multi", "gated_rms_norm", "causal_max_logit", "rms_norm",
+                                        "softmax_rows", "c2_glu_packed", "moe_unpermute"}
     if not CUDA:
         assert dispatch.parse_backend(None) == "torch"  # default: torch without a GPU, even when triton imports
         monkeypatch.delenv("TRITON_INTERPRET")

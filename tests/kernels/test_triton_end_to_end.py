@@ -60,7 +60,7 @@ def test_serving_on_triton_backend_equals_torch_backend(monkeypatch, kernel_env)
         return counted
 
     for mod, name in ((chunk_t, "chunk_kda_triton"), (rec_t, "fused_recurrent_kda_triton"),
-                      (mla_t, "paged_mla_decode_triton"), (glu_t, "c2_glu_dispatch")):
+                      (mla_t, "paged_mla_decode_triton"), (glu_t, "c2_glu_packed_dispatch")):
         monkeypatch.setattr(mod, name, counting(getattr(mod, name), name))
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def test_serving_on_triton_backend_equals_torch_backend(monkeypatch, kernel_env)
     finally:
         torch.set_num_threads(n)
     assert set(calls) == {"chunk_kda_triton", "fused_recurrent_kda_triton", "paged_mla_decode_triton",
-                          "c2_glu_dispatch"}, calls  # every Triton entry point served part of the request
+                          "c2_glu_packed_dispatch"}, calls  # every Triton entry point served part of the request
     assert tri_tokens == ref_tokens and len(tri_logits) == len(ref_logits) >= 4
     for a, b in zip(ref_logits, tri_logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
