@@ -280,16 +280,19 @@ def run(cfg: Any, *, run_dir: Path, resume: bool = False, init: str | InitWeight
     """
     d = start_distributed(getattr(cfg, "parallel", None), cfg.train.device, command,
                           num_experts=cfg.model.num_experts, seq_len=cfg.data.seq_len)
+    finished = False
     try:
-        return _run(cfg, d, run_dir=run_dir, resume=resume, init=init, run_config=run_config, console=console,
-                    init_may_differ=init_may_differ, command=command, prepare_model=prepare_model,
-                    release_state=release_state)
+        out = _run(cfg, d, run_dir=run_dir, resume=resume, init=init, run_config=run_config, console=console,
+                   init_may_differ=init_may_differ, command=command, prepare_model=prepare_model,
+                   release_state=release_state)
+        finished = True
+        return out
     except RuntimeError as e:  # a collective inside FSDP's forward or backward failed: a peer is gone
         if d is None or isinstance(e, PeerError) or not is_collective_failure(e):
             raise
         raise PeerError(lost_peer_message(d.rank, d.world_size, "a collective of the step", e, d.timeout_s)) from e
     finally:
-        stop_distributed(d)
+        stop_distributed(d, finished)
 
 
 def _run(cfg: Any, d: Distributed | None, *, run_dir: Path, resume: bool, init: str | InitWeights | None,

@@ -210,7 +210,12 @@ def start_distributed(pcfg: ParallelConfig | None, device_name: str, command: st
     return Distributed(rank, size, local, device, mesh, pcfg.timeout_s, patient)
 
 
-def stop_distributed(d: Distributed | None) -> None:
-    """Close the process group opened by start_distributed (no-op for None)."""
+def stop_distributed(d: Distributed | None, finished: bool = True) -> None:
+    """Close the process group opened by start_distributed (no-op for None). finished: every rank got here
+    normally, so a barrier first lets each finish its last exchange before any tears its gloo pairs down (a rank
+    destroying the group while its peer still sent aborted with "terminate called without an active exception",
+    now and then on a loaded machine); after a failure no barrier, which a lost peer would hold for the timeout."""
     if d is not None and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
