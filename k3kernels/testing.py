@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import torch
 
+# the device the kernel tests run on, and their low-precision dtype: bf16 on a GPU, fp16 under the CPU interpreter
+# (which has no bf16)
+TEST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOW_PRECISION = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+
 
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float = 1e-5) -> None:
     """Assert the kda.md 6.1 closeness of `out` to `ref` (same shape); the message names `name` and the error.

@@ -49,12 +49,12 @@ LAUNCH = {
     "bwd": {"elems": 1024, "tiles": 4},
 }
 ELEMS_PER_WARP = 1024  # 32 fp32 values a thread per tile: 2 warps at D = 768, more for wider rows
+MAX_WIDTH = 16384  # a whole row per tile: wider rows would not fit the registers (D = 7168 at S = 9 spills already)
 
 
 def num_warps_for(elems: int) -> int:
     """Warps for a tile of `elems` fp32 values: ELEMS_PER_WARP each, 2 to 16 warps."""
     return max(2, min(16, elems // ELEMS_PER_WARP))
-MAX_WIDTH = 16384  # a whole row per tile: wider rows would not fit the registers (D = 7168 at S = 9 spills already)
 
 
 @triton.jit

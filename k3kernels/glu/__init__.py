@@ -10,6 +10,7 @@ import torch
 from k3.kernels.dispatch import resolve
 
 from .naive import c2_glu as c2_glu_torch
+from .naive import c2_glu_packed as c2_glu_packed_torch
 from .naive import clamped_swiglu, swiglu
 
 
@@ -17,12 +18,6 @@ def c2_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: floa
     """Bounded GLU beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2). gate, up: [..., m] -> h [..., m]
     in gate's dtype (architecture.md 8). Example: c2_glu(torch.tensor([100.]), torch.tensor([1000.])) ~= 100."""
     return resolve("c2_glu", c2_glu_torch, like=gate)(gate, up, beta1, beta2)
-
-
-def c2_glu_packed_torch(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """The PyTorch twin of c2_glu_packed: the halves of gate_up through c2_glu_torch."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return c2_glu_torch(gate, up, beta1, beta2)
 
 
 def c2_glu_packed(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:

@@ -30,6 +30,12 @@ def c2_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: floa
     return h.to(gate.dtype)
 
 
+def c2_glu_packed(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """c2_glu of a packed [..., 2m] [gate | up] tensor: its halves through c2_glu."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return c2_glu(gate, up, beta1, beta2)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation SiLU(g) * u (the unbounded ablation baseline). gate, up: [..., m]."""
     dt = _compute_dtype(gate)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import check_device
-from .naive import c2_glu
+from .naive import c2_glu, c2_glu_packed
 
 BLOCK_N = 16
 BLOCK_M = 128
@@ -210,7 +210,6 @@ def c2_glu_packed_dispatch(gate_up: torch.Tensor, beta1: float = 4.0, beta2: flo
     """`c2_glu_packed` on the "triton" backend: the packed kernel for fp32/bf16/fp16 (its gradient one [..., 2m]
     buffer), the PyTorch twin for float64."""
     if gate_up.dtype == torch.float64:
-        m = gate_up.shape[-1] // 2
-        return c2_glu(gate_up[..., :m], gate_up[..., m:], beta1, beta2)
+        return c2_glu_packed(gate_up, beta1, beta2)
     check_device("c2_glu", gate_up)
     return c2_glu_triton(gate_up, beta1, beta2)

@@ -168,7 +168,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) ->
     if tuple(weight.shape) != (V,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be [V={V}] for x {tuple(x.shape)}")
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if (not grad or torch.float64 in (x.dtype, weight.dtype) or V > MAX_V or torch.compiler.is_compiling()):
+    if not grad or torch.float64 in (x.dtype, weight.dtype) or V > MAX_V or torch.compiler.is_compiling():
         return rms_norm(x, weight, eps)
     check_device("rms_norm", x, weight)
     return _RMSNorm.apply(x, weight, float(eps))

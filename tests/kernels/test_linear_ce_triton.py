@@ -13,11 +13,9 @@ if importlib.util.find_spec("triton") is None:
 
 from k3.kernels.loss import chunked, linear_cross_entropy
 from k3.kernels.loss import triton as loss_triton
+from k3.kernels.testing import LOW_PRECISION as LOW
+from k3.kernels.testing import TEST_DEVICE as DEV
 from k3.kernels.testing import assert_close
-
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-LOW = torch.bfloat16 if CUDA else torch.float16  # the interpreter has no bf16
 
 pytestmark = pytest.mark.usefixtures("triton_cpu")
 
